@@ -1,0 +1,17 @@
+# Sourced by ops/test.sh and ops/demo.sh: create and activate .venv, install what is missing.
+# torch is pinned to the CPU wheel on this machine's disk only when no torch is importable, so an
+# existing CUDA build is kept and a fresh machine never downloads a multi-GB CUDA build.
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+# shellcheck disable=SC1091
+source .venv/bin/activate
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+if ! python -c "import torch" 2>/dev/null; then
+  python -m pip install -q "torch==2.13.0"
+fi
+stamp=.venv/.dflash-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  python -m pip install -q -e ".[test]"
+  touch "$stamp"
+fi
