@@ -1,0 +1,252 @@
+import json
+import os
+import socket
+import subprocess
+import time
+
+import pytest
+from dflash.common import status
+from dflash.common.spool import Spool
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen(["true"])
+    p.wait()
+    return p.pid
+
+
+def _jsonl(path, recs):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+def _shard(d, name, nbytes):
+    (d / name / "hidden" / "c").mkdir(parents=True)
+    (d / name / "zarr.json").write_text("")  # 0 bytes: only the chunk counts
+    (d / name / "hidden" / "c" / "0").write_bytes(b"x" * nbytes)
+
+
+def make_run(tmp_path):
+    """A synthetic run: 2 producers (one running, one done), 3 consumers (two alive, one exited),
+    one remote stale producer, a spool with shards in every state."""
+    now = time.time()
+    run, spool = tmp_path / "run", tmp_path / "spool"
+    run.mkdir()
+    (run / "run.json").write_text(
+        json.dumps({"spool": str(spool), "checkpoint": "s3://bkt/p", "run": "demo"})
+    )
+    (run / "logs").mkdir()
+    (run / "logs" / "consumer-0.log").write_text("hello\n")
+    step = lambda s, t, **kw: {"time": t, "step": s, "loss": 3.0, "acc": [0.5], "tau": 2.0, "lr": 6e-4, **kw}  # noqa: E731
+    _jsonl(
+        run / "metrics" / "consumer-0.jsonl",
+        [
+            step(1100, now - 60, tok_s=19_000),
+            {"event": "checkpoint", "step": 1000, "url": "s3://bkt/demo/step-1000", "time": now - 50},
+            step(1200, now - 5, loss=2.314, acc=[0.7, 0.52], tau=3.421, lr=5.8e-4, tok_s=20_000),
+        ],
+    )
+    _jsonl(run / "metrics" / "consumer-1.jsonl", [step(1200, now - 5, loss=2.5, tok_s=18_900)])
+    # producer-0: samples grow 10/s over the last 290 s
+    _jsonl(
+        run / "metrics" / "producer-0.jsonl",
+        [
+            {"time": now - 300 + 10 * k, "samples": 100 * k, "tokens": 90_000 * k, "tok_s": 9_000}
+            for k in range(1, 30)
+        ],
+    )
+    sp = Spool(spool)
+    (spool / "claimed" / "c0").mkdir()
+    _shard(spool / "ready", "b000512-0-s00000001.zarr", 1000)
+    _shard(spool / "ready", "b000512-0-s00000002.zarr", 1000)
+    _shard(spool / "ready", "b001024-0-s00000003.zarr", 1000)
+    _shard(spool / "tmp", "b000512-0-s00000004.zarr", 500)
+    _shard(spool / "claimed" / "c0", "b001024-1-s00000009.zarr", 2000)
+    # live processes: this test process, through the real heartbeat writer
+    sp.heartbeat(
+        "producer", "0", {"samples": 3000, "tokens": 2_700_000, "tok_s": 9000, "planned_samples": 10_000}
+    )
+    sp.heartbeat("consumer", "0", {"samples": 40_000, "tok_s": 20_000})
+    sp.heartbeat("consumer", "1", {"samples": 39_000, "tokens": 1})
+    # consumer-1 reports no tok_s: status uses the spool's rate of its `tokens` counter
+    hb = json.loads((spool / "state" / "consumer-1.json").read_text())
+    hb["rates"]["tokens"] = 18_900.0
+    (spool / "state" / "consumer-1.json").write_text(json.dumps(hb))
+    dead = _dead_pid()
+    for role, pid_, extra in (
+        (
+            "producer",
+            "1",
+            {"pid": dead, "counters": {"samples": 5000, "tok_s": 8000, "planned_samples": 5000}},
+        ),
+        (
+            "producer",
+            "2",
+            {"pid": 12345, "host": "elsewhere", "time": now - 1000, "counters": {"tok_s": 7777}},
+        ),
+        ("consumer", "2", {"pid": dead, "counters": {"tok_s": 5000}}),
+    ):
+        hb = {"role": role, "id": pid_, "host": socket.gethostname(), "time": now - 2, "rates": {}, **extra}
+        (spool / "state" / f"{role}-{pid_}.json").write_text(json.dumps(hb))
+    sp.register_producers(["0", "1"])
+    sp.mark_done("1")
+    return run, spool
+
+
+def test_json_snapshot(tmp_path, capsys):
+    run, spool = make_run(tmp_path)
+    status.main([str(run), "--json"])
+    snap = json.loads(capsys.readouterr().out)
+    procs = {(p["role"], p["id"]): p for p in snap["processes"]}
+    assert {k: p["state"] for k, p in procs.items()} == {
+        ("consumer", "0"): "alive",
+        ("consumer", "1"): "alive",
+        ("consumer", "2"): "exited",
+        ("producer", "0"): "alive",
+        ("producer", "1"): "done",
+        ("producer", "2"): "stale",
+    }
+    assert procs[("producer", "0")]["samples"] == 3000  # the heartbeat is newer than the metrics line
+    assert snap["rates"] == {"producer_tok_s": 9000, "consumer_tok_s": 38_900, "bottleneck": "producers"}
+    st = snap["spool"]["states"]
+    assert st == {
+        "tmp": {"shards": 1, "bytes": 500},
+        "ready": {"shards": 3, "bytes": 3000},
+        "claimed": {"shards": 1, "bytes": 2000},
+        "quarantine": {"shards": 0, "bytes": 0},
+    }
+    assert snap["spool"]["buckets"] == {"512": {"ready": 2, "tmp": 1}, "1024": {"ready": 1, "claimed": 1}}
+    assert snap["spool"]["claimed_by"] == {"c0": 1}
+    assert snap["spool"]["producers_done"] == ["1"]
+    pr = snap["progress"]
+    assert (pr["planned_samples"], pr["samples"]) == (15_000, 8000)
+    assert pr["samples_per_s"] == pytest.approx(10.0)
+    assert pr["eta_s"] == pytest.approx(700.0)
+    t = snap["training"]
+    assert (t["rank"], t["step"], t["loss"], t["tau"], t["lr"]) == ("0", 1200, 2.314, 3.421, 5.8e-4)
+    assert t["acc"] == pytest.approx(0.61)
+    assert snap["checkpoint"]["step"] == 1000 and snap["checkpoint"]["url"] == "s3://bkt/demo/step-1000"
+    assert snap["logs"] == [str(run / "logs" / "consumer-0.log")]
+
+
+def test_text_screen(tmp_path, capsys):
+    run, spool = make_run(tmp_path)
+    status.main([str(run)])
+    out = capsys.readouterr().out
+    for want in (
+        "step=1200 loss=2.31 acc=0.61 τ=3.42 lr=5.8e-04",
+        "prod=9.0K tok/s  cons=38.9K tok/s  (bottleneck: producers)",
+        "tmp=1/500 B  ready=3/3.0 KB  claimed=1/2.0 KB  quarantine=0/0 B",
+        "ready by bucket: 512:2 1024:1",
+        "claimed by: c0:1",
+        "producers done: 1/2",
+        "8000/15000 samples (53.3%)  ETA 11m",
+        "checkpoint: step=1000 s3://bkt/demo/step-1000",
+        f"log: {run / 'logs' / 'consumer-0.log'}",
+        str(spool),
+    ):
+        assert want in out, want
+    lines = out.splitlines()
+    p0 = next(ln for ln in lines if ln.startswith("producer  0 "))
+    assert str(os.getpid()) in p0 and "alive" in p0 and "3000" in p0 and "9.0K" in p0
+
+
+def test_spool_flag_overrides_and_missing_spool(tmp_path, capsys):
+    run, spool = make_run(tmp_path)
+    status.main([str(run), "--spool", str(tmp_path / "gone")])
+    out = capsys.readouterr().out
+    assert f"spool: {tmp_path / 'gone'} (unreadable: no spool directory at" in out
+    assert "step=1200" in out  # metrics still shown
+    assert "exited" not in out  # no heartbeats without the spool: rows come from metrics only
+    assert not (tmp_path / "gone").exists()  # read-only: status never creates a spool
+
+
+def test_status_does_not_touch_the_spool(tmp_path, capsys):
+    run, spool = make_run(tmp_path)
+    before = sorted((str(p), p.stat().st_mtime_ns) for p in spool.rglob("*"))
+    status.main([str(run), "--json"])
+    assert sorted((str(p), p.stat().st_mtime_ns) for p in spool.rglob("*")) == before
+
+
+@pytest.mark.parametrize("case", ["missing", "file", "empty", "bad_json"])
+def test_bad_run_dir_is_one_line_exit_2(tmp_path, capsys, case):
+    target = tmp_path / "r"
+    if case == "file":
+        target.write_text("x")
+    elif case == "empty":
+        target.mkdir()
+    elif case == "bad_json":
+        target.mkdir()
+        (target / "run.json").write_text("{nope")
+    with pytest.raises(SystemExit) as e:
+        status.main([str(target)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dflash-status: error: ") and "\n" not in err
+
+
+def test_watch_refreshes_until_ctrl_c(tmp_path, capsys, monkeypatch):
+    run, _ = make_run(tmp_path)
+    calls = []
+
+    def fake_sleep(s):
+        calls.append(s)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(status.time, "sleep", fake_sleep)
+    status.main([str(run), "--watch", "0.5"])
+    out = capsys.readouterr().out
+    assert calls == [0.5, 0.5]
+    assert out.count("\x1b[2J") == 2 and out.count("step=1200") == 2
+
+
+def test_read_pids(tmp_path):
+    (tmp_path / "pids").write_text("producer-0 123\n456 consumer-0\n\nconsumer-1=789\n")
+    assert status.read_pids(tmp_path) == {"producer-0": 123, "consumer-0": 456, "consumer-1": 789}
+
+
+def test_trainer_ids_and_group_rate(tmp_path, capsys):
+    """The trainer heartbeats as consumer r<rank>-<pid> and logs the all-reduced group rate (world_size):
+    rows merge by rank, a restarted rank's old heartbeat does not win, the rate is counted once."""
+    now = time.time()
+    run, spool = tmp_path / "run", tmp_path / "spool"
+    _jsonl(
+        run / "metrics" / "consumer-0.jsonl",
+        [{"time": now - 1, "step": 50, "loss": 1.0, "tok_s": 40_000, "world_size": 2}],
+    )
+    (run / "run.json").write_text(json.dumps({"spool": str(spool)}))
+    sp = Spool(spool)
+    old = {
+        "role": "consumer",
+        "id": "r0-1",
+        "pid": _dead_pid(),
+        "host": socket.gethostname(),
+        "time": now - 30,
+    }
+    (spool / "state" / "consumer-r0-1.json").write_text(json.dumps({**old, "counters": {"tok_s": 1}}))
+    me = os.getpid()
+    for rank in (0, 1):
+        sp.heartbeat(
+            "consumer", f"r{rank}-{me}", {"step": 50, "samples": 800, "tok_s": 40_000, "world_size": 2}
+        )
+    status.main([str(run), "--json"])
+    snap = json.loads(capsys.readouterr().out)
+    assert [(p["id"], p["pid"], p["state"], p["tok_s"]) for p in snap["processes"]] == [
+        ("0", me, "alive", 40_000),
+        ("1", me, "alive", 40_000),
+    ]
+    assert snap["rates"]["consumer_tok_s"] == 40_000
+
+
+def test_eta_when_producers_finished(tmp_path, capsys):
+    run, spool = make_run(tmp_path)
+    sp = Spool(spool, create=False)
+    sp.heartbeat(
+        "producer", "0", {"samples": 10_000, "tokens": 9_000_000, "tok_s": 0, "planned_samples": 10_000}
+    )
+    sp.mark_done("0")
+    status.main([str(run)])
+    out = capsys.readouterr().out
+    assert "15000/15000 samples (100.0%)  ETA 0s (producers finished; consumers draining 4 shard(s))" in out
+    assert "producers done: 2/2" in out
