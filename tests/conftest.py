@@ -1,0 +1,208 @@
+"""Shared pytest fixtures: a real S3 endpoint (moto's server) and small generic helpers.
+
+Why a subprocess and not moto's in-process mock: the checkpoint code must be tested over real HTTP
+(retries, multipart, error responses), and processes the tests spawn (consumers, producers) inherit
+AWS_ENDPOINT_URL and reach the same server.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Fake credentials, shaped like real ones so that redaction tests exercise the real patterns.
+FAKE_ACCESS_KEY_ID = "AKIAFAKE0TEST0KEY000"
+FAKE_SECRET_ACCESS_KEY = "fAkE/sEcReT+Key0123456789abcdefGHIJKLMNO"
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(predicate, *, timeout_s: float = 10.0, poll_s: float = 0.05, what: str = "condition") -> None:
+    """Poll ``predicate`` until it returns truthy; fail the test after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(poll_s)
+    pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def _parent_death_signal():
+    """Linux: a pre-exec hook that has the server SIGTERMed if pytest dies without running finalizers.
+    libc is loaded here, in the parent, so the forked child runs no imports."""
+    if sys.platform != "linux":
+        return None
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    except OSError:
+        return None
+    return lambda: libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _http_up(endpoint: str) -> bool:
+    try:
+        urllib.request.urlopen(endpoint + "/moto-api/", timeout=1).close()
+        return True
+    except urllib.error.HTTPError:
+        return True  # it answered
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``http://127.0.0.1:<port>`` of a moto server subprocess shared by the session; always stopped."""
+    log_path = tmp_path_factory.mktemp("moto") / "moto_server.log"
+    proc = None
+    try:
+        for _attempt in range(3):  # the free port can be taken between probing and binding
+            port = free_port()
+            endpoint = f"http://127.0.0.1:{port}"
+            with open(log_path, "ab") as log_file:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    preexec_fn=_parent_death_signal(),
+                )
+            deadline = time.monotonic() + 30
+            while proc.poll() is None and time.monotonic() < deadline and not _http_up(endpoint):
+                time.sleep(0.05)
+            if proc.poll() is None and _http_up(endpoint):
+                break
+            _stop(proc)
+            proc = None
+        if proc is None:
+            pytest.fail(f"moto server did not start; log: {Path(log_path).read_text()[-2000:]}")
+        yield endpoint
+    finally:
+        if proc is not None:
+            _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+
+
+@pytest.fixture
+def s3_env(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Point the standard AWS environment at the moto server with fake credentials (child processes
+    inherit it). Hides any real AWS config of the machine. Returns the endpoint url."""
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_DEFAULT_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_endpoint)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", FAKE_ACCESS_KEY_ID)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", FAKE_SECRET_ACCESS_KEY)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    return s3_endpoint
+
+
+@pytest.fixture(scope="session")
+def _s3_admin_client(s3_endpoint: str):
+    """One client for test set-up (bucket creation), with the fake credentials passed explicitly."""
+    import boto3
+
+    return boto3.session.Session().client(
+        "s3",
+        endpoint_url=s3_endpoint,
+        region_name="us-east-1",
+        aws_access_key_id=FAKE_ACCESS_KEY_ID,
+        aws_secret_access_key=FAKE_SECRET_ACCESS_KEY,
+    )
+
+
+@pytest.fixture
+def s3_server(s3_env: str, _s3_admin_client) -> str:
+    """A fresh bucket on the session's moto server: yields ``s3://<bucket>/<prefix>``. Each test gets its
+    own bucket, so tests are isolated without restarting the server."""
+    bucket = f"dflash-test-{uuid.uuid4().hex[:12]}"
+    _s3_admin_client.create_bucket(Bucket=bucket)
+    return f"s3://{bucket}/ckpt"
+
+
+class _RawBody:
+    """The minimal urllib3-like body botocore's AWSResponse reads."""
+
+    def __init__(self, data: bytes):
+        self._data = data
+
+    def stream(self, *_args, **_kwargs):
+        yield self._data
+
+
+_S3_ERROR_CODES = {403: "AccessDenied", 404: "NoSuchKey", 500: "InternalError", 503: "SlowDown"}
+
+
+def inject_s3_faults(client, decide, *, operation: str = "*"):
+    """Make chosen requests of a boto3 S3 ``client`` fail, through botocore's ``before-send`` hook (so
+    botocore's retry logic and boto3's transfer manager see a real failed HTTP exchange).
+
+    ``decide(n, op)`` is called for the n-th (1-based, per operation name) request of ``op`` (e.g.
+    "PutObject") and returns None to send it, an HTTP status (answered with an S3 error of that status),
+    a ``(status, code)`` pair, or an exception instance to raise. Returns the per-operation counts dict.
+    """
+    import threading
+
+    from botocore.awsrequest import AWSResponse
+
+    lock = threading.Lock()
+    counts: dict[str, int] = {}
+
+    def hook(request, event_name: str = "", **_kwargs):
+        op = event_name.rsplit(".", 1)[-1]
+        with lock:
+            counts[op] = n = counts.get(op, 0) + 1
+        outcome = decide(n, op)
+        if outcome is None:
+            return None
+        if isinstance(outcome, BaseException):
+            raise outcome
+        status, code = (
+            outcome if isinstance(outcome, tuple) else (outcome, _S3_ERROR_CODES.get(outcome, "Error"))
+        )
+        body = (
+            b""
+            if request.method == "HEAD"
+            else (
+                f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
+                f"<Message>injected {code}</Message><RequestId>test</RequestId></Error>"
+            ).encode()
+        )
+        return AWSResponse(request.url, status, {"Content-Type": "application/xml"}, _RawBody(body))
+
+    client.meta.events.register(f"before-send.s3.{operation}", hook)
+    return counts
+
+
+@pytest.fixture
+def s3_faults():
+    """The :func:`inject_s3_faults` helper, as a fixture so test modules need not import conftest."""
+    return inject_s3_faults
