@@ -153,6 +153,10 @@ class ShardFeed:
     def _decode(self, path: Path) -> list[Sample] | None:
         try:
             shard = read_shard(path)
+        except FileNotFoundError:
+            # Another consumer took the claim back (we looked dead to it): it is theirs to train now.
+            log.warning("claimed shard %s vanished before decoding; skipping it", path.name)
+            return None
         except ShardFormatError as err:
             log.error("quarantining %s: %s", path.name, err)
             self.spool.quarantine(path, str(err))
