@@ -1,0 +1,267 @@
+"""One training step's inputs: a packed context stream, anchors per document, and the draft blocks.
+
+Every step has FIXED shapes (S context tokens, N anchor slots of B tokens) so a compiled step never recompiles;
+what varies is carried by padding (doc id -1, invalid anchor slots with zero label weight).
+
+Label convention (ARCHITECTURE §5): block position k predicts the token AT anchor+k (same position, no shift).
+Position 0 holds the anchor token itself and is never a label.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(kw_only=True)
+class PackedSamples:
+    """Documents packed back to back into exactly S tokens (what the trainer assembles from shards)."""
+
+    input_ids: torch.Tensor  # int64 [S]
+    loss_mask: torch.Tensor  # bool [S]
+    hidden: torch.Tensor  # [S, K*H] (bf16 from shards)
+    doc_ids: torch.Tensor  # int32 [S], 0..num_docs-1 in order, -1 = padding
+    positions: torch.Tensor  # int64 [S], position within its document (0 for padding)
+    sample_index: list[int]  # global dataset index of each document, in doc id order
+
+    def __post_init__(self) -> None:
+        s = self.input_ids.shape[0]
+        for name in ("input_ids", "loss_mask", "doc_ids", "positions"):
+            t = getattr(self, name)
+            if t.dim() != 1 or t.shape[0] != s:
+                raise ValueError(f"{name} must have shape [{s}], got {list(t.shape)}")
+        if self.hidden.dim() != 2 or self.hidden.shape[0] != s:
+            raise ValueError(f"hidden must have shape [{s}, K*H], got {list(self.hidden.shape)}")
+
+    @property
+    def context_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_docs(self) -> int:
+        return len(self.sample_index)
+
+    def to(
+        self,
+        device: torch.device | str,
+        *,
+        non_blocking: bool = False,
+        hidden_dtype: torch.dtype | None = None,
+    ):
+        """A copy with every tensor on `device` (same class, lists kept); `hidden` optionally cast on the way."""
+        moved = {
+            f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor) and f.name != "hidden"
+        }
+        moved["hidden"] = self.hidden.to(
+            device, dtype=hidden_dtype or self.hidden.dtype, non_blocking=non_blocking
+        )
+        return dataclasses.replace(self, **moved)
+
+
+@dataclass(kw_only=True)
+class DraftBatch(PackedSamples):
+    """PackedSamples plus N anchor slots and their draft blocks of B tokens."""
+
+    anchors: torch.Tensor  # int64 [N], index into the packed stream (0 for invalid slots)
+    anchor_valid: torch.Tensor  # bool [N]
+    block_input_ids: torch.Tensor  # int64 [N, B]: token at anchor, then mask_token_id
+    block_positions: torch.Tensor  # int64 [N, B]: document position of anchor + k
+    labels: torch.Tensor  # int64 [N, B]: token at anchor+k where it is in the anchor's document, else 0
+    label_weights: (
+        torch.Tensor
+    )  # float32 [N, B]: 0 at k=0, outside the document, off loss_mask, invalid slots
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        n = self.anchors.shape[0]
+        if self.anchor_valid.shape != (n,):
+            raise ValueError(f"anchor_valid must have shape [{n}], got {list(self.anchor_valid.shape)}")
+        shape = self.block_input_ids.shape
+        if len(shape) != 2 or shape[0] != n:
+            raise ValueError(f"block_input_ids must have shape [{n}, B], got {list(shape)}")
+        for name in ("block_positions", "labels", "label_weights"):
+            if getattr(self, name).shape != shape:
+                raise ValueError(
+                    f"{name} must have shape {list(shape)}, got {list(getattr(self, name).shape)}"
+                )
+
+    @property
+    def num_anchors(self) -> int:
+        return self.anchors.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.block_input_ids.shape[1]
+
+
+def pack_samples(
+    samples: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]], *, context_tokens: int
+) -> PackedSamples:
+    """Pack (input_ids [T], loss_mask [T], hidden [T, D], sample_index) documents into exactly S tokens.
+
+    Raises ValueError when they do not fit: the caller decides what goes into a step (a silent truncation here
+    would train on a cut document and report it as trained).
+    """
+    if not samples:
+        raise ValueError("pack_samples needs at least one sample")
+    lengths = [int(ids.shape[0]) for ids, _, _, _ in samples]
+    total = sum(lengths)
+    if total > context_tokens:
+        raise ValueError(
+            f"{len(samples)} samples hold {total} tokens, more than context_tokens={context_tokens}"
+        )
+    if min(lengths) < 1:
+        raise ValueError("pack_samples got an empty sample")
+    hidden0 = samples[0][2]
+    width = hidden0.shape[-1]
+    input_ids = torch.zeros(context_tokens, dtype=torch.int64)
+    loss_mask = torch.zeros(context_tokens, dtype=torch.bool)
+    hidden = torch.zeros(context_tokens, width, dtype=hidden0.dtype)
+    doc_ids = torch.full((context_tokens,), -1, dtype=torch.int32)
+    positions = torch.zeros(context_tokens, dtype=torch.int64)
+    start = 0
+    for doc, ((ids, mask, hid, _), n) in enumerate(zip(samples, lengths, strict=True)):
+        if mask.shape != (n,) or hid.shape != (n, width):
+            raise ValueError(
+                f"sample {doc}: loss_mask {list(mask.shape)} / hidden {list(hid.shape)} do not match {n} tokens"
+            )
+        end = start + n
+        input_ids[start:end] = ids
+        loss_mask[start:end] = mask.bool()
+        hidden[start:end] = hid
+        doc_ids[start:end] = doc
+        positions[start:end] = torch.arange(n)
+        start = end
+    return PackedSamples(
+        input_ids=input_ids,
+        loss_mask=loss_mask,
+        hidden=hidden,
+        doc_ids=doc_ids,
+        positions=positions,
+        sample_index=[int(s[3]) for s in samples],
+    )
+
+
+def empty_packed(
+    context_tokens: int, hidden_width: int, *, dtype: torch.dtype = torch.bfloat16
+) -> PackedSamples:
+    """A stream of pure padding: a rank with no data still runs the step (same shapes, zero loss weight, zero
+    gradients), so collective ops stay in lockstep across ranks."""
+    return PackedSamples(
+        input_ids=torch.zeros(context_tokens, dtype=torch.int64),
+        loss_mask=torch.zeros(context_tokens, dtype=torch.bool),
+        hidden=torch.zeros(context_tokens, hidden_width, dtype=dtype),
+        doc_ids=torch.full((context_tokens,), -1, dtype=torch.int32),
+        positions=torch.zeros(context_tokens, dtype=torch.int64),
+        sample_index=[],
+    )
+
+
+def sample_anchors(
+    doc_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    *,
+    num_anchors: int,
+    max_anchors_per_doc: int,
+    generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pick anchors per document; returns (anchors [N] int64 sorted, padded with 0; anchor_valid [N] bool).
+
+    Candidates are positions p whose next token p+1 is in the same (non-padding) document and on the loss mask,
+    i.e. the block's first label is a trained token. Each document gets min(candidates, max_anchors_per_doc)
+    anchors uniformly without replacement, so a long document cannot crowd out short ones. If the documents
+    together want more than N, a uniform random subset of those N is kept. Fresh randomness every call: a sample
+    seen twice trains on different blocks.
+    """
+    if num_anchors < 1 or max_anchors_per_doc < 1:
+        raise ValueError(
+            f"num_anchors and max_anchors_per_doc must be >= 1, got {num_anchors}, {max_anchors_per_doc}"
+        )
+    doc_ids = doc_ids.cpu()
+    s = doc_ids.shape[0]
+    candidate = torch.zeros(s, dtype=torch.bool)
+    candidate[:-1] = loss_mask.cpu()[1:].bool() & (doc_ids[1:] == doc_ids[:-1]) & (doc_ids[:-1] >= 0)
+    keys = torch.rand(s, generator=generator)
+    idx = candidate.nonzero().squeeze(1)
+    # Order candidates by (document, random key): the first max_anchors_per_doc of each document are a uniform
+    # sample of that document's candidates.
+    by_key = torch.argsort(keys[idx])
+    order = by_key[torch.argsort(doc_ids[idx][by_key], stable=True)]
+    sorted_docs = doc_ids[idx][order]
+    _, counts = torch.unique_consecutive(sorted_docs, return_counts=True)
+    starts = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(sorted_docs.shape[0]) - torch.repeat_interleave(starts, counts)
+    chosen = idx[order[rank < max_anchors_per_doc]]
+    if chosen.shape[0] > num_anchors:
+        chosen = chosen[torch.randperm(chosen.shape[0], generator=generator)[:num_anchors]]
+    chosen = torch.sort(chosen).values
+    anchors = torch.zeros(num_anchors, dtype=torch.int64)
+    anchor_valid = torch.zeros(num_anchors, dtype=torch.bool)
+    anchors[: chosen.shape[0]] = chosen
+    anchor_valid[: chosen.shape[0]] = True
+    return anchors, anchor_valid
+
+
+def position_decay(block_size: int, gamma: float) -> torch.Tensor:
+    """Loss weight per block position: 0 at k=0 (the anchor, never predicted), exp(-(k-1)/gamma) for k >= 1.
+
+    Early positions gate acceptance (a draft is accepted only up to its first miss), so they weigh most.
+    """
+    if gamma <= 0 or not math.isfinite(gamma):
+        raise ValueError(f"gamma must be a positive number, got {gamma}")
+    k = torch.arange(block_size, dtype=torch.float32)
+    decay = torch.exp(-(k - 1) / gamma)
+    decay[0] = 0.0
+    return decay
+
+
+def build_draft_batch(
+    packed: PackedSamples,
+    *,
+    block_size: int,
+    num_anchors: int,
+    max_anchors_per_doc: int,
+    mask_token_id: int,
+    gamma: float,
+    generator: torch.Generator,
+) -> DraftBatch:
+    """Sample anchors and build the N draft blocks, labels and label weights (all on CPU; `.to()` after)."""
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2, got {block_size}")
+    anchors, anchor_valid = sample_anchors(
+        packed.doc_ids,
+        packed.loss_mask,
+        num_anchors=num_anchors,
+        max_anchors_per_doc=max_anchors_per_doc,
+        generator=generator,
+    )
+    s = packed.context_tokens
+    doc_ids = packed.doc_ids.cpu()
+    offsets = torch.arange(block_size)
+    idx = anchors[:, None] + offsets  # [N, B]
+    safe = idx.clamp(max=s - 1)
+    in_doc = (idx < s) & (doc_ids[safe] == doc_ids[anchors][:, None]) & anchor_valid[:, None]
+    input_ids = packed.input_ids.cpu()
+    labels = torch.where(in_doc, input_ids[safe], 0)
+    on_loss = in_doc & packed.loss_mask.cpu()[safe]
+    label_weights = on_loss.float() * position_decay(block_size, gamma)
+    block_input_ids = torch.full((num_anchors, block_size), mask_token_id, dtype=torch.int64)
+    block_input_ids[:, 0] = torch.where(anchor_valid, input_ids[anchors], mask_token_id)
+    anchor_pos = torch.where(anchor_valid, packed.positions.cpu()[anchors], 0)
+    block_positions = anchor_pos[:, None] + offsets
+    fields = {f.name: getattr(packed, f.name) for f in dataclasses.fields(PackedSamples)}
+    return DraftBatch(
+        **fields,
+        anchors=anchors,
+        anchor_valid=anchor_valid,
+        block_input_ids=block_input_ids,
+        block_positions=block_positions,
+        labels=labels,
+        label_weights=label_weights,
+    )
