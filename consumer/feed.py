@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
 from dflash.common.sample_set import SampleSet
 from dflash.common.shard import ShardFormatError, read_shard
 from dflash.common.spool import Spool
@@ -77,7 +78,9 @@ class ShardFeed:
         prefetch_shards: int = 2,
         poll_s: float = 0.05,
         heartbeat_timeout_s: float = 60.0,
+        expected_layer_ids: list[int] | None = None,
     ) -> None:
+        self.expected_layer_ids = expected_layer_ids
         self.spool = spool
         self.consumer_id = consumer_id
         self.context_tokens = context_tokens
@@ -162,6 +165,12 @@ class ShardFeed:
             self.spool.quarantine(path, str(err))
             self.counters.shards_quarantined += 1
             return None
+        if self.expected_layer_ids is not None and list(shard.meta.layer_ids) != self.expected_layer_ids:
+            self.spool.release(path)
+            raise ValueError(
+                f"shard {path.name} holds target layers {list(shard.meta.layer_ids)} but the drafter was built "
+                f"for {self.expected_layer_ids}: start dflash-consume with the producers' layer ids"
+            )
         cu = shard.cu_seqlens.tolist()
         samples: list[Sample] = []
         skipped = 0

@@ -1,0 +1,183 @@
+"""``dflash-consume``: one drafter-training process on one GPU (or the CPU).
+
+Several consumers form one torch.distributed group when started with the env:// variables (RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT), e.g. by ``torchrun`` or ``ops/run_all.sh``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+PROG = "dflash-consume"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    p.add_argument("--gpu", required=True, help="GPU index (e.g. 5), or 'cpu'")
+    p.add_argument("--spool", required=True, help="spool directory the producers write into")
+    p.add_argument(
+        "--target", required=True, help="target model folder or hub id (config + embedding/lm_head)"
+    )
+    p.add_argument("--run", default="default", help="run name (checkpoint folder and trained-sample set key)")
+    p.add_argument("--run-dir", default=None, help="folder for metrics JSONL, plots and logs")
+    p.add_argument(
+        "--checkpoint", default=None, help="checkpoint store: s3://bucket/prefix or a local folder"
+    )
+    p.add_argument(
+        "--resume", default="auto", choices=["auto", "none"], help="resume from the latest good checkpoint"
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=500,
+        help="checkpoint every N steps (and at the end, and on SIGTERM)",
+    )
+    p.add_argument("--keep-last", type=int, default=3, help="checkpoints to keep")
+    p.add_argument(
+        "--max-steps", type=int, default=None, help="stop after N steps (default: when the spool is drained)"
+    )
+    p.add_argument(
+        "--total-steps",
+        type=int,
+        default=None,
+        help="cosine schedule length (default: max-steps, else 10000)",
+    )
+    p.add_argument("--num-layers", type=int, default=5, help="draft decoder layers")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--context-tokens", type=int, default=4096, help="packed context tokens per step (fixed shape)"
+    )
+    p.add_argument("--num-anchors", type=int, default=256, help="anchor blocks per step (fixed shape)")
+    p.add_argument("--max-anchors-per-doc", type=int, default=256)
+    p.add_argument("--gamma", type=float, default=7.0, help="loss weight decay over block positions")
+    p.add_argument("--lr", type=float, default=6e-4)
+    p.add_argument("--warmup-ratio", type=float, default=0.04)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument("--loss-chunk-tokens", type=int, default=2048, help="query tokens per lm_head+CE chunk")
+    p.add_argument(
+        "--mask-token-id", type=int, default=None, help="default: chosen from the tokenizer (docs)"
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-every", type=int, default=10, help="console/metrics line every N steps")
+    p.add_argument("--wandb-project", default=None, help="log to wandb (offline unless configured)")
+    p.add_argument("--bucket", default=None, help="claim policy: 'fullest' or a bucket number (default: any)")
+    p.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=60.0,
+        help="seconds before a silent consumer's claims are recovered",
+    )
+    p.add_argument("--no-compile", action="store_true", help="debug only: run the draft layers uncompiled")
+    p.add_argument(
+        "--compile-backend",
+        default="inductor",
+        choices=["inductor", "aot_eager", "eager"],
+        help="torch.compile backend (aot_eager: CPU tests)",
+    )
+    p.add_argument("--cpu-threads", type=int, default=None, help="torch threads per CPU consumer")
+    p.add_argument(
+        "--target-layer-ids",
+        default=None,
+        help="target layers the producers captured, e.g. 1,9,17,25,33 (default: K=5 from 1 to L-3)",
+    )
+    p.add_argument("--summary-json", default=None, help="write a JSON summary of the run here at the end")
+    return p
+
+
+def _parse_ids(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        sys.exit(f"{PROG}: error: --target-layer-ids must be comma-separated integers, got {text!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s consumer[{os.environ.get('RANK', '0')}] %(levelname)s %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    if args.gpu == "cpu":
+        device = "cpu"
+    elif args.gpu.isdigit():
+        # Own exactly one GPU: nothing else in this process can touch the others.
+        os.environ["CUDA_VISIBLE_DEVICES"] = args.gpu
+        device = "cuda:0"
+    else:
+        sys.exit(f"{PROG}: error: --gpu must be a GPU index or 'cpu', got {args.gpu!r}")
+
+    from dflash.common.spool import SpoolError
+    from dflash.consumer.config import TrainConfig
+
+    try:
+        cfg = TrainConfig(
+            spool=args.spool,
+            target=args.target,
+            run=args.run,
+            run_dir=args.run_dir,
+            device=device,
+            checkpoint=args.checkpoint,
+            resume=args.resume,
+            save_every=args.save_every,
+            keep_last=args.keep_last,
+            max_steps=args.max_steps,
+            total_steps=args.total_steps,
+            num_layers=args.num_layers,
+            block_size=args.block_size,
+            context_tokens=args.context_tokens,
+            num_anchors=args.num_anchors,
+            max_anchors_per_doc=args.max_anchors_per_doc,
+            gamma=args.gamma,
+            lr=args.lr,
+            warmup_ratio=args.warmup_ratio,
+            grad_clip=args.grad_clip,
+            loss_chunk_tokens=args.loss_chunk_tokens,
+            mask_token_id=args.mask_token_id,
+            seed=args.seed,
+            log_every=args.log_every,
+            wandb_project=args.wandb_project,
+            bucket=args.bucket,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            compile=not args.no_compile,
+            compile_backend=args.compile_backend,
+            cpu_threads=args.cpu_threads,
+            target_layer_ids=_parse_ids(args.target_layer_ids),
+        )
+        if device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError(f"--gpu {args.gpu}: no CUDA device is visible (use --gpu cpu)")
+        if not os.path.isdir(cfg.spool):
+            raise ValueError(
+                f"--spool {cfg.spool}: no such directory (start the producers first, or create it)"
+            )
+        from dflash.consumer.trainer import Trainer
+
+        trainer = Trainer(cfg)
+    except (ValueError, SpoolError, OSError) as err:
+        sys.exit(f"{PROG}: error: {err}")
+    try:
+        summary = trainer.train()
+    except Exception as err:  # the log keeps the traceback; the console gets one line
+        logging.getLogger(PROG).exception("training failed")
+        sys.exit(f"{PROG}: error: {err}")
+    finally:
+        trainer.close()
+    summary.pop("history", None)
+    if args.summary_json:
+        with open(args.summary_json, "w") as f:
+            json.dump(summary, f, indent=2)
+    logging.getLogger(PROG).info("done: %s", json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""The consumer's configuration: one validated dataclass, filled from the command line."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything one consumer process needs. Defaults follow ARCHITECTURE.md §5."""
+
+    spool: str
+    """Spool directory the producers write into."""
+    target: str
+    """Target model folder (config.json + safetensors) or hub id: the drafter is sized from its config and
+    borrows its frozen embedding and lm_head (read alone from the safetensors, never the whole model)."""
+    run: str = "default"
+    """Run name: the checkpoint folder under the store and the trained-sample set's key."""
+    run_dir: str | None = None
+    """Where metrics (JSONL), plots and logs go; None = no files."""
+    device: str = "cpu"
+    """'cpu', 'cuda' or 'cuda:N'."""
+    checkpoint: str | None = None
+    """Checkpoint store: s3://bucket/prefix or a local folder; None = no checkpoints."""
+    resume: str = "auto"
+    """'auto' = latest good checkpoint if any (falls back past a corrupt one), 'none' = start fresh."""
+    save_every: int = 500
+    keep_last: int = 3
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (counting resumed ones); None = until the spool is drained."""
+    total_steps: int | None = None
+    """Length of the cosine schedule; default max_steps, else 10 000."""
+    num_layers: int = 5
+    block_size: int = 16
+    context_tokens: int = 4096
+    """Tokens in the packed context stream of one step (fixed: the step's shapes never change)."""
+    num_anchors: int = 256
+    """Anchor (block) slots per step (fixed)."""
+    max_anchors_per_doc: int = 256
+    gamma: float = 7.0
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    loss_chunk_tokens: int = 2048
+    """Query tokens per lm_head + cross-entropy chunk (bounds logits memory to chunk x vocab)."""
+    mask_token_id: int | None = None
+    target_layer_ids: list[int] | None = None
+    """Override; default = the layer ids recorded in the shards."""
+    seed: int = 0
+    log_every: int = 10
+    wandb_project: str | None = None
+    bucket: str | None = None
+    """Claim policy: None = any shard (oldest first), 'fullest', or a bucket number."""
+    heartbeat_timeout_s: float = 60.0
+    compile: bool = True
+    """torch.compile each draft decoder layer (with flex_attention inside on CUDA) once per process."""
+    compile_backend: str = "inductor"
+    """'inductor' (production), 'aot_eager' (traces like inductor, no codegen: CPU tests), 'eager'."""
+    cpu_threads: int | None = None
+    """torch intra-op threads on CPU (None = torch's default); several CPU processes share the cores."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "save_every",
+            "keep_last",
+            "num_layers",
+            "block_size",
+            "context_tokens",
+            "num_anchors",
+            "max_anchors_per_doc",
+            "loss_chunk_tokens",
+            "log_every",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"max-steps must be >= 1, got {self.max_steps}")
+        if self.total_steps is not None and self.total_steps < 1:
+            raise ValueError(f"total-steps must be >= 1, got {self.total_steps}")
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.lr <= 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.gamma <= 0:
+            raise ValueError(f"gamma must be > 0, got {self.gamma}")
+        if self.resume not in ("auto", "none"):
+            raise ValueError(f"resume must be 'auto' or 'none', got {self.resume!r}")
+        if self.block_size < 2:
+            raise ValueError(f"block-size must be >= 2, got {self.block_size}")
+        if self.bucket not in (None, "fullest") and not str(self.bucket).isdigit():
+            raise ValueError(f"bucket must be 'fullest' or a bucket number, got {self.bucket!r}")
+        if self.compile_backend not in ("inductor", "aot_eager", "eager"):
+            raise ValueError(
+                f"compile-backend must be inductor, aot_eager or eager, got {self.compile_backend!r}"
+            )
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu-threads must be >= 1, got {self.cpu_threads}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @property
+    def schedule_steps(self) -> int:
+        return self.total_steps or self.max_steps or 10_000
+
+    @property
+    def claim_bucket(self) -> int | str | None:
+        if self.bucket is None or self.bucket == "fullest":
+            return self.bucket
+        return int(self.bucket)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,411 @@
+"""The consumer's training loop: claimed shards -> DFlash drafter steps -> checkpoints.
+
+Build order is visible in ``Trainer.__init__`` (distributed -> model -> optimizer -> schedule ->
+checkpoint resume -> data). ``train()`` reads top to bottom: pack a fixed-shape step, agree across ranks
+whether anyone has data, step, ack, log, checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from dflash.common.checkpoint_store import open_store, redact
+from dflash.common.metrics_log import MetricsLog, format_console_line
+from dflash.common.sample_set import SampleSet
+from dflash.common.spool import Spool
+from dflash.consumer import distributed as D
+from dflash.consumer.attention import recompile_count
+from dflash.consumer.batching import DraftBatch, build_draft_batch, empty_packed
+from dflash.consumer.checkpoint import (
+    capture_rng_state,
+    load_latest_good,
+    restore_rng_state,
+    save_checkpoint,
+)
+from dflash.consumer.config import TrainConfig
+from dflash.consumer.drafter import DFlashDrafter, DrafterConfig, load_target_head
+from dflash.consumer.feed import ShardFeed
+from dflash.consumer.loss import draft_loss
+
+log = logging.getLogger(__name__)
+
+WARMUP_STEPS_FOR_RECOMPILES = 2
+
+
+def lr_lambda_factory(warmup_steps: int, total_steps: int):
+    """Linear warmup then cosine decay to 0 (ARCHITECTURE §5: 4 % warmup, cosine)."""
+
+    def lr_lambda(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return lr_lambda
+
+
+@dataclass
+class StepStats:
+    """Sums over a logging interval (all ranks), turned into means when logged."""
+
+    loss_sum: float = 0.0
+    weight_sum: float = 0.0
+    correct: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    tau_sum: float = 0.0
+    blocks: float = 0.0
+    tokens: int = 0
+    samples: int = 0
+    steps: int = 0
+    grad_norm: float = 0.0
+    t0: float = field(default_factory=time.monotonic)
+
+
+def _maybe_tokenizer(target: str):
+    """The target's tokenizer when it ships one: it names the mask token (see choose_mask_token_id)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(target)
+    except (OSError, ValueError):
+        return None
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig) -> None:
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dist = D.init_distributed(self.device)
+        self.consumer_id = f"r{self.dist.rank}-{__import__('os').getpid()}"
+        torch.manual_seed(cfg.seed + self.dist.rank)
+        if self.device.type == "cpu":
+            torch.set_flush_denormal(True)  # tiny fp32 optimizer states turn denormal and crawl otherwise
+            if cfg.cpu_threads:
+                torch.set_num_threads(cfg.cpu_threads)
+        self.compute_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.spool = Spool(cfg.spool, create=False)
+
+        # model: sized from the target's config; frozen embedding + lm_head read from its safetensors
+        from transformers import AutoConfig
+
+        target_config = AutoConfig.from_pretrained(cfg.target)
+        tokenizer = _maybe_tokenizer(cfg.target)
+        self.drafter_config = DrafterConfig.from_target_config(
+            target_config,
+            num_layers=cfg.num_layers,
+            block_size=cfg.block_size,
+            target_layer_ids=cfg.target_layer_ids,
+            mask_token_id=cfg.mask_token_id,
+            tokenizer=tokenizer,
+        )
+        head = load_target_head(cfg.target, dtype=self.compute_dtype, device=self.device)
+        self.model = DFlashDrafter(self.drafter_config, head).to(self.device)
+        if cfg.compile and cfg.compile_backend != "eager":
+            # One compiled graph per process, shared by every layer (parameters are graph inputs); shapes
+            # never change between steps, so nothing recompiles after the first step.
+            for layer in self.model.layers:
+                layer.compile(backend=cfg.compile_backend, dynamic=False)
+        self.train_model: torch.nn.Module = self.model
+        if self.dist.enabled:
+            self.train_model = torch.nn.parallel.DistributedDataParallel(
+                self.model,
+                device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                gradient_as_bucket_view=True,
+            )
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            fused=self.device.type == "cuda",
+        )
+        warmup = max(1, int(cfg.warmup_ratio * cfg.schedule_steps))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lr_lambda_factory(warmup, cfg.schedule_steps)
+        )
+        self.step = 0
+        self.trained = SampleSet(epoch=0)
+        self.generator = torch.Generator().manual_seed(cfg.seed * 1000 + self.dist.rank)
+
+        # checkpoint resume (every rank loads the same files)
+        self.store = open_store(cfg.checkpoint) if cfg.checkpoint else None
+        if self.store is not None and cfg.resume == "auto":
+            self._resume()
+
+        # data
+        self.feed = ShardFeed(
+            self.spool,
+            self.consumer_id,
+            context_tokens=cfg.context_tokens,
+            skip=self.trained if len(self.trained) else None,
+            bucket=cfg.claim_bucket,
+            expected_layer_ids=list(self.drafter_config.target_layer_ids),
+            heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+        )
+        self.metrics = None
+        if cfg.run_dir:
+            self.metrics = MetricsLog(Path(cfg.run_dir) / "metrics" / f"consumer-{self.dist.rank}.jsonl")
+        self.wandb = self._init_wandb() if self.dist.is_main else None
+        self._stop_requested = False
+        self._recompiles_after_warmup = 0
+        self._recompiles_at_warmup: int | None = None
+        self.first_step_s: float | None = None
+        self._t_process = time.monotonic()
+        self.history: list[dict] = []
+
+    # ------------------------------------------------------------------------------ resume / save
+    def _resume(self) -> None:
+        ckpt = load_latest_good(self.store, self.cfg.run)
+        if ckpt is None:
+            log.info("no checkpoint under %s/%s: starting fresh", redact(self.cfg.checkpoint), self.cfg.run)
+            return
+        missing, unexpected = self.model.load_state_dict(ckpt.model_state, strict=False)
+        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        if trainable & set(missing) or unexpected:
+            raise ValueError(
+                f"checkpoint step {ckpt.step} does not fit this drafter: missing {sorted(trainable & set(missing))[:3]}"
+                f" unexpected {sorted(unexpected)[:3]}"
+            )
+        self.optimizer.load_state_dict(ckpt.optimizer_state)
+        self.scheduler.load_state_dict(ckpt.scheduler_state)
+        rng = ckpt.rng_state.get(self.dist.rank) if isinstance(ckpt.rng_state, dict) else None
+        if rng is not None:
+            restore_rng_state(rng)
+        self.step = ckpt.step
+        self.trained = ckpt.trained
+        log.info("resumed from step %d (%d samples already trained)", self.step, len(self.trained))
+
+    def save(self) -> None:
+        if self.store is None:
+            return
+        merged = SampleSet.from_bytes(self.trained.to_bytes())
+        for blob in D.all_gather_bytes(self.trained.to_bytes(), self.dist):
+            merged = merged.union(SampleSet.from_bytes(blob))
+        rng_states = D.all_gather_object(capture_rng_state(), self.dist)
+        if self.dist.is_main:
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            model_state = {k: v for k, v in self.model.state_dict().items() if k in trainable}
+            url = save_checkpoint(
+                self.store,
+                self.cfg.run,
+                self.step,
+                model_state=model_state,
+                optimizer_state=self.optimizer.state_dict(),
+                scheduler_state=self.scheduler.state_dict(),
+                rng_state=dict(enumerate(rng_states)),
+                trained=merged,
+                config={"train": self.cfg.to_dict(), "drafter": self.drafter_config.to_dict()},
+                keep_last=self.cfg.keep_last,
+            )
+            log.info("checkpoint step %d -> %s", self.step, redact(url))
+            if self.metrics:
+                self.metrics.write(
+                    {"event": "checkpoint", "step": self.step, "url": redact(url), "time": time.time()}
+                )
+        self.trained = merged
+        D.barrier(self.dist)
+
+    # ------------------------------------------------------------------------------ the loop
+    def train(self) -> dict:
+        cfg = self.cfg
+        self._install_signal_handlers()
+        stats = StepStats()
+        t_start = time.monotonic()
+        try:
+            while cfg.max_steps is None or self.step < cfg.max_steps:
+                packed = self.feed.next_packed(wait_s=0.5)
+                flags = torch.tensor(
+                    [float(packed is not None), float(self.feed.exhausted()), float(self._stop_requested)],
+                    dtype=torch.float64,
+                )
+                D.all_reduce_sum(flags, self.dist)
+                if flags[2] > 0:
+                    log.warning("stop requested: saving a checkpoint at step %d", self.step)
+                    break
+                if flags[0] == 0:
+                    if flags[1] == self.dist.world_size:
+                        break
+                    continue
+                if packed is None:  # others have data: take part in the collective step with padding only
+                    packed = empty_packed(cfg.context_tokens, self._hidden_width())
+                self._train_step(packed, stats)
+                if self.first_step_s is None:
+                    self.first_step_s = time.monotonic() - t_start
+                self._check_recompiles()
+                if self.step % cfg.log_every == 0:
+                    self._log(stats)
+                    stats = StepStats()
+                if self.store is not None and self.step % cfg.save_every == 0:
+                    self.save()
+            if stats.steps:
+                self._log(stats)
+            self.save()
+        finally:
+            self.feed.close()
+        return {
+            "steps": self.step,
+            "samples_trained": len(self.trained),
+            "first_step_s": self.first_step_s,
+            "recompiles_after_warmup": self._recompiles_after_warmup,
+            "history": self.history,
+        }
+
+    def _hidden_width(self) -> int:
+        return self.drafter_config.hidden_size * len(self.drafter_config.target_layer_ids)
+
+    def _train_step(self, packed, stats: StepStats) -> None:
+        cfg = self.cfg
+        batch: DraftBatch = build_draft_batch(
+            packed,
+            block_size=cfg.block_size,
+            num_anchors=cfg.num_anchors,
+            max_anchors_per_doc=cfg.max_anchors_per_doc,
+            mask_token_id=self.drafter_config.mask_token_id,
+            gamma=cfg.gamma,
+            generator=self.generator,
+        ).to(self.device, non_blocking=True, hidden_dtype=self.compute_dtype)
+        weight = batch.label_weights.sum().to(torch.float64).reshape(1)
+        global_weight = D.all_reduce_sum(weight.clone(), self.dist).item()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+            hidden_out = self.train_model(batch)
+            result = draft_loss(
+                hidden_out, batch, self.model.target_head.lm_head_weight, chunk_tokens=cfg.loss_chunk_tokens
+            )
+        # DDP averages gradients over ranks; scale so the result is sum(loss) / global supervised weight.
+        loss = result.loss_sum * (self.dist.world_size / max(global_weight, 1e-6))
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        trained = self.feed.commit()
+        self.trained.add(trained)
+
+        stats.loss_sum += float(result.loss_sum.detach())
+        stats.weight_sum += float(weight.item())
+        stats.correct = result.correct.detach().cpu() + (stats.correct if stats.correct is not None else 0)
+        stats.valid = result.valid.detach().cpu() + (stats.valid if stats.valid is not None else 0)
+        stats.tau_sum += float(result.tau_sum)
+        stats.blocks += float(result.num_blocks)
+        stats.tokens += int((batch.doc_ids >= 0).sum())
+        stats.samples += len(trained)
+        stats.steps += 1
+        stats.grad_norm = float(grad_norm)
+
+    def _check_recompiles(self) -> None:
+        if self.step == WARMUP_STEPS_FOR_RECOMPILES:
+            self._recompiles_at_warmup = recompile_count()
+        elif self._recompiles_at_warmup is not None:
+            extra = recompile_count() - self._recompiles_at_warmup
+            if extra > self._recompiles_after_warmup:
+                self._recompiles_after_warmup = extra
+                log.error(
+                    "RECOMPILE after warm-up at step %d (%d so far): a step's shapes changed — this is a bug",
+                    self.step,
+                    extra,
+                )
+
+    def _log(self, stats: StepStats) -> None:
+        if stats.steps == 0:
+            return
+        B = self.cfg.block_size
+        sums = torch.tensor(
+            [stats.loss_sum, stats.weight_sum, stats.tau_sum, stats.blocks, stats.tokens, stats.samples],
+            dtype=torch.float64,
+        )
+        correct = (stats.correct if stats.correct is not None else torch.zeros(B)).to(torch.float64)
+        valid = (stats.valid if stats.valid is not None else torch.zeros(B)).to(torch.float64)
+        packed = torch.cat([sums, correct, valid])
+        D.all_reduce_sum(packed, self.dist)
+        loss_sum, weight_sum, tau_sum, blocks, tokens, samples = packed[:6].tolist()
+        correct, valid = packed[6 : 6 + B], packed[6 + B :]
+        elapsed = time.monotonic() - stats.t0
+        acc_per_pos = (correct / valid.clamp(min=1)).tolist()
+        acc = float(correct[1:].sum() / valid[1:].sum().clamp(min=1))
+        spool_stats = self._spool_summary()
+        rec = {
+            "time": time.time(),
+            "step": self.step,
+            "loss": loss_sum / max(weight_sum, 1e-9),
+            "acc": acc,
+            "acc_per_pos": acc_per_pos,
+            "tau": tau_sum / max(blocks, 1.0),
+            "lr": self.scheduler.get_last_lr()[0],
+            "grad_norm": stats.grad_norm,
+            "tok_s": tokens / max(elapsed, 1e-9),
+            "samples": len(self.trained),
+            "interval_samples": samples,
+            "world_size": self.dist.world_size,
+            **spool_stats,
+        }
+        if self.device.type == "cuda":
+            rec["mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+        self.history.append(rec)
+        self.feed.heartbeat_counters.update(
+            step=self.step, samples=len(self.trained), tok_s=rec["tok_s"], world_size=self.dist.world_size
+        )
+        if not self.dist.is_main:
+            return
+        if self.metrics:
+            self.metrics.write(rec)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in rec.items() if k not in ("acc_per_pos", "time")}, step=self.step)
+        log.info(format_console_line(rec, elapsed_s=time.monotonic() - self._t_process))
+
+    def _spool_summary(self) -> dict:
+        """Spool depth and the producers' summed rate, for the console line and the metrics."""
+        try:
+            s = self.spool.stats(heartbeat_timeout_s=self.cfg.heartbeat_timeout_s)
+        except OSError:
+            return {}
+        prod_rate = sum(
+            float(p["counters"].get("tok_s", 0.0))
+            for p in s["processes"]
+            if p.get("role") == "producer" and p.get("alive")
+        )
+        return {
+            "spool_shards": s["states"]["ready"]["shards"],
+            "spool_bytes": s["total_bytes"],
+            "prod_tok_s": prod_rate,
+        }
+
+    def _init_wandb(self):
+        if not self.cfg.wandb_project:
+            return None
+        import os
+
+        import wandb
+
+        mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
+        return wandb.init(
+            project=self.cfg.wandb_project,
+            name=self.cfg.run,
+            mode=mode,
+            dir=self.cfg.run_dir or None,
+            config={k: v for k, v in self.cfg.to_dict().items() if k != "checkpoint"},
+        )
+
+    def _install_signal_handlers(self) -> None:
+        def request_stop(signum, _frame):
+            log.warning(
+                "received %s: finishing the step, then checkpoint and exit", signal.Signals(signum).name
+            )
+            self._stop_requested = True
+
+        signal.signal(signal.SIGTERM, request_stop)
+        signal.signal(signal.SIGINT, request_stop)
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+        D.close_distributed()
