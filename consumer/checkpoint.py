@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from dflash.common.checkpoint_store import (
     CheckpointStore,
     CheckpointStoreError,

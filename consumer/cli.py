@@ -84,7 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="target layers the producers captured, e.g. 1,9,17,25,33 (default: K=5 from 1 to L-3)",
     )
-    p.add_argument("--summary-json", default=None, help="write a JSON summary of the run here at the end")
+    p.add_argument(
+        "--summary-json",
+        default=None,
+        help="write a JSON summary of the run here at the end ({rank} is replaced by the rank)",
+    )
     return p
 
 
@@ -173,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer.close()
     summary.pop("history", None)
     if args.summary_json:
-        with open(args.summary_json, "w") as f:
+        with open(args.summary_json.replace("{rank}", str(summary.get("rank", 0))), "w") as f:
             json.dump(summary, f, indent=2)
     logging.getLogger(PROG).info("done: %s", json.dumps(summary))
     return 0

@@ -32,7 +32,7 @@ from dflash.consumer.checkpoint import (
 from dflash.consumer.config import TrainConfig
 from dflash.consumer.drafter import DFlashDrafter, DrafterConfig, load_target_head
 from dflash.consumer.feed import ShardFeed
-from dflash.consumer.loss import draft_loss
+from dflash.consumer.loss import DraftLossOutput, draft_loss
 
 log = logging.getLogger(__name__)
 
@@ -53,19 +53,33 @@ def lr_lambda_factory(warmup_steps: int, total_steps: int):
 
 @dataclass
 class StepStats:
-    """Sums over a logging interval (all ranks), turned into means when logged."""
+    """Sums over a logging interval. Device tensors accumulate without a host sync per step."""
 
-    loss_sum: float = 0.0
+    loss_sum: torch.Tensor | float = 0.0
     weight_sum: float = 0.0
-    correct: torch.Tensor | None = None
-    valid: torch.Tensor | None = None
-    tau_sum: float = 0.0
-    blocks: float = 0.0
+    correct: torch.Tensor | int = 0
+    valid: torch.Tensor | int = 0
+    tau_sum: torch.Tensor | float = 0.0
+    blocks: torch.Tensor | int = 0
     tokens: int = 0
     samples: int = 0
     steps: int = 0
-    grad_norm: float = 0.0
+    grad_norm: torch.Tensor | float = 0.0
     t0: float = field(default_factory=time.monotonic)
+
+    def add(
+        self, r: DraftLossOutput, *, weight: float, grad_norm: torch.Tensor, tokens: int, samples: int
+    ) -> None:
+        self.loss_sum = self.loss_sum + r.loss_sum.detach()
+        self.weight_sum += weight
+        self.correct = self.correct + r.correct
+        self.valid = self.valid + r.valid
+        self.tau_sum = self.tau_sum + r.tau_sum
+        self.blocks = self.blocks + r.num_blocks
+        self.tokens += tokens
+        self.samples += samples
+        self.steps += 1
+        self.grad_norm = grad_norm
 
 
 def _maybe_tokenizer(target: str):
@@ -76,6 +90,52 @@ def _maybe_tokenizer(target: str):
         return AutoTokenizer.from_pretrained(target)
     except (OSError, ValueError):
         return None
+
+
+def forward_backward(
+    model: DFlashDrafter,
+    train_model: torch.nn.Module,
+    batch: DraftBatch,
+    *,
+    loss_scale: torch.Tensor | float,
+    chunk_tokens: int,
+) -> DraftLossOutput:
+    """One step's forward and backward (shared by the trainer and ops/bench/consumer_bench.py).
+
+    ``train_model`` is ``model`` or its DDP wrapper. The mask is built once per step outside the compiled
+    layers; bf16 autocast on CUDA, fp32 on CPU. ``loss_scale`` turns the local loss sum into this rank's share
+    of sum(loss) / global supervised weight (DDP averages gradients over ranks).
+    """
+    device_type = batch.input_ids.device.type
+    mask = model.build_mask(batch)
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
+        hidden_out = train_model(batch, mask)
+        result = draft_loss(hidden_out, batch, model.target_head.lm_head_weight, chunk_tokens=chunk_tokens)
+    (result.loss_sum * loss_scale).backward()
+    return result
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
+    """AdamW (fused on CUDA) + linear warmup / cosine schedule over ``cfg.schedule_steps``."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda"
+    )
+    warmup = max(1, int(cfg.warmup_ratio * cfg.schedule_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_factory(warmup, cfg.schedule_steps))
+    return optimizer, scheduler
+
+
+def compile_drafter(model: DFlashDrafter, backend: str) -> None:
+    """Compile each draft decoder layer once per process (flex_attention is compiled inside on CUDA).
+
+    Parameters are graph inputs, so the five layers share one graph; step shapes never change, so nothing
+    recompiles after the first step.
+    """
+    if backend == "eager":
+        return
+    for layer in model.layers:
+        layer.compile(backend=backend, dynamic=False)
 
 
 class Trainer:
@@ -109,11 +169,8 @@ class Trainer:
         )
         head = load_target_head(cfg.target, dtype=self.compute_dtype, device=self.device)
         self.model = DFlashDrafter(self.drafter_config, head).to(self.device)
-        if cfg.compile and cfg.compile_backend != "eager":
-            # One compiled graph per process, shared by every layer (parameters are graph inputs); shapes
-            # never change between steps, so nothing recompiles after the first step.
-            for layer in self.model.layers:
-                layer.compile(backend=cfg.compile_backend, dynamic=False)
+        if cfg.compile:
+            compile_drafter(self.model, cfg.compile_backend)
         self.train_model: torch.nn.Module = self.model
         if self.dist.enabled:
             self.train_model = torch.nn.parallel.DistributedDataParallel(
@@ -121,17 +178,7 @@ class Trainer:
                 device_ids=[self.device.index] if self.device.type == "cuda" else None,
                 gradient_as_bucket_view=True,
             )
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            params,
-            lr=cfg.lr,
-            weight_decay=cfg.weight_decay,
-            fused=self.device.type == "cuda",
-        )
-        warmup = max(1, int(cfg.warmup_ratio * cfg.schedule_steps))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lr_lambda_factory(warmup, cfg.schedule_steps)
-        )
+        self.optimizer, self.scheduler = build_optimizer(self.model, cfg, self.device)
         self.step = 0
         self.trained = SampleSet(epoch=0)
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000 + self.dist.rank)
@@ -253,11 +300,25 @@ class Trainer:
             self.feed.close()
         return {
             "steps": self.step,
+            "rank": self.dist.rank,
+            "world_size": self.dist.world_size,
+            "weights_sha256": self.weights_digest(),
             "samples_trained": len(self.trained),
             "first_step_s": self.first_step_s,
             "recompiles_after_warmup": self._recompiles_after_warmup,
             "history": self.history,
         }
+
+    def weights_digest(self) -> str:
+        """sha256 over the trainable weights: equal on every rank of a healthy DDP group."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for name, p in sorted(self.model.named_parameters()):
+            if p.requires_grad:
+                h.update(name.encode())
+                h.update(p.detach().float().cpu().numpy().tobytes())
+        return h.hexdigest()
 
     def _hidden_width(self) -> int:
         return self.drafter_config.hidden_size * len(self.drafter_config.target_layer_ids)
@@ -272,17 +333,18 @@ class Trainer:
             mask_token_id=self.drafter_config.mask_token_id,
             gamma=cfg.gamma,
             generator=self.generator,
-        ).to(self.device, non_blocking=True, hidden_dtype=self.compute_dtype)
-        weight = batch.label_weights.sum().to(torch.float64).reshape(1)
-        global_weight = D.all_reduce_sum(weight.clone(), self.dist).item()
-        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            hidden_out = self.train_model(batch)
-            result = draft_loss(
-                hidden_out, batch, self.model.target_head.lm_head_weight, chunk_tokens=cfg.loss_chunk_tokens
-            )
-        # DDP averages gradients over ranks; scale so the result is sum(loss) / global supervised weight.
-        loss = result.loss_sum * (self.dist.world_size / max(global_weight, 1e-6))
-        loss.backward()
+        )
+        weight = batch.label_weights.sum(dtype=torch.float64)
+        batch = batch.to(self.device, non_blocking=True, hidden_dtype=self.compute_dtype)
+        # The global supervised weight stays a device tensor: no host sync before the forward.
+        global_weight = D.all_reduce_sum(weight.reshape(1).to(self.device), self.dist)
+        result = forward_backward(
+            self.model,
+            self.train_model,
+            batch,
+            loss_scale=self.dist.world_size / global_weight.clamp(min=1e-6),
+            chunk_tokens=cfg.loss_chunk_tokens,
+        )
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
@@ -290,17 +352,13 @@ class Trainer:
         self.step += 1
         trained = self.feed.commit()
         self.trained.add(trained)
-
-        stats.loss_sum += float(result.loss_sum.detach())
-        stats.weight_sum += float(weight.item())
-        stats.correct = result.correct.detach().cpu() + (stats.correct if stats.correct is not None else 0)
-        stats.valid = result.valid.detach().cpu() + (stats.valid if stats.valid is not None else 0)
-        stats.tau_sum += float(result.tau_sum)
-        stats.blocks += float(result.num_blocks)
-        stats.tokens += int((batch.doc_ids >= 0).sum())
-        stats.samples += len(trained)
-        stats.steps += 1
-        stats.grad_norm = float(grad_norm)
+        stats.add(
+            result,
+            weight=float(weight),
+            grad_norm=grad_norm,
+            tokens=int((packed.doc_ids >= 0).sum()),
+            samples=len(trained),
+        )
 
     def _check_recompiles(self) -> None:
         if self.step == WARMUP_STEPS_FOR_RECOMPILES:
@@ -320,13 +378,23 @@ class Trainer:
             return
         B = self.cfg.block_size
         sums = torch.tensor(
-            [stats.loss_sum, stats.weight_sum, stats.tau_sum, stats.blocks, stats.tokens, stats.samples],
+            [
+                float(stats.loss_sum),
+                stats.weight_sum,
+                float(stats.tau_sum),
+                float(stats.blocks),
+                stats.tokens,
+                stats.samples,
+            ],
             dtype=torch.float64,
         )
-        correct = (stats.correct if stats.correct is not None else torch.zeros(B)).to(torch.float64)
-        valid = (stats.valid if stats.valid is not None else torch.zeros(B)).to(torch.float64)
+        correct = torch.as_tensor(stats.correct).cpu().to(torch.float64).expand(B)
+        valid = torch.as_tensor(stats.valid).cpu().to(torch.float64).expand(B)
         packed = torch.cat([sums, correct, valid])
+        if self.dist.enabled and self.device.type == "cuda":
+            packed = packed.to(self.device)
         D.all_reduce_sum(packed, self.dist)
+        packed = packed.cpu()
         loss_sum, weight_sum, tau_sum, blocks, tokens, samples = packed[:6].tolist()
         correct, valid = packed[6 : 6 + B], packed[6 + B :]
         elapsed = time.monotonic() - stats.t0
@@ -341,7 +409,7 @@ class Trainer:
             "acc_per_pos": acc_per_pos,
             "tau": tau_sum / max(blocks, 1.0),
             "lr": self.scheduler.get_last_lr()[0],
-            "grad_norm": stats.grad_norm,
+            "grad_norm": float(stats.grad_norm),
             "tok_s": tokens / max(elapsed, 1e-9),
             "samples": len(self.trained),
             "interval_samples": samples,

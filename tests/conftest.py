@@ -206,3 +206,40 @@ def inject_s3_faults(client, decide, *, operation: str = "*"):
 def s3_faults():
     """The :func:`inject_s3_faults` helper, as a fixture so test modules need not import conftest."""
     return inject_s3_faults
+
+
+# ------------------------------------------------------------------------------------ pipeline fixtures
+@pytest.fixture(scope="session")
+def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo's tiny Qwen3 target saved once per session (config, tokenizer, safetensors)."""
+    from dflash.common.demo_assets import materialize_tiny_target
+
+    return materialize_tiny_target(tmp_path_factory.mktemp("tiny-target") / "target")
+
+
+@pytest.fixture(scope="session")
+def demo_spool(tmp_path_factory: pytest.TempPathFactory, tiny_target: Path) -> Path:
+    """A finished spool of REAL shards: dflash-produce ran the tiny target over the bundled chat data.
+
+    Session-scoped (one producer run, ~20 s); tests copy it (``copy_spool``) before consuming from it.
+    """
+    from pipeline_helpers import produce_cmd, run
+
+    from dflash.common.demo_assets import demo_dataset_path
+
+    spool = tmp_path_factory.mktemp("demo-spool") / "spool"
+    proc = run(produce_cmd(spool, tiny_target, demo_dataset_path(), "--run", "fixture"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return spool
+
+
+@pytest.fixture
+def copy_spool(tmp_path: Path):
+    import shutil
+
+    def _copy(src: Path) -> Path:
+        dst = tmp_path / "spool"
+        shutil.copytree(src, dst)
+        return dst
+
+    return _copy

@@ -1,0 +1,593 @@
+"""``dflash-eval``: greedy speculative decoding with an exported drafter; reports acceptance length τ and speed.
+
+The loop (docs/export-and-eval.md), per prompt:
+
+1. Target prefill with a KV cache (HF DynamicCache); hooks capture the K target layers' outputs for every prompt
+   token: the drafter's context features. Its last logits give the first new token, the first anchor.
+2. The drafter drafts a block [anchor, MASK x (B-1)] at positions anchor_pos..anchor_pos+B-1, attending to the
+   context features of ALL positions before the anchor (at inference every context position precedes the
+   anchor: the training mask `kv < anchor` of the anchor's own document, with nothing else in the stream).
+3. The target verifies [anchor, d_1..d_{B-1}] in ONE forward on its cache. Greedy: d_k is accepted while it
+   equals the target's argmax after the tokens before it; the target's argmax after the last accepted token is
+   the bonus token. So every verify step emits accepted+1 tokens, exactly the tokens plain greedy decoding
+   would emit (lossless, up to floating-point ties).
+4. The cache is cropped to the accepted tokens, and their captured features (computed in the verify forward,
+   i.e. full-forward hidden states of accepted tokens) are appended to the context. The bonus token is the
+   next anchor: its features do not exist until the next verify forward.
+
+τ = tokens emitted per verify step (accepted drafts + bonus, cut at a stop token or the length budget), pooled
+over all steps of all prompts: the public DFlash benchmark's "acceptance length". Per block it is the trainer's
+`tau`; the trainer averages it over uniformly sampled anchors, decoding over the anchors it visits, which
+weighs easy stretches less (docs/export-and-eval.md: why the trainer's number is higher).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+PROG = "dflash-eval"
+
+
+# ------------------------------------------------------------------------------------------------- target
+
+
+def _crop(cache: Any, length: int) -> None:
+    """Keep the first `length` positions of a DynamicCache (transformers 5 crops by a negative count)."""
+    remove = cache.get_seq_length() - length
+    if remove > 0:
+        cache.crop(-remove)
+
+
+class TargetRunner:
+    """The target LM with one KV cache and hooks that capture the drafter's K context layers.
+
+    Layer i's feature is the output of decoder layer i (HF `hidden_states[i + 1]`); for the last layer that
+    is the final norm's output, as the producer captures it (dflash.producer.capture).
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int]):
+        from dflash.producer.capture import find_decoder
+
+        self.model = model
+        _, layers, norm = find_decoder(model)
+        self.layer_ids = [int(i) for i in layer_ids]
+        bad = [i for i in self.layer_ids if not 0 <= i < len(layers)]
+        if bad:
+            raise ValueError(f"drafter target_layer_ids {bad} do not exist in a {len(layers)}-layer target")
+        self._captured: dict[int, torch.Tensor] = {}
+        self._capture = False
+        self._handles = []
+        for i in sorted(set(self.layer_ids)):
+            module = norm if i == len(layers) - 1 else layers[i]
+            self._handles.append(module.register_forward_hook(self._hook(i)))
+        self.cache = None
+        self.device = next(model.parameters()).device
+        # transformers >= 5.2x renamed `past_key_values` to `cache` (the old name warns, then goes away)
+        self._cache_kw = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
+
+    def _hook(self, layer: int):
+        def hook(module, args, output):
+            if self._capture:
+                self._captured[layer] = (output[0] if isinstance(output, tuple) else output)[0]
+
+        return hook
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+        if hasattr(self.cache, "activate_past_recording"):  # lets sliding-window layers be cropped
+            self.cache.activate_past_recording()
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def crop(self, length: int) -> None:
+        _crop(self.cache, length)
+
+    @torch.no_grad()
+    def forward(
+        self, ids: torch.Tensor, *, last_logits_only: bool = False, capture: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run `ids` [n] at positions length..length+n-1 -> (logits [n or 1, V], features [n, K*H] or None)."""
+        start = self.length
+        positions = torch.arange(start, start + ids.shape[0], device=self.device)
+        self._capture, self._captured = capture, {}
+        try:
+            out = self.model(
+                input_ids=ids[None].to(self.device),
+                position_ids=positions[None],
+                use_cache=True,
+                **{self._cache_kw: self.cache},
+                logits_to_keep=1 if last_logits_only else 0,
+            )
+        finally:
+            self._capture = False
+        feats = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1) if capture else None
+        self._captured = {}
+        return out.logits[0], feats
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+# ------------------------------------------------------------------------------------------------ drafter
+
+
+class Proposer(Protocol):
+    """What the decoding loop asks of a drafter (tests plug in oracles)."""
+
+    block_size: int
+
+    def reset(self) -> None: ...
+
+    def extend(self, features: torch.Tensor, start: int) -> None:
+        """Append the context features of positions start..start+n-1 (n = features.shape[0])."""
+
+    def propose(self, anchor_token: int, anchor_pos: int, block_len: int) -> torch.Tensor:
+        """Draft tokens [block_len - 1] for positions anchor_pos+1.. given all context so far."""
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos[:, None, :] + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin[:, None, :]
+
+
+class DrafterProposer:
+    """`DFlashDrafter` at inference: the context K/V of every draft layer is cached and grows with the
+    accepted tokens (context keys/values depend only on the shared context feature, not on the layer input),
+    so a draft costs one pass of B tokens over the cached context instead of re-projecting it.
+    Same math as `DFlashDrafter.forward` with the all-visible mask (tests compare the two)."""
+
+    def __init__(self, drafter: nn.Module):
+        self.drafter = drafter
+        self.config = drafter.config
+        self.block_size = self.config.block_size
+        self.dtype = drafter.fc.weight.dtype
+        self.device = drafter.fc.weight.device
+        self.reset()
+
+    def reset(self) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * len(self.drafter.layers)
+        self.values: list[torch.Tensor | None] = [None] * len(self.drafter.layers)
+        self.length = 0
+
+    @torch.inference_mode()
+    def extend(self, features: torch.Tensor, start: int) -> None:
+        assert start == self.length, f"context is {self.length} tokens, got features from position {start}"
+        d = self.drafter
+        n = features.shape[0]
+        context = d.hidden_norm(d.fc(features.to(self.device, self.dtype)))
+        cos, sin = d.rotary_emb(torch.arange(start, start + n, device=self.device), self.dtype)
+        for i, layer in enumerate(d.layers):
+            attn = layer.self_attn
+            k = _rotate(attn.k_norm(attn.k_proj(context).view(n, attn.num_kv_heads, attn.head_dim)), cos, sin)
+            v = attn.v_proj(context).view(n, attn.num_kv_heads, attn.head_dim)
+            self.keys[i] = k if self.keys[i] is None else torch.cat([self.keys[i], k])
+            self.values[i] = v if self.values[i] is None else torch.cat([self.values[i], v])
+        self.length += n
+
+    @torch.inference_mode()
+    def block_hidden(self, block_ids: torch.Tensor, anchor_pos: int) -> torch.Tensor:
+        """Final-normed hidden states [b, H] of the block `block_ids` [b] placed at anchor_pos.."""
+        d = self.drafter
+        b = block_ids.shape[0]
+        x = d.target_head.embed(block_ids.to(self.device)).to(self.dtype)
+        cos, sin = d.rotary_emb(torch.arange(anchor_pos, anchor_pos + b, device=self.device), self.dtype)
+        for i, layer in enumerate(d.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = _rotate(attn.q_norm(attn.q_proj(h).view(b, attn.num_heads, attn.head_dim)), cos, sin)
+            k = _rotate(attn.k_norm(attn.k_proj(h).view(b, attn.num_kv_heads, attn.head_dim)), cos, sin)
+            v = attn.v_proj(h).view(b, attn.num_kv_heads, attn.head_dim)
+            if self.keys[i] is not None:
+                k, v = torch.cat([self.keys[i], k]), torch.cat([self.values[i], v])
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                scale=attn.head_dim**-0.5,
+                enable_gqa=attn.num_heads != attn.num_kv_heads,
+            )
+            x = x + attn.o_proj(out[0].transpose(0, 1).reshape(b, attn.num_heads * attn.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return d.norm(x)
+
+    @torch.inference_mode()
+    def propose(self, anchor_token: int, anchor_pos: int, block_len: int) -> torch.Tensor:
+        ids = torch.full((block_len,), self.config.mask_token_id, dtype=torch.long)
+        ids[0] = anchor_token
+        hidden = self.block_hidden(ids, anchor_pos)[1:]
+        head = self.drafter.target_head.lm_head_weight
+        return (hidden.to(head.dtype) @ head.t()).argmax(-1).cpu()
+
+
+# ------------------------------------------------------------------------------------------------ decoding
+
+
+@dataclass(kw_only=True)
+class Generation:
+    """One prompt's decode. `steps` holds (block length, accepted drafts, tokens emitted) per verify step."""
+
+    tokens: list[int]
+    steps: list[tuple[int, int, int]] = field(default_factory=list)
+    target_forwards: int = 0
+    wall_s: float = 0.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _emit(new: list[int], budget: int, stop: set[int]) -> tuple[list[int], bool]:
+    """`new` cut to the length budget and just after the first stop token; (tokens, stopped)."""
+    new = new[:budget]
+    for i, t in enumerate(new):
+        if t in stop:
+            return new[: i + 1], True
+    return new, False
+
+
+@torch.inference_mode()
+def speculative_generate(
+    target: TargetRunner,
+    proposer: Proposer,
+    prompt: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+    block_size: int | None = None,
+) -> Generation:
+    """Greedy DFlash decoding of `prompt` [P]; see the module docstring for the loop."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    block = block_size or proposer.block_size
+    stop = set(stop_token_ids)
+    _sync(target.device)
+    t0 = time.perf_counter()
+    target.reset()
+    proposer.reset()
+    logits, feats = target.forward(prompt, last_logits_only=True)
+    proposer.extend(feats, 0)
+    gen = Generation(tokens=[int(logits[-1].argmax())], target_forwards=1)
+    stopped = gen.tokens[0] in stop
+    while not stopped and len(gen.tokens) < max_new_tokens:
+        anchor_pos = target.length
+        remaining = max_new_tokens - len(gen.tokens)
+        b = min(block, remaining + 1)
+        draft = proposer.propose(gen.tokens[-1], anchor_pos, b)
+        ids = torch.cat([torch.tensor([gen.tokens[-1]]), draft.to(torch.long).cpu()])
+        logits, feats = target.forward(ids)
+        gen.target_forwards += 1
+        greedy = logits.argmax(-1).cpu()  # greedy[k]: the target's token after ids[:k+1]
+        accepted = int(torch.cumprod((draft == greedy[:-1]).long(), 0).sum())
+        new, stopped = _emit(draft[:accepted].tolist() + [int(greedy[accepted])], remaining, stop)
+        gen.steps.append((b, accepted, len(new)))
+        gen.tokens.extend(new)
+        target.crop(anchor_pos + accepted + 1)
+        if not stopped and len(gen.tokens) < max_new_tokens:
+            proposer.extend(feats[: accepted + 1], anchor_pos)
+    _sync(target.device)
+    gen.wall_s = time.perf_counter() - t0
+    return gen
+
+
+@torch.inference_mode()
+def greedy_generate(
+    target: TargetRunner, prompt: torch.Tensor, *, max_new_tokens: int, stop_token_ids: Sequence[int] = ()
+) -> Generation:
+    """Plain greedy decoding with the same cache: the baseline for speed and for the lossless check."""
+    stop = set(stop_token_ids)
+    _sync(target.device)
+    t0 = time.perf_counter()
+    target.reset()
+    logits, _ = target.forward(prompt, last_logits_only=True, capture=False)
+    gen = Generation(tokens=[int(logits[-1].argmax())], target_forwards=1)
+    while gen.tokens[-1] not in stop and len(gen.tokens) < max_new_tokens:
+        logits, _ = target.forward(torch.tensor([gen.tokens[-1]]), capture=False)
+        gen.tokens.append(int(logits[-1].argmax()))
+        gen.target_forwards += 1
+    _sync(target.device)
+    gen.wall_s = time.perf_counter() - t0
+    return gen
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+
+@dataclass(kw_only=True)
+class EvalReport:
+    prompts: int
+    block_size: int
+    generated_tokens: int
+    verify_steps: int
+    tau: float
+    """Tokens per verify step (accepted + bonus), pooled over all steps."""
+    tau_per_prompt: list[float]
+    accept_rate: list[float]
+    """[B]: index k = fraction of verify steps whose draft position k was accepted (index 0 = the anchor)."""
+    accept_length_hist: list[int]
+    """[B+1]: verify steps by tokens emitted."""
+    target_forwards_per_token: float
+    wall_s: float
+    tokens_per_s: float
+    baseline: dict | None = None
+    outputs: list[list[int]] = field(default_factory=list)
+    """Generated token ids per prompt (prompt excluded)."""
+
+
+def summarize(
+    gens: Sequence[Generation], block_size: int, baseline: Sequence[Generation] | None = None
+) -> EvalReport:
+    steps = [s for g in gens for s in g.steps]
+    tokens = sum(len(g.tokens) for g in gens)
+    wall = sum(g.wall_s for g in gens)
+    drafted = [sum(1 for b, _, _ in steps if b - 1 >= k) for k in range(block_size)]
+    accepted = [sum(1 for _, a, _ in steps if a >= k) for k in range(block_size)]
+    hist = [0] * (block_size + 1)
+    for _, _, n in steps:
+        hist[n] += 1
+    report = EvalReport(
+        prompts=len(gens),
+        block_size=block_size,
+        generated_tokens=tokens,
+        verify_steps=len(steps),
+        tau=sum(n for _, _, n in steps) / max(1, len(steps)),
+        tau_per_prompt=[sum(n for _, _, n in g.steps) / max(1, len(g.steps)) for g in gens],
+        accept_rate=[1.0] + [accepted[k] / drafted[k] if drafted[k] else 0.0 for k in range(1, block_size)],
+        accept_length_hist=hist,
+        target_forwards_per_token=sum(g.target_forwards for g in gens) / max(1, tokens),
+        wall_s=wall,
+        tokens_per_s=tokens / wall if wall > 0 else 0.0,
+        outputs=[list(g.tokens) for g in gens],
+    )
+    if baseline is not None:
+        base_tokens = sum(len(g.tokens) for g in baseline)
+        base_wall = sum(g.wall_s for g in baseline)
+        base_tps = base_tokens / base_wall if base_wall > 0 else 0.0
+        report.baseline = {
+            "tokens_per_s": base_tps,
+            "wall_s": base_wall,
+            "speedup": report.tokens_per_s / base_tps if base_tps else 0.0,
+            "mismatched_prompts": sum(g.tokens != b.tokens for g, b in zip(gens, baseline, strict=True)),
+        }
+    return report
+
+
+def format_table(r: EvalReport) -> str:
+    rows = [
+        ("prompts", f"{r.prompts}"),
+        ("generated tokens", f"{r.generated_tokens}"),
+        ("verify steps", f"{r.verify_steps}"),
+        ("tau (tokens / verify step)", f"{r.tau:.3f}"),
+        ("target forwards / token", f"{r.target_forwards_per_token:.3f}"),
+        ("wall time [s]", f"{r.wall_s:.2f}"),
+        ("tokens / s", f"{r.tokens_per_s:.1f}"),
+    ]
+    if r.baseline:
+        rows += [
+            ("baseline tokens / s", f"{r.baseline['tokens_per_s']:.1f}"),
+            ("speedup", f"{r.baseline['speedup']:.2f}x"),
+            ("prompts differing from greedy", f"{r.baseline['mismatched_prompts']}"),
+        ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines.append("acceptance by block position (k: P[draft k accepted]):")
+    lines.append("  " + "  ".join(f"{k}:{p:.2f}" for k, p in enumerate(r.accept_rate) if k > 0))
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ prompts
+
+
+def _prompt_messages(row: dict) -> list[dict[str, str]] | None:
+    """The conversation up to its first assistant turn: OpenAI `messages`, ShareGPT `conversations`, the
+    public DFlash benchmark's `turns` (first turn) or a plain `prompt`/`text` string."""
+    roles = {"human": "user", "gpt": "assistant", "chatgpt": "assistant"}
+    turns = row.get("messages") or row.get(
+        "conversations"
+    )  # mixed-schema files fill absent columns with None
+    if isinstance(turns, list):
+        msgs = []
+        for t in turns:
+            if not isinstance(t, dict):
+                return None
+            role = t.get("role") or t.get("from")
+            role = roles.get(role, role)
+            if role == "assistant":
+                break
+            content = t.get("content") if t.get("content") is not None else t.get("value")
+            if role not in ("system", "user") or not isinstance(content, str):
+                return None
+            msgs.append({"role": role, "content": content})
+        return msgs if any(m["role"] == "user" for m in msgs) else None
+    if isinstance(row.get("turns"), list) and row["turns"] and isinstance(row["turns"][0], str):
+        return [{"role": "user", "content": row["turns"][0]}]
+    text = row.get("prompt") or row.get("text")
+    return [{"role": "user", "content": text}] if isinstance(text, str) and text else None
+
+
+def load_prompts(
+    dataset: str, tokenizer: Any, *, num_prompts: int, max_prompt_tokens: int | None = None
+) -> list[torch.Tensor]:
+    """The first `num_prompts` usable rows as token ids (chat template + generation prompt). Rows without a
+    user turn, or longer than `max_prompt_tokens`, are skipped (counted in the log)."""
+    from dflash.producer.data import DataConfig, load_raw_dataset
+
+    ds = load_raw_dataset(DataConfig(dataset=dataset))
+    prompts, skipped = [], 0
+    for row in ds:
+        if len(prompts) >= num_prompts:
+            break
+        if "_raw_json" in row:  # rows of mixed types, stored as JSON text (producer.data)
+            row = json.loads(row["_raw_json"])
+        msgs = _prompt_messages(row)
+        if msgs is None:
+            skipped += 1
+            continue
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        else:
+            ids = tokenizer("\n".join(m["content"] for m in msgs))["input_ids"]
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            skipped += 1
+            continue
+        prompts.append(torch.tensor(ids, dtype=torch.long))
+    if skipped:
+        log.info("skipped %d rows (no user turn, or prompt too long)", skipped)
+    if not prompts:
+        raise ValueError(f"dataset {dataset}: no usable prompts")
+    return prompts
+
+
+def stop_tokens(tokenizer: Any, model: nn.Module) -> list[int]:
+    ids = set()
+    for value in (
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(model.generation_config, "eos_token_id", None),
+    ):
+        if value is not None:
+            ids.update(value if isinstance(value, list) else [value])
+    return sorted(int(i) for i in ids)
+
+
+# ----------------------------------------------------------------------------------------------------- CLI
+
+
+def evaluate(
+    target: nn.Module,
+    drafter: nn.Module,
+    prompts: Sequence[torch.Tensor],
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+    block_size: int | None = None,
+    baseline: bool = False,
+) -> EvalReport:
+    runner = TargetRunner(target, drafter.config.target_layer_ids)
+    proposer = DrafterProposer(drafter)
+    block = block_size or proposer.block_size
+    try:
+        kw = {"max_new_tokens": max_new_tokens, "stop_token_ids": stop_token_ids}
+        gens = [speculative_generate(runner, proposer, p, block_size=block, **kw) for p in prompts]
+        base = [greedy_generate(runner, p, **kw) for p in prompts] if baseline else None
+    finally:
+        runner.close()
+    return summarize(gens, block, base)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG, description="Greedy DFlash speculative decoding: acceptance and speed."
+    )
+    p.add_argument("--target", required=True, help="target model folder or hub id (with tokenizer)")
+    p.add_argument("--drafter", required=True, help="dflash-export folder")
+    p.add_argument(
+        "--dataset", required=True, help="prompts: .jsonl/.json/.parquet file or folder, or hub name"
+    )
+    p.add_argument("--num-prompts", type=int, default=16, help="first K usable rows (default 16)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-prompt-tokens", type=int, default=4096, help="skip longer prompts")
+    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
+    p.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:N"
+    )
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="auto: bfloat16 on CUDA, float32 on CPU",
+    )
+    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    p.add_argument("--baseline", action="store_true", help="also run plain greedy: speedup + lossless check")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON ('-' = stdout)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s eval %(levelname)s %(message)s", datefmt="%H:%M:%S"
+    )
+    from dflash.consumer.export import ExportError, load_exported_drafter, read_export_config
+    from dflash.producer.data import DataError
+
+    try:
+        for name in ("num_prompts", "max_new_tokens", "max_prompt_tokens"):
+            if getattr(args, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+        if args.block_size is not None and args.block_size < 2:
+            raise ValueError(f"--block-size must be >= 2, got {args.block_size}")
+        read_export_config(args.drafter)  # a wrong folder fails before the target is loaded
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device available")
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
+            args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
+        )
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.target)
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
+        drafter = load_exported_drafter(args.drafter, target, device=device, dtype=dtype)
+        prompts = load_prompts(
+            args.dataset, tokenizer, num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens
+        )
+        report = evaluate(
+            target,
+            drafter,
+            prompts,
+            max_new_tokens=args.max_new_tokens,
+            stop_token_ids=[] if args.ignore_eos else stop_tokens(tokenizer, target),
+            block_size=args.block_size,
+            baseline=args.baseline,
+        )
+    except (ExportError, DataError, ValueError, OSError) as err:
+        sys.exit(
+            f"{PROG}: error: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}"
+        )
+    print(format_table(report))
+    if args.json:
+        text = json.dumps(
+            {
+                **asdict(report),
+                "target": args.target,
+                "drafter": args.drafter,
+                "device": str(device),
+                "dtype": str(dtype).removeprefix("torch."),
+                "max_new_tokens": args.max_new_tokens,
+            },
+            indent=2,
+        )
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,353 @@
+"""``dflash-export``: a training checkpoint -> a HF-style drafter folder that DFlash inference code loads.
+
+The folder (docs/export-and-eval.md) holds ``config.json``, a Qwen3 config plus the DFlash fields the public
+``DFlashDraftModel`` reads (``architectures``, ``num_target_layers``, ``block_size``,
+``dflash_config: {target_layer_ids, mask_token_id, block_size}``), and ``model.safetensors`` with the draft
+layers, ``fc``, ``hidden_norm`` and ``norm`` under the public parameter names. The target's embedding and
+lm_head are NOT in it: inference borrows them from the target, as training did.
+
+Why the checkpoint's weights can be written without renames: ``DFlashDrafter`` names its parameters like the
+public model (dflash.consumer.drafter). Export still checks every name and shape against a drafter built from
+the checkpoint's own config, so a checkpoint of another architecture fails here, not at inference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash.consumer.drafter import DFlashDrafter, DrafterConfig, RotaryEmbedding, load_target_head
+
+log = logging.getLogger(__name__)
+
+PROG = "dflash-export"
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+# Prefixes a wrapped module adds to parameter names (torch.compile, DDP); never part of the public names.
+_WRAPPER_PREFIXES = ("_orig_mod.", "module.")
+
+
+class ExportError(ValueError):
+    """A checkpoint or export folder that cannot be used; the message is one line."""
+
+
+# ----------------------------------------------------------------------------------------------- config
+
+
+def export_config(config: DrafterConfig, dtype: torch.dtype) -> dict:
+    """config.json of an exported drafter: the Qwen3 config the public `DFlashDraftModel` loads.
+
+    `block_size` is written both at the top level (where the public Qwen3 drafters have it) and inside
+    `dflash_config` (where newer public configs have it; the public loader reads dflash_config first).
+    `rope_theta`/`rope_scaling` duplicate `rope_parameters` for transformers-4 era readers; transformers 5
+    takes `rope_parameters` when both are present.
+    """
+    out = config.to_qwen3_config().to_diff_dict()
+    for key in ("transformers_version", "_name_or_path"):
+        out.pop(key, None)
+    out["dtype"] = str(dtype).removeprefix("torch.")
+    out["block_size"] = config.block_size
+    out["num_target_layers"] = config.num_target_layers
+    out["dflash_config"] = {
+        "target_layer_ids": list(config.target_layer_ids),
+        "mask_token_id": config.mask_token_id,
+        "block_size": config.block_size,
+    }
+    out["rope_parameters"] = config.rope_parameters
+    out["rope_theta"] = config.rope_theta
+    out["rope_scaling"] = dict(config.rope_scaling) if config.rope_scaling else None
+    return dict(sorted(out.items()))
+
+
+def drafter_config_from_export(cfg: dict) -> DrafterConfig:
+    """Inverse of `export_config`; also reads the public DFlash drafters' config.json (transformers 4 or 5)."""
+    dflash = cfg.get("dflash_config") or {}
+
+    def field(name: str, default: Any = None) -> Any:
+        value = dflash.get(name, cfg.get(name, default))
+        if value is None:
+            raise ExportError(f"config.json has no {name!r} (neither top level nor dflash_config)")
+        return value
+
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params and "rope_theta" not in params:
+        params = params["full_attention"]
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        extra = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(cfg.get("rope_theta", 10000.0))
+        extra = dict(cfg.get("rope_scaling") or {})
+        if "type" in extra and "rope_type" not in extra:
+            extra["rope_type"] = extra.pop("type")
+    scaling = (
+        None if set(extra) <= {"rope_type"} and extra.get("rope_type", "default") == "default" else extra
+    )
+    heads = int(field("num_attention_heads"))
+    try:
+        return DrafterConfig(
+            hidden_size=int(field("hidden_size")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+            intermediate_size=int(field("intermediate_size")),
+            vocab_size=int(field("vocab_size")),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+            num_layers=int(field("num_hidden_layers")),
+            block_size=int(field("block_size", 16)),
+            target_layer_ids=[int(i) for i in field("target_layer_ids")],
+            num_target_layers=int(field("num_target_layers")),
+            mask_token_id=int(field("mask_token_id")),
+            initializer_range=float(cfg.get("initializer_range", 0.02)),
+        )
+    except ValueError as err:
+        raise ExportError(f"config.json: {err}") from None
+
+
+# ---------------------------------------------------------------------------------------------- weights
+
+
+def expected_shapes(config: DrafterConfig) -> dict[str, torch.Size]:
+    """Public parameter name -> shape, from a drafter built on the meta device (no memory, any size)."""
+    with torch.device("meta"):
+        model = DFlashDrafter(config)
+    return {name: p.shape for name, p in model.named_parameters()}
+
+
+def _public_state(model_state: dict[str, torch.Tensor], config: DrafterConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the public names, checked name by name and shape by shape."""
+    state = {}
+    for name, tensor in model_state.items():
+        for prefix in _WRAPPER_PREFIXES:
+            name = name.removeprefix(prefix)
+        state[name] = tensor
+    want = expected_shapes(config)
+    missing = sorted(set(want) - set(state))
+    unexpected = sorted(set(state) - set(want))
+    if missing or unexpected:
+        raise ExportError(
+            f"weights do not fit the drafter config: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    for name, shape in want.items():
+        if state[name].shape != shape:
+            raise ExportError(f"{name}: shape {list(state[name].shape)}, the config implies {list(shape)}")
+    return state
+
+
+def export_drafter(
+    model_state: dict[str, torch.Tensor],
+    config: DrafterConfig,
+    out_dir: str | Path,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    metadata: dict[str, str] | None = None,
+    overwrite: bool = False,
+) -> Path:
+    """Write the export folder. It appears complete or not at all: files go to a temp folder beside
+    `out_dir`, which is renamed into place last. `metadata` (str -> str) goes into the safetensors header."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if not overwrite:
+            raise ExportError(f"{out} exists and is not empty (pass --overwrite to replace it)")
+    tensors = {
+        name: t.detach().to("cpu", dtype).contiguous()
+        for name, t in _public_state(model_state, config).items()
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        (tmp / CONFIG_FILE).write_text(json.dumps(export_config(config, dtype), indent=2) + "\n")
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", **(metadata or {})})
+        os.chmod(tmp, 0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("exported %d tensors (%s) to %s", len(tensors), dtype, out)
+    return out
+
+
+def read_export_config(path: str | Path) -> DrafterConfig:
+    """The DrafterConfig of an export folder; ExportError if it is not one."""
+    root = Path(path)
+    for fname in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (root / fname).is_file():
+            raise ExportError(f"{root}: no {fname} (not a dflash-export folder)")
+    try:
+        raw = json.loads((root / CONFIG_FILE).read_text())
+    except json.JSONDecodeError as err:
+        raise ExportError(f"{root / CONFIG_FILE}: invalid JSON ({err})") from None
+    return drafter_config_from_export(raw)
+
+
+def load_exported_drafter(
+    path: str | Path,
+    target: Any,
+    *,
+    device: Any = None,
+    dtype: torch.dtype | None = None,
+    attention_backend: str = "auto",
+) -> DFlashDrafter:
+    """An exported folder (or a public DFlash drafter folder) -> `DFlashDrafter` with the target's head.
+
+    `target`: the target's folder or hub id (only its embedding and lm_head are read) or an in-memory HF
+    model. `dtype`: default the stored dtype. The drafter is returned in eval mode.
+    """
+    from safetensors.torch import load_file
+
+    root = Path(path)
+    config = read_export_config(root)
+    state = _public_state(load_file(str(root / WEIGHTS_FILE)), config)
+    dtype = dtype or next(iter(state.values())).dtype
+    head = load_target_head(target, dtype=dtype, device=device)
+    if head.embed_weight.shape[1] != config.hidden_size:
+        raise ExportError(
+            f"target hidden size {head.embed_weight.shape[1]} != drafter hidden size {config.hidden_size}: "
+            "this drafter was trained for another target"
+        )
+    # Built on the meta device and filled by assignment: no random init of weights that are overwritten
+    # anyway, and the parameters take `dtype` while the rotary table stays fp32 (a `.to(dtype)` would round
+    # inv_freq, which the public model keeps in fp32).
+    with torch.device("meta"):
+        model = DFlashDrafter(config, attention_backend=attention_backend)
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    model.rotary_emb = RotaryEmbedding(config)
+    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert not leftover, f"tensors left uninitialized after loading: {leftover}"
+    model.set_target_head(head)
+    return model.to(device).eval() if device is not None else model.eval()
+
+
+# ------------------------------------------------------------------------------------------- checkpoint
+
+
+def parse_checkpoint_url(url: str, *, run: str | None, step: int | None) -> tuple[str, str, int | None]:
+    """(store url, run, step) from the CLI: with --run, `url` is the store; without, `url` ends in the run
+    (`<store>/<run>`) or in a step directory (`<store>/<run>/step-<n>`)."""
+    if run is not None:
+        return url, run, step
+    parts = url.rstrip("/").rsplit("/", 1)
+    if len(parts) != 2 or not parts[1] or parts[0].endswith(":/"):
+        raise ExportError(f"{url}: expected <store>/<run> or <store>/<run>/step-<n> (or pass --run)")
+    head, last = parts
+    match = _STEP_DIR.match(last)
+    if match is None:
+        return head, last, step
+    if step is not None and step != int(match.group(1)):
+        raise ExportError(f"--step {step} contradicts the step directory {last}")
+    store_url, _, run_name = head.rpartition("/")
+    if not store_url or not run_name or store_url.endswith(":/"):
+        raise ExportError(f"{url}: a step directory url needs <store>/<run>/step-<n>")
+    return store_url, run_name, int(match.group(1))
+
+
+def load_checkpoint_weights(store_url: str, run: str, step: int | None = None) -> tuple[dict, dict]:
+    """(model_state, meta) of one checkpoint, downloading and verifying ONLY model.safetensors and meta.json
+    (the optimizer state is twice the weights' size and export does not need it). Default step: `latest`.
+    No fallback to an older checkpoint: an export must be of exactly the checkpoint asked for."""
+    from safetensors.torch import load_file
+
+    from dflash.consumer import checkpoint as C
+
+    store = C._as_store(store_url)
+    C._check_run(run)
+    if step is None:
+        name = C._read_latest_name(store, run)
+        if name is None:
+            raise ExportError(f"no checkpoint in {store.url_for(run)} (no 'latest')")
+    else:
+        name = C.step_dir_name(step)
+    meta = C._read_meta(store, run, name)
+    with tempfile.TemporaryDirectory(prefix="dflash-export-") as tmp:
+        path = C._fetch_verified(store, run, name, C.MODEL_FILE, meta, Path(tmp, C.MODEL_FILE))
+        return load_file(str(path)), meta
+
+
+def export_checkpoint(
+    store_url: str,
+    run: str,
+    out_dir: str | Path,
+    *,
+    step: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    overwrite: bool = False,
+) -> Path:
+    """Export one training checkpoint (the drafter config is the one recorded in its meta.json)."""
+    model_state, meta = load_checkpoint_weights(store_url, run, step)
+    saved = meta.get("config") or {}
+    if not isinstance(saved.get("drafter"), dict):
+        raise ExportError(
+            f"checkpoint {run} step {meta.get('step')}: meta.json config has no 'drafter' entry"
+        )
+    try:
+        config = DrafterConfig.from_dict(saved["drafter"])
+    except (TypeError, ValueError) as err:
+        raise ExportError(f"checkpoint {run} step {meta.get('step')}: bad drafter config: {err}") from None
+    target = (saved.get("train") or {}).get("target")
+    metadata = {"dflash_run": run, "dflash_step": str(meta.get("step"))}
+    if target:
+        metadata["dflash_target"] = str(target)
+    return export_drafter(model_state, config, out_dir, dtype=dtype, metadata=metadata, overwrite=overwrite)
+
+
+# ----------------------------------------------------------------------------------------------------- CLI
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Export a dflash-consume checkpoint as a HF-style DFlash drafter folder.",
+        epilog="CHECKPOINT: <store>/<run> (its latest step), <store>/<run>/step-<n>, or <store> with --run; "
+        "<store> is s3://bucket/prefix or a local folder, as given to dflash-consume --checkpoint.",
+    )
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint url (see below)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (config.json + model.safetensors)")
+    p.add_argument("--run", default=None, help="run name; CHECKPOINT is then the store url")
+    p.add_argument("--step", type=int, default=None, help="step to export (default: the run's latest)")
+    p.add_argument(
+        "--dtype", default="bfloat16", choices=sorted(DTYPES), help="weight dtype (default bfloat16)"
+    )
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s export %(levelname)s %(message)s", datefmt="%H:%M:%S"
+    )
+    from dflash.common.checkpoint_store import CheckpointStoreError, redact
+    from dflash.consumer.checkpoint import CheckpointError
+
+    try:
+        store_url, run, step = parse_checkpoint_url(args.checkpoint, run=args.run, step=args.step)
+        out = export_checkpoint(
+            store_url, run, args.out_dir, step=step, dtype=DTYPES[args.dtype], overwrite=args.overwrite
+        )
+    except (ExportError, CheckpointError, CheckpointStoreError, ValueError, OSError) as err:
+        sys.exit(f"{PROG}: error: {redact(str(err)).splitlines()[0]}")
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

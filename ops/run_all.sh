@@ -1,0 +1,192 @@
+#!/usr/bin/env bash
+# The whole pipeline on one node: producers (dflash-produce, one process per GPU) and consumers
+# (dflash-consume, one process per GPU, one torch.distributed group), a log per process, clean stop.
+#
+#   ops/run_all.sh --model PATH --dataset PATH [--producers 0-4] [--consumers 5-7] [options]
+#   ops/run_all.sh --producers cpu:1 --consumers cpu:1 --model ... --dataset ...     # CPU run
+#
+# Ctrl-C / SIGTERM: consumers get SIGTERM first (they finish the step and checkpoint), then producers.
+# Exit status: 0 when every consumer finished; otherwise non-zero, naming the failed process and the
+# tail of its log.
+set -uo pipefail
+
+die() { echo "run_all.sh: error: $*" >&2; exit 2; }
+usage() {
+  sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+  cat <<'USAGE'
+Options:
+  --producers LIST      GPUs for producers: 0-4 | 0,1,2 | cpu:N            (default 0-4)
+  --consumers LIST      GPUs for consumers: 5-7 | 5 | cpu:N                 (default 5-7)
+  --model PATH|ID       target model (required)
+  --dataset PATH|ID     chat dataset (required)
+  --run NAME            run name (default: run-YYYYmmdd-HHMMSS)
+  --run-dir DIR         logs, metrics, plots (default: runs/NAME)
+  --spool DIR           spool directory (default: /dev/shm/dflash/NAME)
+  --checkpoint URL      s3://bucket/prefix or a local folder (default: RUN_DIR/checkpoints)
+  --max-steps N         consumers stop after N steps
+  --producer-args "..." extra flags for dflash-produce
+  --consumer-args "..." extra flags for dflash-consume
+  --fresh-spool         delete a leftover spool of the same run before starting
+  -h, --help            this text
+USAGE
+}
+
+producers="0-4"; consumers="5-7"; model=""; dataset=""; run=""; run_dir=""; spool=""; checkpoint=""
+max_steps=""; producer_args=""; consumer_args=""; fresh_spool=0
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --producers|--consumers|--model|--dataset|--run|--run-dir|--spool|--checkpoint|--max-steps|--producer-args|--consumer-args)
+      [ $# -ge 2 ] || die "$1 needs a value"
+      v="$2"
+      case "$1" in
+        --producers) producers="$v";; --consumers) consumers="$v";; --model) model="$v";;
+        --dataset) dataset="$v";; --run) run="$v";; --run-dir) run_dir="$v";; --spool) spool="$v";;
+        --checkpoint) checkpoint="$v";; --max-steps) max_steps="$v";;
+        --producer-args) producer_args="$v";; --consumer-args) consumer_args="$v";;
+      esac
+      shift 2;;
+    --fresh-spool) fresh_spool=1; shift;;
+    -h|--help) usage; exit 0;;
+    *) die "unknown argument '$1' (see --help)";;
+  esac
+done
+[ -n "$model" ] || die "--model is required (a model folder or hub id)"
+[ -n "$dataset" ] || die "--dataset is required (a dataset folder, file or hub id)"
+[ -z "$max_steps" ] || [[ "$max_steps" =~ ^[1-9][0-9]*$ ]] || die "--max-steps must be a positive integer, got '$max_steps'"
+
+# expand "0-4" / "0,2,3" / "cpu:N" into a list of device words ("0" ... or "cpu" ...)
+expand() {
+  local spec="$1" flag="$2" out=() part a b
+  if [[ "$spec" =~ ^cpu:([1-9][0-9]*)$ ]]; then
+    for ((i = 0; i < ${BASH_REMATCH[1]}; i++)); do out+=(cpu); done
+  elif [[ "$spec" =~ ^[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*$ ]]; then
+    IFS=, read -ra parts <<< "$spec"
+    for part in "${parts[@]}"; do
+      if [[ "$part" == *-* ]]; then
+        a=${part%-*}; b=${part#*-}
+        [ "$a" -le "$b" ] || die "$flag '$spec': range $part runs backwards"
+        for ((i = a; i <= b; i++)); do out+=("$i"); done
+      else out+=("$part"); fi
+    done
+  else
+    die "$flag '$spec': expected GPU indices like 0-4 or 0,1,2, or cpu:N"
+  fi
+  echo "${out[@]}"
+}
+read -ra prod_devs <<< "$(expand "$producers" --producers)" || exit 2
+read -ra cons_devs <<< "$(expand "$consumers" --consumers)" || exit 2
+[ ${#prod_devs[@]} -gt 0 ] && [ ${#cons_devs[@]} -gt 0 ] || exit 2
+
+# GPUs must exist before anything starts
+need_gpu=0; max_gpu=-1
+for d in "${prod_devs[@]}" "${cons_devs[@]}"; do
+  if [ "$d" != cpu ]; then need_gpu=1; [ "$d" -gt "$max_gpu" ] && max_gpu=$d; fi
+done
+if [ "$need_gpu" = 1 ]; then
+  if command -v nvidia-smi >/dev/null 2>&1; then
+    n_gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
+  else
+    n_gpus=0
+  fi
+  if [ "$n_gpus" -le "$max_gpu" ]; then
+    die "GPU $max_gpu requested but this machine has $n_gpus GPU(s) (nvidia-smi -L); use e.g. --producers cpu:1 --consumers cpu:1 for a CPU run"
+  fi
+  for d in "${prod_devs[@]}"; do
+    for c in "${cons_devs[@]}"; do [ "$d" = "$c" ] && die "GPU $d is listed for both producers and consumers"; done
+  done
+fi
+command -v dflash-produce >/dev/null 2>&1 || die "dflash-produce not on PATH (activate the project's .venv: source .venv/bin/activate)"
+
+# CPU processes share the cores: split them evenly (OpenMP spinning across oversubscribed threads makes a
+# CPU run many times slower), unless the caller chose.
+n_cpu_procs=0
+for d in "${prod_devs[@]}" "${cons_devs[@]}"; do [ "$d" = cpu ] && n_cpu_procs=$((n_cpu_procs + 1)); done
+if [ "$n_cpu_procs" -gt 0 ] && [ -z "${OMP_NUM_THREADS:-}" ]; then
+  threads=$(( $(nproc) / n_cpu_procs )); [ "$threads" -ge 1 ] || threads=1
+  export OMP_NUM_THREADS=$threads
+fi
+
+run=${run:-run-$(date +%Y%m%d-%H%M%S)}
+run_dir=${run_dir:-runs/$run}
+spool=${spool:-/dev/shm/dflash/$run}
+checkpoint=${checkpoint:-$run_dir/checkpoints}
+mkdir -p "$run_dir/logs" "$run_dir/metrics" || die "cannot create run directory $run_dir"
+if [ "$fresh_spool" = 1 ] && [ -d "$spool" ]; then rm -rf "$spool"; fi
+mkdir -p "$spool" && chmod 700 "$spool" || die "cannot create spool $spool"
+cat > "$run_dir/run.json" <<JSON
+{"run": "$run", "spool": "$spool", "checkpoint": "$checkpoint", "model": "$model", "dataset": "$dataset",
+ "producers": "$producers", "consumers": "$consumers", "started": $(date +%s)}
+JSON
+: > "$run_dir/pids"
+
+declare -A name_of=()
+pids=(); consumer_pids=(); producer_pids=()
+start() {  # start NAME LOG CMD...: background process with its own log
+  local name="$1" logf="$2"; shift 2
+  "$@" > "$logf" 2>&1 &
+  local pid=$!
+  name_of[$pid]=$name; pids+=("$pid")
+  echo "$name $pid" >> "$run_dir/pids"
+  echo "started $name (pid $pid), log $logf"
+}
+
+# producers: one dflash-produce, which spawns one worker per listed device
+gpus_arg=$producers
+[[ "$producers" =~ ^cpu: ]] && gpus_arg=$producers
+# shellcheck disable=SC2086
+start producer "$run_dir/logs/producer.log" dflash-produce --gpus "$gpus_arg" --model "$model" \
+  --dataset "$dataset" --spool "$spool" --run "$run" --run-dir "$run_dir" --checkpoint "$checkpoint" $producer_args
+producer_pids+=("${pids[-1]}")
+
+# consumers: one torch.distributed group over env://
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+world=${#cons_devs[@]}
+for rank in "${!cons_devs[@]}"; do
+  dev=${cons_devs[$rank]}
+  extra=()
+  [ -n "$max_steps" ] && extra+=(--max-steps "$max_steps")
+  # shellcheck disable=SC2086
+  RANK=$rank LOCAL_RANK=$rank WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    start "consumer-$rank" "$run_dir/logs/consumer-$rank.log" dflash-consume --gpu "$dev" --spool "$spool" \
+    --target "$model" --run "$run" --run-dir "$run_dir" --checkpoint "$checkpoint" "${extra[@]}" $consumer_args
+  consumer_pids+=("${pids[-1]}")
+done
+
+stopping=0
+stop_all() {  # consumers first (they checkpoint on SIGTERM), then producers
+  stopping=1
+  for p in "${consumer_pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
+  local waited=0
+  while [ $waited -lt 120 ]; do
+    local alive=0
+    for p in "${consumer_pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && break
+    sleep 0.5; waited=$((waited + 1))
+  done
+  for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
+  sleep 1
+  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
+  wait 2>/dev/null
+}
+trap 'echo "run_all.sh: stopping (signal)"; stop_all; exit 130' INT TERM
+
+status=0; failed=""
+remaining=${#consumer_pids[@]}
+while [ "$remaining" -gt 0 ]; do
+  wait -n -p done_pid; rc=$?
+  [ -n "${done_pid:-}" ] || continue
+  name=${name_of[$done_pid]}
+  if [ "$rc" -ne 0 ]; then
+    status=$rc; failed=$name
+    echo "run_all.sh: $name (pid $done_pid) failed with exit code $rc; last lines of its log:" >&2
+    tail -n 20 "$run_dir/logs/$name.log" >&2
+    break
+  fi
+  echo "$name finished"
+  [[ "$name" == consumer-* ]] && remaining=$((remaining - 1))
+done
+stop_all
+echo "run dir: $run_dir  (logs in $run_dir/logs, metrics in $run_dir/metrics)"
+if [ -n "$failed" ]; then echo "run_all.sh: FAILED: $failed" >&2; exit "$status"; fi
+python3 -c "import dflash.common.plots as p; p.write_plots('$run_dir')" 2>/dev/null || true
+exit 0
