@@ -167,7 +167,7 @@ def run(preset: str, *, steps: int, context: int, anchors: int, device: torch.de
     times, pairs_all, mem = [], [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    for i in range(steps):
+    for _ in range(steps):
         t = time.perf_counter()
         pairs, _ = one_step()
         sync()
