@@ -29,9 +29,10 @@ from typing import Any
 import numpy as np
 import torch
 import zarr
-from dflash.common.codecs import DEFAULT_CODEC_SPEC, CodecConfig, default_codec
 from zarr.codecs import Crc32cCodec, ZstdCodec
 from zarr.storage import LocalStore
+
+from dflash.common.codecs import DEFAULT_CODEC_SPEC, CodecConfig, default_codec
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

@@ -13,17 +13,18 @@ export PATH="$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts")
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, zarr; print(torch.__version__, transformers.__version__, zarr.__version__)" | tee -a "$OUT/gpu.txt"
 
-part=${1:-all}
-if [ "$part" = all ] || [ "$part" = tests ]; then
+parts=" ${*:-all} "
+want() { [[ "$parts" == *" all "* || "$parts" == *" $1 "* ]]; }
+if want tests; then
   echo "== GPU tests"
   timeout 240 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
-if [ "$part" = all ] || [ "$part" = consumer ]; then
+if want consumer; then
   echo "== consumer bench"
   timeout 330 python3 ops/bench/consumer_bench.py --preset 8b --preset 32b --steps 200 \
     --json "$OUT/consumer_bench.json" 2>&1 | tee "$OUT/consumer_bench.log" | grep -v "^W1\|warn" | tail -12
 fi
-if [ "$part" = all ] || [ "$part" = producer ]; then
+if want producer; then
   echo "== producer bench"
   timeout 240 python3 ops/bench/producer_bench.py --out "$OUT" 2>&1 | tee "$OUT/producer_bench.log" | tail -25
 fi
