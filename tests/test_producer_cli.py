@@ -1,0 +1,205 @@
+"""dflash-produce end to end on CPU: shards cover the dataset exactly, stop is clean, user errors are one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dflash.common.demo_assets import demo_dataset_path, materialize_tiny_target
+from dflash.common.sample_set import SampleSet
+from dflash.common.shard import read_shard
+from dflash.producer.capture import LayerCapture
+from dflash.producer.cli import main, parse_gpus
+from dflash.producer.data import tokenize_conversations
+
+MAX_LENGTH = 128
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory) -> Path:
+    return materialize_tiny_target(tmp_path_factory.mktemp("target") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def demo_rows() -> list[dict]:
+    with open(demo_dataset_path(), encoding="utf-8") as f:
+        return [json.loads(line) for _, line in zip(range(40), f, strict=False)]
+
+
+def _env(tmp_path: Path) -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+
+
+def _cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "dflash.producer.cli", *args]
+
+
+def _dataset(tmp_path: Path, demo_rows: list[dict]) -> tuple[Path, list[dict], set[int], set[int]]:
+    """Demo rows with bad and too-short rows mixed in; returns (path, rows, bad indices, short indices)."""
+    rows = [{"messages": r["messages"]} for r in demo_rows[:16]]
+    bad = {
+        3: {"messages": [{"role": "user", "content": "no answer"}]},
+        8: {"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x" * 80}]},
+        12: {"messages": "not a list"},
+    }
+    short = {5: {"messages": [{"role": "user", "content": "Ok?"}, {"role": "assistant", "content": "Yes."}]}}
+    for i, r in sorted({**bad, **short}.items()):
+        rows.insert(i, r)
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path, rows, set(bad), set(short)
+
+
+def _save_trained(store: Path, run: str, trained: set[int]) -> None:
+    from dflash.consumer.checkpoint import capture_rng_state, save_checkpoint
+
+    save_checkpoint(
+        str(store), run, 10, model_state={"w": torch.zeros(2)}, optimizer_state={}, scheduler_state={},
+        rng_state=capture_rng_state(), trained=SampleSet.from_indices(sorted(trained)), config={},
+    )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_two_cpu_workers_cover_dataset_exactly(tmp_path, target, demo_rows):
+    data, rows, bad, short = _dataset(tmp_path, demo_rows)
+    trained = {1, 10}
+    _save_trained(tmp_path / "ckpt", "demo", trained)
+    spool, run_dir = tmp_path / "spool", tmp_path / "run"
+    res = subprocess.run(
+        _cmd("--gpus", "cpu:2", "--model", str(target), "--dataset", str(data), "--spool", str(spool),
+             "--run", "demo", "--checkpoint", str(tmp_path / "ckpt"), "--run-dir", str(run_dir),
+             "--max-length", str(MAX_LENGTH), "--batch-tokens", "512", "--cache-dir", str(tmp_path / "hf"),
+             "--progress-s", "1"),
+        env=_env(tmp_path), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "dflash-produce: done:" in res.stderr
+
+    shards = [read_shard(p) for p in sorted((spool / "ready").iterdir())]
+    got = [int(i) for s in shards for i in s.sample_index]
+    expected = set(range(len(rows))) - bad - short - trained
+    assert len(got) == len(set(got)) and set(got) == expected
+    assert {s.meta.producer_id for s in shards} == {"n0p0", "n0p1"}
+    assert all(int(i) % 2 == int(s.meta.producer_id[-1]) for s in shards for i in s.sample_index)
+    assert not any((spool / "tmp").iterdir())
+    state = spool / "state"
+    assert (state / "DONE-n0p0").exists() and (state / "DONE-n0p1").exists()
+    counters = [json.loads((state / f"producer-n0p{p}.json").read_text())["counters"] for p in (0, 1)]
+    assert sum(c["skipped"] for c in counters) == len(trained)
+    assert sum(c["bad"] for c in counters) == len(bad) and sum(c["short"] for c in counters) == len(short)
+    assert sum(c["dropped"] for c in counters) == len(bad) + len(short)
+    assert sum(c["samples"] for c in counters) == len(expected)
+    for p in (0, 1):
+        lines = (run_dir / "metrics" / f"producer-n0p{p}.jsonl").read_text().splitlines()
+        assert json.loads(lines[-1])["done"] is True
+
+    # Tokens, loss mask and hidden states of one shard are those of the target on each sample alone.
+    tok = AutoTokenizer.from_pretrained(target)
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    cap = LayerCapture(model, shards[0].meta.layer_ids)
+    assert shards[0].meta.layer_ids == [1, 2, 3, 4, 5] and shards[0].meta.hidden_size == 256
+    for shard in shards[:2]:
+        cu = shard.cu_seqlens.tolist()
+        for n, idx in enumerate(shard.sample_index.tolist()):
+            ids, mask = tokenize_conversations(tok, [rows[idx]["messages"]])[0]
+            a, b = cu[n], cu[n + 1]
+            assert shard.input_ids[a:b].tolist() == ids[:MAX_LENGTH]
+            assert shard.loss_mask[a:b].tolist() == mask[:MAX_LENGTH]
+            with torch.inference_mode():
+                ref = cap.run(torch.tensor([ids[:MAX_LENGTH]]))
+            torch.testing.assert_close(
+                shard.hidden[a:b].float(), ref.bfloat16().float(), rtol=0.02, atol=0.02
+            )
+
+
+@pytest.mark.slow
+def test_sigterm_under_backpressure_stops_cleanly(tmp_path, target, demo_rows):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in demo_rows[:24]))
+    spool = tmp_path / "spool"
+    proc = subprocess.Popen(
+        _cmd("--gpus", "cpu:1", "--model", str(target), "--dataset", str(data), "--spool", str(spool),
+             "--max-length", str(MAX_LENGTH), "--batch-tokens", "256", "--budget-gb", "1e-6",
+             "--cache-dir", str(tmp_path / "hf")),
+        env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        hb = spool / "state" / "producer-n0p0.json"
+        while time.monotonic() < deadline:
+            # The spool is over budget after the first shard: the writer blocks, the forward loop waits.
+            if hb.exists() and json.loads(hb.read_text())["counters"].get("phase") == "waiting for writer":
+                break
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            time.sleep(0.2)
+        else:
+            pytest.fail("producer never blocked on the spool budget")
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "stopped before the end" in err
+    assert len(list((spool / "ready").iterdir())) == 1
+    assert not any((spool / "tmp").iterdir())
+    assert not (spool / "state" / "DONE-n0p0").exists()
+    counters = json.loads((spool / "state" / "producer-n0p0.json").read_text())["counters"]
+    assert counters["phase"] == "stopped" and counters["done"] is False
+
+
+def test_parse_gpus():
+    assert parse_gpus("0-3") == [("cuda", i) for i in range(4)]
+    assert parse_gpus("0,2") == [("cuda", 0), ("cuda", 2)]
+    assert parse_gpus("cpu:2") == [("cpu", None)] * 2
+
+
+@pytest.mark.parametrize(
+    "case,pattern",
+    [
+        ("missing_dataset", r"dataset path .*nope\.jsonl does not exist"),
+        ("bad_gpus", r"--gpus 'zero'"),
+        ("columns", r"no 'messages' or 'conversations' column \(columns: prompt\)"),
+        ("no_template", r"has no chat template"),
+        ("layer_ids", r"--layer-ids \[1, 8\]: the target has 8 layers"),
+        ("missing_model", r"cannot load target"),
+    ],
+)
+def test_user_errors_are_one_line(tmp_path, target, demo_rows, capsys, case, pattern):
+    import re
+    import shutil
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": demo_rows[0]["messages"]}) + "\n")
+    model = str(target)
+    extra: list[str] = []
+    if case == "missing_dataset":
+        data = tmp_path / "nope.jsonl"
+    elif case == "columns":
+        data.write_text(json.dumps({"prompt": "x"}) + "\n")
+    elif case == "no_template":
+        model = str(tmp_path / "notemplate")
+        shutil.copytree(target, model)
+        os.remove(Path(model) / "chat_template.jinja")
+    elif case == "layer_ids":
+        extra = ["--layer-ids", "1,8"]
+    elif case == "missing_model":
+        model = str(tmp_path / "no-model")
+    gpus = "zero" if case == "bad_gpus" else "cpu:1"
+    argv = ["--gpus", gpus, "--model", model, "--dataset", str(data), "--spool", str(tmp_path / "spool"),
+            "--cache-dir", str(tmp_path / "hf"), *extra]  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflash-produce")]
+    assert len(err) == 1 and re.search(pattern, err[0]), err
+    assert err[0].startswith("dflash-produce: error: ")
