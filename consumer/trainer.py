@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -145,7 +146,7 @@ class Trainer:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dist = D.init_distributed(self.device)
-        self.consumer_id = f"r{self.dist.rank}-{__import__('os').getpid()}"
+        self.consumer_id = f"r{self.dist.rank}-{os.getpid()}"
         torch.manual_seed(cfg.seed + self.dist.rank)
         if self.device.type == "cpu":
             torch.set_flush_denormal(True)  # tiny fp32 optimizer states turn denormal and crawl otherwise
@@ -193,14 +194,18 @@ class Trainer:
             self.spool,
             self.consumer_id,
             context_tokens=cfg.context_tokens,
-            skip=self.trained if len(self.trained) else None,
+            skip=self.trained,  # the live set: also drops duplicates of samples trained since the resume
             bucket=cfg.claim_bucket,
             expected_layer_ids=list(self.drafter_config.target_layer_ids),
             heartbeat_timeout_s=cfg.heartbeat_timeout_s,
         )
         self.metrics = None
+        self.ledger = None
         if cfg.run_dir:
-            self.metrics = MetricsLog(Path(cfg.run_dir) / "metrics" / f"consumer-{self.dist.rank}.jsonl")
+            metrics_dir = Path(cfg.run_dir) / "metrics"
+            self.metrics = MetricsLog(metrics_dir / f"consumer-{self.dist.rank}.jsonl")
+            # The sample ledger: which samples each committed step trained, for exact audits after crashes.
+            self.ledger = MetricsLog(metrics_dir / f"ledger-r{self.dist.rank}.jsonl")
         self.wandb = self._init_wandb() if self.dist.is_main else None
         self._stop_requested = False
         self._recompiles_after_warmup = 0
@@ -234,9 +239,9 @@ class Trainer:
     def save(self) -> None:
         if self.store is None:
             return
-        merged = SampleSet.from_bytes(self.trained.to_bytes())
         for blob in D.all_gather_bytes(self.trained.to_bytes(), self.dist):
-            merged = merged.union(SampleSet.from_bytes(blob))
+            self.trained.update(SampleSet.from_bytes(blob))  # in place: the feed skips from this set
+        merged = self.trained
         rng_states = D.all_gather_object(capture_rng_state(), self.dist)
         if self.dist.is_main:
             trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
@@ -258,7 +263,6 @@ class Trainer:
                 self.metrics.write(
                     {"event": "checkpoint", "step": self.step, "url": redact(url), "time": time.time()}
                 )
-        self.trained = merged
         D.barrier(self.dist)
 
     # ------------------------------------------------------------------------------ the loop
@@ -352,6 +356,8 @@ class Trainer:
         self.step += 1
         trained = self.feed.commit()
         self.trained.add(trained)
+        if self.ledger is not None:
+            self.ledger.write({"step": self.step, "pid": os.getpid(), "samples": trained})
         stats.add(
             result,
             weight=float(weight),

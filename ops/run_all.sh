@@ -27,15 +27,17 @@ Options:
   --producer-args "..." extra flags for dflash-produce
   --consumer-args "..." extra flags for dflash-consume
   --fresh-spool         delete a leftover spool of the same run before starting
+  --restarts N          after a process dies, restart the whole pipeline from the latest checkpoint up
+                        to N times (fresh spool: producers re-produce what the checkpoint has not trained)
   -h, --help            this text
 USAGE
 }
 
 producers="0-4"; consumers="5-7"; model=""; dataset=""; run=""; run_dir=""; spool=""; checkpoint=""
-max_steps=""; producer_args=""; consumer_args=""; fresh_spool=0
+max_steps=""; producer_args=""; consumer_args=""; fresh_spool=0; restarts=0
 while [ $# -gt 0 ]; do
   case "$1" in
-    --producers|--consumers|--model|--dataset|--run|--run-dir|--spool|--checkpoint|--max-steps|--producer-args|--consumer-args)
+    --producers|--consumers|--model|--dataset|--run|--run-dir|--spool|--checkpoint|--max-steps|--producer-args|--consumer-args|--restarts)
       [ $# -ge 2 ] || die "$1 needs a value"
       v="$2"
       case "$1" in
@@ -43,6 +45,7 @@ while [ $# -gt 0 ]; do
         --dataset) dataset="$v";; --run) run="$v";; --run-dir) run_dir="$v";; --spool) spool="$v";;
         --checkpoint) checkpoint="$v";; --max-steps) max_steps="$v";;
         --producer-args) producer_args="$v";; --consumer-args) consumer_args="$v";;
+        --restarts) restarts="$v";;
       esac
       shift 2;;
     --fresh-spool) fresh_spool=1; shift;;
@@ -53,6 +56,7 @@ done
 [ -n "$model" ] || die "--model is required (a model folder or hub id)"
 [ -n "$dataset" ] || die "--dataset is required (a dataset folder, file or hub id)"
 [ -z "$max_steps" ] || [[ "$max_steps" =~ ^[1-9][0-9]*$ ]] || die "--max-steps must be a positive integer, got '$max_steps'"
+[[ "$restarts" =~ ^[0-9]+$ ]] || die "--restarts must be a non-negative integer, got '$restarts'"
 
 # expand "0-4" / "0,2,3" / "cpu:N" into a list of device words ("0" ... or "cpu" ...)
 expand() {
@@ -121,72 +125,85 @@ JSON
 
 declare -A name_of=()
 pids=(); consumer_pids=(); producer_pids=()
-start() {  # start NAME LOG CMD...: background process with its own log
+start() {  # start NAME LOG CMD...: background process with its own log (appended across restarts)
   local name="$1" logf="$2"; shift 2
-  "$@" > "$logf" 2>&1 &
+  "$@" >> "$logf" 2>&1 &
   local pid=$!
   name_of[$pid]=$name; pids+=("$pid")
   echo "$name $pid" >> "$run_dir/pids"
   echo "started $name (pid $pid), log $logf"
 }
 
-# producers: one dflash-produce, which spawns one worker per listed device
-gpus_arg=$producers
-[[ "$producers" =~ ^cpu: ]] && gpus_arg=$producers
-# shellcheck disable=SC2086
-start producer "$run_dir/logs/producer.log" dflash-produce --gpus "$gpus_arg" --model "$model" \
-  --dataset "$dataset" --spool "$spool" --run "$run" --run-dir "$run_dir" --checkpoint "$checkpoint" $producer_args
-producer_pids+=("${pids[-1]}")
-
-# consumers: one torch.distributed group over env://
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-world=${#cons_devs[@]}
-for rank in "${!cons_devs[@]}"; do
-  dev=${cons_devs[$rank]}
-  extra=()
-  [ -n "$max_steps" ] && extra+=(--max-steps "$max_steps")
+launch_all() {
+  pids=(); consumer_pids=(); producer_pids=(); name_of=()
+  : > "$run_dir/pids"
+  # producers: one dflash-produce, which spawns one worker per listed device
   # shellcheck disable=SC2086
-  RANK=$rank LOCAL_RANK=$rank WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
-    start "consumer-$rank" "$run_dir/logs/consumer-$rank.log" dflash-consume --gpu "$dev" --spool "$spool" \
-    --target "$model" --run "$run" --run-dir "$run_dir" --checkpoint "$checkpoint" "${extra[@]}" $consumer_args
-  consumer_pids+=("${pids[-1]}")
-done
+  start producer "$run_dir/logs/producer.log" dflash-produce --gpus "$producers" --model "$model" \
+    --dataset "$dataset" --spool "$spool" --run "$run" --run-dir "$run_dir" --checkpoint "$checkpoint" $producer_args
+  producer_pids+=("${pids[-1]}")
+  # consumers: one torch.distributed group over env://
+  local port world rank dev extra
+  port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  world=${#cons_devs[@]}
+  for rank in "${!cons_devs[@]}"; do
+    dev=${cons_devs[$rank]}
+    extra=()
+    [ -n "$max_steps" ] && extra+=(--max-steps "$max_steps")
+    # shellcheck disable=SC2086
+    RANK=$rank LOCAL_RANK=$rank WORLD_SIZE=$world MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+      start "consumer-$rank" "$run_dir/logs/consumer-$rank.log" dflash-consume --gpu "$dev" --spool "$spool" \
+      --target "$model" --run "$run" --run-dir "$run_dir" --checkpoint "$checkpoint" "${extra[@]}" $consumer_args
+    consumer_pids+=("${pids[-1]}")
+  done
+}
 
-stopping=0
-stop_all() {  # consumers first (they checkpoint on SIGTERM), then producers
-  stopping=1
+stop_all() {  # consumers first (they checkpoint on SIGTERM), then producers. $1: seconds of grace.
+  # A group that lost a member cannot checkpoint (its collectives hang), so failures use a short grace.
+  local grace=${1:-120} waited=0 alive p
   for p in "${consumer_pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
-  local waited=0
-  while [ $waited -lt 120 ]; do
-    local alive=0
+  while [ $waited -lt $((grace * 2)) ]; do
+    alive=0
     for p in "${consumer_pids[@]}"; do kill -0 "$p" 2>/dev/null && alive=1; done
     [ $alive = 0 ] && break
     sleep 0.5; waited=$((waited + 1))
   done
   for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null; done
   sleep 1
-  for p in "${pids[@]}"; do kill -KILL "$p" 2>/dev/null; done
+  for p in "${pids[@]}"; do pkill -KILL -P "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null; done
   wait 2>/dev/null
 }
 trap 'echo "run_all.sh: stopping (signal)"; stop_all; exit 130' INT TERM
 
-status=0; failed=""
-remaining=${#consumer_pids[@]}
-while [ "$remaining" -gt 0 ]; do
-  wait -n -p done_pid; rc=$?
-  [ -n "${done_pid:-}" ] || continue
-  name=${name_of[$done_pid]}
-  if [ "$rc" -ne 0 ]; then
-    status=$rc; failed=$name
-    echo "run_all.sh: $name (pid $done_pid) failed with exit code $rc; last lines of its log:" >&2
-    tail -n 20 "$run_dir/logs/$name.log" >&2
-    break
+attempt=0
+while :; do
+  launch_all
+  status=0; failed=""
+  remaining=${#consumer_pids[@]}
+  while [ "$remaining" -gt 0 ]; do
+    wait -n -p done_pid; rc=$?
+    [ -n "${done_pid:-}" ] || continue
+    name=${name_of[$done_pid]:-}
+    [ -n "$name" ] || continue
+    if [ "$rc" -ne 0 ]; then
+      status=$rc; failed=$name
+      echo "run_all.sh: $name (pid $done_pid) failed with exit code $rc; last lines of its log:" >&2
+      tail -n 20 "$run_dir/logs/$name.log" >&2
+      break
+    fi
+    echo "$name finished"
+    [[ "$name" == consumer-* ]] && remaining=$((remaining - 1))
+  done
+  if [ -n "$failed" ]; then stop_all 3; else stop_all 120; fi
+  if [ -n "$failed" ] && [ "$attempt" -lt "$restarts" ]; then
+    attempt=$((attempt + 1))
+    echo "run_all.sh: restart $attempt of $restarts from the latest checkpoint (fresh spool)" >&2
+    rm -rf "$spool" && mkdir -p "$spool" && chmod 700 "$spool"
+    continue
   fi
-  echo "$name finished"
-  [[ "$name" == consumer-* ]] && remaining=$((remaining - 1))
+  break
 done
-stop_all
-echo "run dir: $run_dir  (logs in $run_dir/logs, metrics in $run_dir/metrics)"
+echo "run dir: $run_dir  (logs in $run_dir/logs, metrics in $run_dir/metrics, status: dflash-status $run_dir)"
 if [ -n "$failed" ]; then echo "run_all.sh: FAILED: $failed" >&2; exit "$status"; fi
 python3 -c "import dflash.common.plots as p; p.write_plots('$run_dir')" 2>/dev/null || true
 exit 0
