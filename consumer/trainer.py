@@ -153,7 +153,8 @@ class Trainer:
             if cfg.cpu_threads:
                 torch.set_num_threads(cfg.cpu_threads)
         self.compute_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        self.spool = Spool(cfg.spool, create=False)
+        # The folder must exist (the CLI checks); its layout is created if the producers have not yet.
+        self.spool = Spool(cfg.spool, create=True)
 
         # model: sized from the target's config; frozen embedding + lm_head read from its safetensors
         from transformers import AutoConfig
