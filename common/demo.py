@@ -28,11 +28,13 @@ REPO = Path(__file__).resolve().parents[1]
 class DemoConfig:
     run_dir: Path
     quick: bool = False
-    """Fewer samples (CI): the same pipeline, about half the data."""
+    """Shorter answers (CI): the same pipeline on about half the tokens."""
     s3: bool = True
     """Checkpoints to a local moto S3 server (else a local folder)."""
     producers: int = 1
     consumers: int = 1
+    real_responses: bool = False
+    """Train on the bundled human-written answers instead of the target's own (learns far slower)."""
 
 
 def _free_port() -> int:
@@ -88,6 +90,71 @@ def _quick_dataset(src: Path, dst: Path, n: int) -> Path:
                 break
             out.write(line)
     return dst
+
+
+def self_distill(
+    target: Path, src: Path, dst: Path, *, limit: int, max_new_tokens: int = 96, batch: int = 64
+) -> Path:
+    """Real-text prompts from the bundled dataset, assistant turns regenerated greedily by the target.
+
+    This is how drafters are trained in practice (DFlash, EAGLE): the drafter must predict *the target's*
+    next tokens, so the responses come from the target. It matters doubly here: the demo target has random
+    weights, so its hidden states say nothing about the bundled human-written answers, while its own
+    greedy continuations are exactly what its hidden states encode.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(target)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(target).eval()
+    rows = []
+    with open(src) as f:
+        for line in f:
+            row = json.loads(line)
+            prompt = []
+            for m in row["messages"]:
+                if m["role"] == "assistant":
+                    break
+                prompt.append(m)
+            rows.append((row.get("id"), prompt))
+            if len(rows) >= limit:
+                break
+    with open(dst, "w") as out:
+        for i in range(0, len(rows), batch):
+            chunk = rows[i : i + batch]
+            texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for _, p in chunk]
+            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+            with torch.inference_mode():
+                gen = model.generate(
+                    **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id
+                )
+            special = set(tok.all_special_ids)
+            for (rid, prompt), ids in zip(chunk, gen[:, enc["input_ids"].shape[1] :].tolist(), strict=True):
+                answer = _round_trip_prefix(tok, [i for i in ids if i not in special])
+                if answer is not None:
+                    messages = [*prompt, {"role": "assistant", "content": answer}]
+                    out.write(json.dumps({"id": rid, "messages": messages}) + "\n")
+    return dst
+
+
+def _round_trip_prefix(tok, ids: list[int], min_tokens: int = 40) -> str | None:
+    """The longest prefix of the generated ``ids`` whose text tokenizes back to exactly those ids.
+
+    Byte-level tokens can decode to text that re-tokenizes differently (split UTF-8 sequences), which
+    would train the drafter on tokens the target never produced; None when the clean prefix is too short.
+    """
+    text = tok.decode(ids)
+    back = tok(text, add_special_tokens=False)["input_ids"]
+    n = 0
+    while n < min(len(ids), len(back)) and ids[n] == back[n]:
+        n += 1
+    while n >= min_tokens:
+        text = tok.decode(ids[:n])
+        if tok(text, add_special_tokens=False)["input_ids"] == ids[:n]:
+            return text
+        n -= 1
+    return None
 
 
 def summarize(run_dir: Path) -> dict:
@@ -148,8 +215,18 @@ def run_demo(cfg: DemoConfig) -> dict:
     print(f"[demo] run dir {run_dir}")
     target = materialize_tiny_target(run_dir / "target")
     dataset = demo_dataset_path()
-    if cfg.quick:
-        dataset = _quick_dataset(dataset, run_dir / "demo_chat_quick.jsonl", 160)
+    if cfg.real_responses:
+        if cfg.quick:
+            dataset = _quick_dataset(dataset, run_dir / "demo_chat_quick.jsonl", 160)
+    else:
+        print("[demo] regenerating the assistant turns with the target (self-distillation)")
+        dataset = self_distill(
+            target,
+            dataset,
+            run_dir / "demo_chat_distilled.jsonl",
+            limit=320,
+            max_new_tokens=96 if cfg.quick else 192,
+        )
     spool = Path(tempfile.mkdtemp(prefix="dflash-spool-"))
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -193,14 +270,15 @@ def run_demo(cfg: DemoConfig) -> dict:
             "--producer-args",
             "--max-length 512 --batch-tokens 4096",
             "--consumer-args",
-            "--context-tokens 512 --num-anchors 32 --max-anchors-per-doc 8 --log-every 5 --save-every 40 "
-            f"--lr 3e-3 --total-steps {80 if cfg.quick else 150}",
+            "--context-tokens 512 --num-anchors 32 --max-anchors-per-doc 8 --log-every 15 --save-every 40 "
+            f"--lr 3e-3 --total-steps {70 if cfg.quick else 140}",
         ]
         print("[demo] " + " ".join(cmd))
         rc = subprocess.call(cmd, env=env)
         if rc != 0:
             raise RuntimeError(f"the pipeline failed (exit {rc}); logs in {run_dir / 'logs'}")
         summary = summarize(run_dir)
+        summary["s3_server_pid"] = s3.proc.pid if s3 is not None else None
         if s3 is not None and summary["checkpoint"]:
             from dflash.common.checkpoint_store import open_store
 
@@ -225,16 +303,28 @@ def run_demo(cfg: DemoConfig) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--run-dir", default=None, help="default: runs/demo-YYYYmmdd-HHMMSS")
-    p.add_argument("--quick", action="store_true", help="half the data (CI)")
+    p.add_argument("--quick", action="store_true", help="about half the tokens (CI)")
     p.add_argument(
         "--local-checkpoints", action="store_true", help="checkpoints to a local folder, no S3 server"
     )
     p.add_argument("--json", default=None, help="also write the summary as JSON here")
+    p.add_argument(
+        "--real-responses",
+        action="store_true",
+        help="train on the bundled answers, not the target's regenerated ones",
+    )
     args = p.parse_args(argv)
     run_dir = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        summary = run_demo(DemoConfig(run_dir=run_dir, quick=args.quick, s3=not args.local_checkpoints))
+        summary = run_demo(
+            DemoConfig(
+                run_dir=run_dir,
+                quick=args.quick,
+                s3=not args.local_checkpoints,
+                real_responses=args.real_responses,
+            )
+        )
     except (RuntimeError, OSError, ValueError) as err:
         sys.exit(f"{PROG}: error: {err}")
     print_summary(summary)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import re
 import shutil
 import socket
@@ -353,13 +354,15 @@ class Spool:
     def claim(self, consumer_id: str, *, bucket: int | None | str = None) -> Path | None:
         """Lease one ready shard by renaming it into claimed/<consumer_id>/; exactly one consumer wins a
         race, losers try the next name. bucket: None = any (lowest name first), an int = only that
-        bucket, "fullest" = the bucket with the most ready shards. None when nothing matches."""
+        bucket, "fullest" = the bucket with the most ready shards, "random" = any, uniformly (consumers
+        that pack fixed-size steps use it: training order then mixes lengths instead of running through
+        the buckets shortest first). None when nothing matches."""
         if not (
             bucket is None
-            or bucket == "fullest"
+            or bucket in ("fullest", "random")
             or (isinstance(bucket, int) and not isinstance(bucket, bool) and bucket >= 0)
         ):
-            raise ValueError(f"bucket must be None, an int >= 0 or 'fullest', got {bucket!r}")
+            raise ValueError(f"bucket must be None, an int >= 0, 'fullest' or 'random', got {bucket!r}")
         mine = self.claimed_dir / _check_id("consumer_id", consumer_id)
         with self._lock:
             if consumer_id not in self._adopted:
@@ -371,6 +374,8 @@ class Spool:
                 counts[parse_shard_name(n)[0]] = counts.get(parse_shard_name(n)[0], 0) + 1
             order = {b: i for i, b in enumerate(sorted(counts, key=lambda b: (-counts[b], b)))}
             names.sort(key=lambda n: (order[parse_shard_name(n)[0]], parse_shard_name(n)))
+        elif bucket == "random":
+            random.shuffle(names)
         elif bucket is not None:
             names = [n for n in names if parse_shard_name(n)[0] == bucket]
         for name in names:

@@ -299,7 +299,11 @@ def _prune(store: CheckpointStore, run: str, step: int, keep_last: int) -> None:
     otherwise count towards k), and every dir ABOVE ``step``: those belong to a timeline this run abandoned
     when it resumed from an older checkpoint, and no fallback must ever land on them.
     """
-    steps, finished = _scan_steps(store, run)
+    try:
+        steps, finished = _scan_steps(store, run)
+    except CheckpointStoreError as err:  # `latest` already names the new checkpoint: pruning can wait
+        log.warning("could not list checkpoints to delete old ones: %s", err)
+        return
     kept = sorted(s for s in finished if s <= step)[-keep_last:]
     doomed = [s for s in steps if s not in kept and s != step]
     for s in doomed:

@@ -64,7 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=10, help="console/metrics line every N steps")
     p.add_argument("--wandb-project", default=None, help="log to wandb (offline unless configured)")
-    p.add_argument("--bucket", default=None, help="claim policy: 'fullest' or a bucket number (default: any)")
+    p.add_argument(
+        "--bucket",
+        default="random",
+        help="claim policy: random (default), oldest, fullest, or a bucket number",
+    )
     p.add_argument(
         "--heartbeat-timeout",
         type=float,

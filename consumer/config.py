@@ -50,8 +50,9 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     wandb_project: str | None = None
-    bucket: str | None = None
-    """Claim policy: None = any shard (oldest first), 'fullest', or a bucket number."""
+    bucket: str | None = "random"
+    """Claim policy: 'random' (default: mixes lengths in training order), 'oldest' (lowest name first),
+    'fullest', or a bucket number. Steps have fixed shapes whatever the policy."""
     heartbeat_timeout_s: float = 60.0
     compile: bool = True
     """torch.compile each draft decoder layer (with flex_attention inside on CUDA) once per process."""
@@ -89,8 +90,10 @@ class TrainConfig:
             raise ValueError(f"resume must be 'auto' or 'none', got {self.resume!r}")
         if self.block_size < 2:
             raise ValueError(f"block-size must be >= 2, got {self.block_size}")
-        if self.bucket not in (None, "fullest") and not str(self.bucket).isdigit():
-            raise ValueError(f"bucket must be 'fullest' or a bucket number, got {self.bucket!r}")
+        if self.bucket not in (None, "fullest", "random", "oldest") and not str(self.bucket).isdigit():
+            raise ValueError(
+                f"bucket must be random, oldest, fullest or a bucket number, got {self.bucket!r}"
+            )
         if self.compile_backend not in ("inductor", "aot_eager", "eager"):
             raise ValueError(
                 f"compile-backend must be inductor, aot_eager or eager, got {self.compile_backend!r}"
@@ -106,7 +109,9 @@ class TrainConfig:
 
     @property
     def claim_bucket(self) -> int | str | None:
-        if self.bucket is None or self.bucket == "fullest":
+        if self.bucket in (None, "oldest"):
+            return None
+        if self.bucket in ("fullest", "random"):
             return self.bucket
         return int(self.bucket)
 

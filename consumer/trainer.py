@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from dflash.common.checkpoint_store import open_store, redact
+from dflash.common.checkpoint_store import CheckpointStoreError, open_store, redact
 from dflash.common.metrics_log import MetricsLog, format_console_line
 from dflash.common.sample_set import SampleSet
 from dflash.common.spool import Spool
@@ -237,34 +237,57 @@ class Trainer:
         self.trained = ckpt.trained
         log.info("resumed from step %d (%d samples already trained)", self.step, len(self.trained))
 
-    def save(self) -> None:
+    def save(self, *, final: bool = False) -> None:
+        """Checkpoint the group's state (rank 0 writes, every rank takes part).
+
+        A periodic checkpoint the store refuses (S3 outage longer than the retries, lost permissions, full
+        disk) is ONE error line and training goes on: ``latest`` still names the previous good checkpoint
+        and the next save tries again; losing a checkpoint costs at most redoing its steps after a crash,
+        stopping would cost the run. The ``final`` save (data drained, SIGTERM) raises instead, on every
+        rank: exiting 0 without it would throw away the run's tail without anyone noticing.
+        """
         if self.store is None:
             return
         for blob in D.all_gather_bytes(self.trained.to_bytes(), self.dist):
             self.trained.update(SampleSet.from_bytes(blob))  # in place: the feed skips from this set
         merged = self.trained
         rng_states = D.all_gather_object(capture_rng_state(), self.dist)
+        error = None
         if self.dist.is_main:
             trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
             model_state = {k: v for k, v in self.model.state_dict().items() if k in trainable}
-            url = save_checkpoint(
-                self.store,
-                self.cfg.run,
-                self.step,
-                model_state=model_state,
-                optimizer_state=self.optimizer.state_dict(),
-                scheduler_state=self.scheduler.state_dict(),
-                rng_state=dict(enumerate(rng_states)),
-                trained=merged,
-                config={"train": self.cfg.to_dict(), "drafter": self.drafter_config.to_dict()},
-                keep_last=self.cfg.keep_last,
-            )
-            log.info("checkpoint step %d -> %s", self.step, redact(url))
+            try:
+                url = save_checkpoint(
+                    self.store,
+                    self.cfg.run,
+                    self.step,
+                    model_state=model_state,
+                    optimizer_state=self.optimizer.state_dict(),
+                    scheduler_state=self.scheduler.state_dict(),
+                    rng_state=dict(enumerate(rng_states)),
+                    trained=merged,
+                    config={"train": self.cfg.to_dict(), "drafter": self.drafter_config.to_dict()},
+                    keep_last=self.cfg.keep_last,
+                )
+            except CheckpointStoreError as err:  # one line, already redacted
+                error = f"checkpoint step {self.step} failed: {err}"
+            else:
+                log.info("checkpoint step %d -> %s", self.step, redact(url))
+                if self.metrics:
+                    self.metrics.write(
+                        {"event": "checkpoint", "step": self.step, "url": redact(url), "time": time.time()}
+                    )
+        error = D.broadcast_object(error, self.dist)  # also the barrier: every rank knows the outcome
+        if error is None:
+            return
+        if final:
+            raise CheckpointStoreError(error)
+        if self.dist.is_main:
+            log.error("%s; training goes on, latest still names the previous checkpoint", error)
             if self.metrics:
                 self.metrics.write(
-                    {"event": "checkpoint", "step": self.step, "url": redact(url), "time": time.time()}
+                    {"event": "checkpoint_failed", "step": self.step, "error": error, "time": time.time()}
                 )
-        D.barrier(self.dist)
 
     # ------------------------------------------------------------------------------ the loop
     def train(self) -> dict:
@@ -300,7 +323,7 @@ class Trainer:
                     self.save()
             if stats.steps:
                 self._log(stats)
-            self.save()
+            self.save(final=True)
         finally:
             self.feed.close()
         return {

@@ -116,11 +116,14 @@ class Bucketer:
         return self._cut(b, pool)
 
     def flush(self) -> list[Batch]:
+        """The partial pools at the end of the data, in a shuffled (seeded) order: emitted sorted, they
+        would reach the consumers as a shortest-first curriculum at the end of every producer's slice."""
         out: list[Batch] = []
         for b in sorted(self._pools):
             out.extend(self._cut(b, self._pools[b]))
         self._pools.clear()
-        return out
+        order = np.random.default_rng(len(out)).permutation(len(out))
+        return [out[i] for i in order]
 
     def _cut(self, bucket: int, pool: list[Sample]) -> list[Batch]:
         pool.sort(key=lambda s: (len(s), s.sample_index))

@@ -144,8 +144,29 @@ def _check_dataset(data_cfg) -> int:
     return len(ds)
 
 
-def _worker_entry(cfg, cuda_index: int | None, events, log_level: str) -> None:
+def _die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this worker when the dflash-produce parent dies, however it dies (Linux).
+
+    Why: a worker that outlives a parent killed with SIGKILL keeps publishing shards and finally writes its
+    DONE marker, possibly into the fresh spool of the pipeline's next life (run_all.sh --restarts wipes and
+    recreates it): consumers there would see "producers done" early and stop with samples never trained.
+    SIGKILL, not SIGTERM: an orphan must not publish even the shard it is writing.
+    """
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _worker_entry(cfg, cuda_index: int | None, events, log_level: str, parent_pid: int) -> None:
     """Spawned process body: own the device, run, report the outcome through `events`."""
+    _die_with_parent(parent_pid)
     if cuda_index is not None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         physical = visible.split(",")[cuda_index] if visible else str(cuda_index)
@@ -350,7 +371,9 @@ def _supervise(cfgs, workers: list[Worker], spool, args) -> int:
     procs = {}
     for cfg, w in zip(cfgs, workers, strict=True):
         proc = ctx.Process(
-            target=_worker_entry, args=(cfg, w.cuda_index, events, args.log_level), name=w.producer_id
+            target=_worker_entry,
+            args=(cfg, w.cuda_index, events, args.log_level, os.getpid()),
+            name=w.producer_id,
         )
         proc.start()
         procs[w.producer_id] = proc

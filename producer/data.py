@@ -225,7 +225,7 @@ def normalize_conversation(raw: Any) -> tuple[list[dict[str, str]] | None, str]:
             return None, "turn not an object"
         role = turn.get("role", turn.get("from"))
         content = _text(turn.get("content", turn.get("value")))
-        if role not in _ROLE:
+        if not isinstance(role, str) or role not in _ROLE:  # a list/dict role is unhashable: not a crash
             return None, "unknown role"
         if content is None or not content.strip():
             return None, "empty content"

@@ -165,6 +165,9 @@ class _Writers:
         self.free: queue.Queue[torch.Tensor] = queue.Queue()
         self.error: BaseException | None = None
         self.seq = Spool(cfg.spool).next_seq(cfg.producer_id)
+        self._admit_lock = threading.Lock()  # one budget admission at a time
+        self._inflight_lock = threading.Lock()
+        self._inflight = 0  # bytes reserved by shards admitted past the budget check and not yet published
         self.threads = [
             threading.Thread(target=self._run, name=f"shard-writer-{cfg.producer_id}-{i}", daemon=True)
             for i in range(cfg.writer_threads)
@@ -205,6 +208,28 @@ class _Writers:
                     self.free.put(job.buffer)
                 self.counters.add(writer_busy_s=time.monotonic() - t0)
 
+    def _admit(self, spool, reserved: int) -> bool:
+        """Wait for room in the spool budget, then reserve ``reserved`` bytes; False when stopping.
+
+        The check counts the shards this producer's other writer threads are still writing: each thread
+        alone would pass a check made before the others' bytes land, and the spool would overshoot by one
+        shard per thread. A shard is admitted past the budget only when none of its producer is in
+        flight, so the spool stays under budget + one shard per producer.
+        """
+        with self._admit_lock:
+            while True:
+                if not spool.wait_for_budget(self.cfg.budget_bytes, should_stop=self.stop.is_set):
+                    return False
+                with self._inflight_lock:
+                    pending = self._inflight
+                if pending == 0 or spool.total_bytes() + pending <= self.cfg.budget_bytes:
+                    break
+                if self.stop.wait(0.05):
+                    return False
+            with self._inflight_lock:
+                self._inflight += reserved
+            return True
+
     def _write(self, spool, job: _Job) -> None:
         from dflash.common.shard import Shard, ShardMeta, write_shard
         from dflash.common.spool import shard_name
@@ -226,16 +251,31 @@ class _Writers:
             meta=ShardMeta(bucket=job.batch.bucket, **self.meta_kw),
         )
         t0 = time.monotonic()
-        if not spool.wait_for_budget(self.cfg.budget_bytes, should_stop=self.stop.is_set):
+        reserved = _shard_bytes_bound(shard)
+        if not self._admit(spool, reserved):
             return
-        t1 = time.monotonic()
-        tmp = spool.new_tmp_path(shard_name(job.batch.bucket, self.cfg.producer_id, job.seq))
-        nbytes = write_shard(tmp, shard, self.codec, chunk_bytes=self.cfg.chunk_bytes)
-        spool.publish(tmp, nbytes=nbytes)
+        try:
+            t1 = time.monotonic()
+            tmp = spool.new_tmp_path(shard_name(job.batch.bucket, self.cfg.producer_id, job.seq))
+            nbytes = write_shard(tmp, shard, self.codec, chunk_bytes=self.cfg.chunk_bytes)
+            spool.publish(tmp, nbytes=nbytes)
+        finally:
+            with self._inflight_lock:
+                self._inflight -= reserved
         self.counters.add(
             samples=len(samples), tokens=int(cu[-1]), shards=1, bytes=nbytes,
             budget_wait_s=t1 - t0, write_s=time.monotonic() - t1,
         )  # fmt: skip
+
+
+def _shard_bytes_bound(shard) -> int:
+    """An upper bound of a shard's bytes on disk: its raw arrays (compression may expand incompressible
+    chunks by a fraction of a percent) plus the zarr metadata files."""
+    raw = sum(
+        t.numel() * t.element_size()
+        for t in (shard.input_ids, shard.loss_mask, shard.cu_seqlens, shard.sample_index, shard.hidden)
+    )
+    return raw + raw // 64 + (64 << 10)
 
 
 def _forward_batch(capture: LayerCapture, batch: Batch, device: torch.device, pad_id: int) -> torch.Tensor:

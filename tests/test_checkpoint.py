@@ -13,6 +13,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from torch import nn
+
 from dflash.common import checkpoint_store
 from dflash.common.checkpoint_store import CheckpointStoreError, S3Options, open_store
 from dflash.common.sample_set import SampleSet
@@ -29,7 +31,6 @@ from dflash.consumer.checkpoint import (
     save_checkpoint,
     step_dir_name,
 )
-from torch import nn
 
 RUN = "run1"
 FAST = S3Options(max_attempts=3, backoff_s=0.01, max_backoff_s=0.05)

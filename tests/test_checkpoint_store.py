@@ -9,6 +9,7 @@ import shutil
 
 import botocore.exceptions
 import pytest
+
 from dflash.common.checkpoint_store import (
     CheckpointStoreError,
     LocalStore,

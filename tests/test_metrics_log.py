@@ -3,6 +3,7 @@ import math
 
 import numpy as np
 import pytest
+
 from dflash.common.metrics_log import (
     MetricsLog,
     format_bytes,

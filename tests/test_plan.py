@@ -2,6 +2,7 @@ import json
 import math
 
 import pytest
+
 from dflash.common import plan
 from dflash.common.plan import PlanConfig, best_split, ddp_efficiency, measure_rates, plan_splits, steady_rate
 

@@ -2,6 +2,7 @@ import json
 import struct
 
 import pytest
+
 from dflash.common import status
 from dflash.common.plots import write_plots
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from dflash.common.sample_set import SampleSet, SampleSetFormatError
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from dflash.common.sample_set import SampleSet, SampleSetFormatError
 
 
 def test_add_contains_len_indices():

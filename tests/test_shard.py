@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+
 from dflash.common.codecs import DEFAULT_CODEC_SPEC, SHUFFLE_ZSTD_LEVELS
 from dflash.common.shard import (
     SHARD_FORMAT,

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from dflash.common import spool as spool_mod
 from dflash.common.spool import (
     Spool,
@@ -518,6 +519,7 @@ def test_zombie_detection_sees_a_killed_unreaped_child():
 
 def test_undecodable_real_shard_is_quarantined_with_the_reader_error(tmp_path):
     import torch
+
     from dflash.common.shard import Shard, ShardFormatError, ShardMeta, read_shard, write_shard
 
     sp = Spool(tmp_path)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from dflash.common.codecs import CodecConfig
 from dflash.common.shard import Shard, ShardMeta, shard_nbytes, write_shard
 from dflash.common.spool import Spool, shard_name

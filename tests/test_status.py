@@ -5,6 +5,7 @@ import subprocess
 import time
 
 import pytest
+
 from dflash.common import status
 from dflash.common.spool import Spool
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 import zarr
+
 from dflash.common.codecs import DEFAULT_CODEC_SPEC, CodecConfig
 from dflash.common.layers import default_target_layer_ids
 from dflash.common.shard import DEFAULT_CHUNK_BYTES, Shard, ShardMeta, read_shard, shard_nbytes, write_shard
@@ -50,8 +51,9 @@ def real_token_ids(num_tokens: int) -> tuple[torch.Tensor, int, str]:
     """Token ids of real text: the demo chat dataset through the demo tokenizer, or UTF-8 bytes of the
     Python stdlib sources if the demo assets are absent. Returns (ids, vocab size, description)."""
     try:
-        from dflash.common.demo_assets import demo_dataset_path, tiny_target_dir
         from transformers import AutoTokenizer
+
+        from dflash.common.demo_assets import demo_dataset_path, tiny_target_dir
 
         tok = AutoTokenizer.from_pretrained(tiny_target_dir())
         ids: list[int] = []

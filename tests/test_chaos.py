@@ -1,0 +1,524 @@
+"""Chaos: kill -9 random pipeline processes while ``ops/run_all.sh --restarts`` trains, then audit every
+sample exactly.
+
+The pipeline (2 CPU producers, 2 CPU consumers in one gloo DDP group, the tiny target, ~80 chat rows with a
+few rows the producers must drop) runs under a killer thread that SIGKILLs a producer parent, a producer
+worker or a consumer at random moments (during start-up, after some steps, right after a checkpoint), at
+least ``NUM_KILLS`` times. Each kill makes run_all.sh wipe the spool and restart everything from the
+latest checkpoint. Afterwards the consumers' sample ledgers (one line per committed optimizer step: step,
+pid, sample indices) and the checkpoints left in the store are audited:
+
+- launch L (one life of the pipeline) resumed from step r_L (= its first ledger step - 1) and is
+  *durable* up to d_L, the step the next launch resumed from (the final checkpoint for the last launch);
+  its ledger lines with step <= d_L are durable, later ones are its lost tail;
+- durable sets of different launches are disjoint and their union is exactly the eligible samples
+  (dataset rows minus the rows the producers drop), which is the final checkpoint's trained set;
+- no launch trains a sample twice, so a sample trained k > 1 times was trained once durably and once in
+  the lost tail of each of k - 1 killed launches;
+- every checkpoint left in the store holds exactly the samples its lineage trained up to its step;
+- no shard was ever quarantined, nothing is left in the spool, no process is left running.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pipeline_helpers import REPO, cpu_env
+
+from dflash.common.demo_assets import demo_dataset_path
+
+RUN = "chaos"
+NUM_KILLS = 10
+GOOD_ROWS = 74
+MAX_LENGTH = 512
+MIN_LOSS_TOKENS = 32  # dflash-produce: 2 x --block-size (16)
+# Rows the producers must drop (never train), inserted at these dataset positions. The non-list row makes
+# the file mixed-type, so it is read as raw JSON rows: the path with the fewest guarantees from arrow.
+BAD_ROWS = {
+    3: {"messages": [{"role": "user", "content": "no answer"}]},
+    17: {"messages": [{"role": "robot", "content": "hi"}, {"role": "assistant", "content": "x" * 80}]},
+    29: {"messages": "not a list"},
+    41: {"messages": [{"role": "user", "content": "Ok?"}, {"role": "assistant", "content": "Yes."}]},  # short
+    55: {"messages": [{"role": ["user"], "content": "hi"}, {"role": "assistant", "content": "y" * 80}]},
+    66: {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
+}
+PRODUCER_ARGS = f"--max-length {MAX_LENGTH} --batch-tokens 2048"
+# --heartbeat-timeout: dead consumers are found by pid at once; the timeout only catches hung ones, and a
+# live consumer starved of CPU for longer than it would have its claims re-delivered (a duplicate).
+CONSUMER_ARGS = (
+    "--context-tokens 512 --num-anchors 32 --max-anchors-per-doc 8 --save-every 2 --log-every 1 "
+    "--compile-backend eager --heartbeat-timeout 20 --keep-last 1000"
+)
+KILL_KINDS = ["producer", "worker", "consumer-0", "consumer-1"]
+_STARTED = re.compile(r"^started (\S+) \(pid (\d+)\)", re.M)
+_FAILED = re.compile(r"run_all\.sh: (\S+) \(pid (\d+)\) failed with exit code (\d+)")
+
+
+# ------------------------------------------------------------------------------------------ /proc helpers
+def _stat(pid: int) -> tuple[str, int] | None:
+    """(state, ppid) of a process, None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return fields[0], int(fields[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    st = _stat(pid)
+    return st is not None and st[0] not in ("Z", "X")
+
+
+def _pids() -> list[int]:
+    return [int(d) for d in os.listdir("/proc") if d.isdigit()]
+
+
+def _children(pid: int) -> list[int]:
+    return [p for p in _pids() if (st := _stat(p)) is not None and st[1] == pid and st[0] not in ("Z", "X")]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _marked(mark: str) -> list[int]:
+    """Live processes whose environment carries ``mark``: everything the pipeline started, orphans too."""
+    needle = mark.encode()
+    out = []
+    for pid in _pids():
+        try:
+            env = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:
+            continue
+        if needle in env.split(b"\0") and _alive(pid):
+            out.append(pid)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ run artefacts
+def _read_jsonl(path: Path) -> tuple[list[dict], int]:
+    """Records of a JSONL file and the number of torn lines (a process killed mid-write)."""
+    if not path.exists():
+        return [], 0
+    out, torn = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            torn += 1
+    return out, torn
+
+
+def _ledger_count(run_dir: Path) -> int:
+    n = 0
+    for r in (0, 1):
+        p = run_dir / "metrics" / f"ledger-r{r}.jsonl"
+        if p.exists():
+            n += p.read_bytes().count(b"\n")
+    return n
+
+
+def _checkpoint_events(run_dir: Path) -> int:
+    p = run_dir / "metrics" / "consumer-0.jsonl"
+    return p.read_text().count('"event": "checkpoint"') if p.exists() else 0
+
+
+def _current_launch(run_dir: Path) -> dict[str, int]:
+    try:
+        text = (run_dir / "pids").read_text()
+    except OSError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit():
+            out[parts[0]] = int(parts[1])
+    return out
+
+
+class Killer:
+    """SIGKILLs one process of each new pipeline launch, following ``plan`` [(kind, when)], until the plan
+    is done or run_all.sh exits.
+
+    ``when``: "startup" (0.5-6 s into the launch; a worker: 0-2 s after it exists), "progress" (after 1-2
+    new ledger lines), "checkpoint" (right after the next checkpoint). Once the latest checkpoint holds
+    ``reserve`` of the rows, every further kill is a start-up kill, so the plan never runs out of work.
+    A killed worker's sibling keeps producing until its slice is done (dflash-produce then fails), so that
+    slice gets trained: the worker picked is the one with the most work left, the costliest to lose.
+    """
+
+    def __init__(
+        self, proc, run_dir: Path, out_path: Path, spool: Path, ckpt: Path, num_rows: int, plan, rng
+    ):
+        self.proc, self.run_dir, self.out_path, self.plan, self.rng = proc, run_dir, out_path, plan, rng
+        self.spool, self.ckpt, self.num_rows, self.reserve = spool, ckpt, num_rows, 0.7
+        self.kills: list[dict] = []
+        self.notes: list[str] = []
+        self.error: BaseException | None = None
+        self._halt = threading.Event()
+        self.t0 = time.monotonic()
+        self.thread = threading.Thread(target=self.run, name="chaos-killer", daemon=True)
+
+    def stop(self) -> None:
+        self._halt.set()
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as err:  # reported by the test
+            self.error = err
+
+    def _running(self) -> bool:
+        return self.proc.poll() is None and not self._halt.is_set()
+
+    def _sleep(self, s: float) -> None:
+        self._halt.wait(s)
+
+    def _ending(self, launch: dict[str, int]) -> bool:
+        """A consumer of this launch finished normally: the pipeline is draining, a kill would not restart."""
+        out = self.out_path.read_text()
+        tail = out[out.rfind(f"(pid {launch['consumer-1']})") :]
+        return "consumer-0 finished" in tail or "consumer-1 finished" in tail
+
+    def _trained_fraction(self) -> float:
+        from dflash.common.sample_set import SampleSet
+
+        try:
+            name = (self.ckpt / RUN / "latest").read_text().strip()
+            return (
+                len(SampleSet.from_bytes((self.ckpt / RUN / name / "trained.bin").read_bytes()))
+                / self.num_rows
+            )
+        except (OSError, ValueError):
+            return 0.0
+
+    def _run(self) -> None:
+        seen: set[int] = set()
+        while len(self.kills) < len(self.plan) and self._running():
+            kind, when = self.plan[len(self.kills)]
+            launch = self._wait_new_launch(seen)
+            if launch is None:
+                return
+            seen.add(launch["consumer-0"])
+            t_launch = time.monotonic()
+            if when != "startup" and self._trained_fraction() >= self.reserve:
+                when = "startup"
+            if not self._wait(when, kind, launch):
+                return
+            consumers = [launch["consumer-0"], launch["consumer-1"]]
+            if not all(_alive(p) for p in consumers) or self._ending(launch):
+                self.notes.append(f"launch {launch} ended on its own before the {when} kill")
+                continue
+            pid, kind = self._pick_target(kind, launch)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:  # exited between the check and the kill
+                self.notes.append(f"{kind} {pid} exited before its kill")
+                continue
+            self.kills.append(
+                {
+                    "kind": kind,
+                    "when": when,
+                    "pid": pid,
+                    "launch": launch,
+                    "after_s": round(time.monotonic() - t_launch, 1),
+                    "at_s": round(time.monotonic() - self.t0, 1),
+                }
+            )
+
+    def _wait_new_launch(self, seen: set[int]) -> dict[str, int] | None:
+        deadline = time.monotonic() + 120
+        while self._running() and time.monotonic() < deadline:
+            launch = _current_launch(self.run_dir)
+            if (
+                {"producer", "consumer-0", "consumer-1"} <= set(launch)
+                and launch["consumer-0"] not in seen
+                and all(_alive(p) for p in launch.values())
+            ):
+                return launch
+            self._sleep(0.05)
+        if self._running():
+            self.notes.append("no new launch within 120 s")
+        return None
+
+    def _workers(self, launch: dict[str, int]) -> list[int]:
+        return [c for c in _children(launch["producer"]) if "spawn_main" in _cmdline(c)]
+
+    def _wait(self, when: str, kind: str, launch: dict[str, int]) -> bool:
+        if when == "startup":
+            if kind == "worker":
+                deadline = time.monotonic() + 20
+                while self._running() and not self._workers(launch) and time.monotonic() < deadline:
+                    self._sleep(0.05)
+                self._sleep(self.rng.uniform(0.0, 2.0))
+            else:
+                self._sleep(self.rng.uniform(0.5, 6.0))
+            return self._running()
+        if when == "progress":
+            target = _ledger_count(self.run_dir) + self.rng.randint(1, 2)
+            probe = lambda: _ledger_count(self.run_dir) >= target  # noqa: E731
+            extra = self.rng.uniform(0.0, 1.0)
+        else:
+            target = _checkpoint_events(self.run_dir) + 1
+            probe = lambda: _checkpoint_events(self.run_dir) >= target  # noqa: E731
+            extra = self.rng.uniform(0.0, 0.3)
+        deadline = time.monotonic() + 60
+        while self._running() and not probe():
+            if time.monotonic() > deadline:
+                self.notes.append(f"{when}: no progress within 60 s, killing anyway")
+                break
+            self._sleep(0.05)
+        self._sleep(extra)
+        return self._running()
+
+    def _pick_target(self, kind: str, launch: dict[str, int]) -> tuple[int, str]:
+        if kind == "worker":
+            workers = self._workers(launch)
+            if workers:
+                left = {}
+                for hb in (self.spool / "state").glob("producer-*.json"):
+                    try:
+                        rec = json.loads(hb.read_text())
+                    except (OSError, ValueError):
+                        continue
+                    c = rec.get("counters", {})
+                    left[rec.get("pid")] = c.get("total", 0) - c.get("samples", 0) - c.get("dropped", 0)
+                return max(workers, key=lambda w: (left.get(w, 0), self.rng.random())), "worker"
+            kind = "producer"  # not spawned yet (or already finished): the parent instead
+        if kind == "producer" and not _alive(launch["producer"]):
+            kind = self.rng.choice(["consumer-0", "consumer-1"])  # it finished its work: a consumer instead
+        return launch[kind], kind
+
+
+def _write_dataset(path: Path) -> list[dict]:
+    with open(demo_dataset_path(), encoding="utf-8") as f:
+        rows = [
+            {"messages": json.loads(line)["messages"]} for _, line in zip(range(GOOD_ROWS), f, strict=False)
+        ]
+    for pos, row in sorted(BAD_ROWS.items()):
+        rows.insert(pos, row)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return rows
+
+
+def _eligible(data: Path, target: Path, cache: Path) -> set[int]:
+    """The samples producers keep, from a clean single tokenization pass with the producers' settings."""
+    from transformers import AutoTokenizer
+
+    from dflash.producer.data import DataConfig, load_raw_dataset, tokenize_slice
+
+    cfg = DataConfig(
+        dataset=str(data), max_length=MAX_LENGTH, min_loss_tokens=MIN_LOSS_TOKENS, cache_dir=str(cache)
+    )
+    ds = load_raw_dataset(cfg)
+    out = tokenize_slice(ds, AutoTokenizer.from_pretrained(target), cfg, np.arange(len(ds)))
+    return {int(i) for i, s in zip(out["sample_index"], out["status"], strict=True) if s == "ok"}
+
+
+@pytest.mark.slow
+def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(tmp_path, tiny_target):
+    seed = int(os.environ.get("DFLASH_CHAOS_SEED", random.randrange(1 << 30)))
+    rng = random.Random(seed)
+    data = tmp_path / "data.jsonl"
+    rows = _write_dataset(data)
+    run_dir, spool, ckpt = tmp_path / "run", tmp_path / "spool", tmp_path / "ckpt"
+    out_path, err_path = tmp_path / "run_all.out", tmp_path / "run_all.err"
+    token = uuid.uuid4().hex
+    mark = f"DFLASH_CHAOS_MARK={token}"  # inherited by every process the pipeline starts
+    env = cpu_env(
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_CACHE=str(tmp_path / "hf"),
+        TOKENIZERS_PARALLELISM="false",
+        DFLASH_CHAOS_MARK=token,
+    )
+    # every kind twice, then two at random; the moments shuffled independently
+    kinds = KILL_KINDS * 2 + [rng.choice(KILL_KINDS) for _ in range(NUM_KILLS - 2 * len(KILL_KINDS))]
+    whens = ["startup"] * 5 + ["progress"] * 3 + ["checkpoint"] * (NUM_KILLS - 8)
+    rng.shuffle(kinds)
+    rng.shuffle(whens)
+    plan = list(zip(kinds, whens, strict=True))
+    cmd = [
+        "bash", str(REPO / "ops" / "run_all.sh"), "--producers", "cpu:2", "--consumers", "cpu:2",
+        "--model", str(tiny_target), "--dataset", str(data), "--run", RUN, "--run-dir", str(run_dir),
+        "--spool", str(spool), "--checkpoint", str(ckpt), "--producer-args", PRODUCER_ARGS,
+        "--consumer-args", CONSUMER_ARGS, "--restarts", str(NUM_KILLS + 2),
+    ]  # fmt: skip
+    t0 = time.monotonic()
+    with open(out_path, "w") as out_f, open(err_path, "w") as err_f:
+        proc = subprocess.Popen(
+            cmd, stdout=out_f, stderr=err_f, env=env, cwd=tmp_path, start_new_session=True
+        )
+    killer = Killer(proc, run_dir, out_path, spool, ckpt, len(rows), plan, rng)
+    killer.thread.start()
+    try:
+        try:
+            rc = proc.wait(timeout=420)
+        except subprocess.TimeoutExpired:
+            rc = None
+        killer.stop()
+        killer.thread.join(timeout=10)
+        deadline = time.monotonic() + 5  # killed processes take a moment to go
+        while _marked(mark) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [(p, _cmdline(p)[:120]) for p in _marked(mark)]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for pid in _marked(mark):  # only processes this test started (they carry its mark)
+            os.kill(pid, signal.SIGKILL)
+    wall = time.monotonic() - t0
+    out_text, err_text = out_path.read_text(), err_path.read_text()
+
+    def diag() -> str:
+        logs = "".join(
+            f"\n--- {p.name} (tail)\n" + "\n".join(p.read_text(errors="replace").splitlines()[-15:])
+            for p in sorted((run_dir / "logs").glob("*.log"))
+        )
+        return (
+            f"seed={seed} (rerun with DFLASH_CHAOS_SEED={seed}) wall={wall:.0f}s rc={rc}\nplan={plan}\n"
+            f"kills={json.dumps(killer.kills)}\nnotes={killer.notes}\n--- run_all stderr\n{err_text[-4000:]}{logs}"
+        )
+
+    print(f"chaos: {len(killer.kills)} kills, wall {wall:.1f} s, seed {seed}")
+    for k in killer.kills:
+        print(
+            f"  kill {k['kind']:<10} {k['when']:<10} {k['after_s']:5.1f} s into its launch, at {k['at_s']:5.1f} s"
+        )
+    assert killer.error is None, f"killer thread failed: {killer.error!r}\n{diag()}"
+    assert rc == 0, f"run_all.sh did not finish cleanly\n{diag()}"
+    assert len(killer.kills) >= NUM_KILLS, f"only {len(killer.kills)} kills landed\n{diag()}"
+
+    # ---- every restart was caused by one of our kills, in the launch it hit
+    starts = _STARTED.findall(out_text)
+    launches: list[dict[str, int]] = []
+    for name, pid in starts:
+        if name == "producer":
+            launches.append({})
+        launches[-1][name] = int(pid)
+    failures = _FAILED.findall(err_text)
+    restarts = err_text.count("run_all.sh: restart ")
+    assert restarts == len(failures) == len(killer.kills) == len(launches) - 1, diag()
+    for (name, pid, _code), kill, launch in zip(failures, killer.kills, launches, strict=False):
+        assert kill["launch"] == launch, diag()
+        if kill["kind"] == "worker":  # the parent reports its dead worker
+            assert (name, int(pid)) == ("producer", launch["producer"]), diag()
+        else:
+            assert int(pid) == kill["pid"], diag()
+
+    # ---- the samples producers keep: a clean tokenization pass, cross-checked with the last producers
+    eligible = _eligible(data, tiny_target, tmp_path / "hf-audit")
+    assert not eligible & set(BAD_ROWS) and len(eligible) >= GOOD_ROWS - 4, sorted(
+        set(range(len(rows))) - eligible
+    )
+    final_counters = [
+        json.loads((spool / "state" / f"producer-n0p{p}.json").read_text())["counters"] for p in (0, 1)
+    ]
+    assert sum(c["dropped"] for c in final_counters) == len(rows) - len(eligible)
+
+    # ---- ledgers: one line per committed step and rank, tagged with the process id
+    launch_of: dict[int, int] = {}
+    for i, launch in enumerate(launches):
+        for name in ("consumer-0", "consumer-1"):
+            assert launch[name] not in launch_of, "pid reused across launches"
+            launch_of[launch[name]] = i
+    lines_of: list[list[dict]] = [[] for _ in launches]
+    torn_total = 0
+    for rank in (0, 1):
+        recs, torn = _read_jsonl(run_dir / "metrics" / f"ledger-r{rank}.jsonl")
+        torn_total += torn
+        for rec in recs:
+            i = launch_of[rec["pid"]]
+            assert launches[i][f"consumer-{rank}"] == rec["pid"], "ledger line in the wrong rank's file"
+            lines_of[i].append({**rec, "rank": rank})
+    assert torn_total <= sum(k["kind"].startswith("consumer") for k in killer.kills)
+
+    # resume step r_L of each launch that trained, and its durable step d_L (what the next launch resumed)
+    from dflash.consumer.checkpoint import list_steps, load_checkpoint
+
+    final = load_checkpoint(str(ckpt), RUN)
+    active = [i for i, lines in enumerate(lines_of) if lines]
+    resumed = {i: min(r["step"] for r in lines_of[i]) - 1 for i in active}
+    durable_step = {a: resumed[b] for a, b in zip(active, active[1:], strict=False)}
+    durable_step[active[-1]] = final.step
+    assert max(r["step"] for r in lines_of[active[-1]]) == final.step, diag()
+
+    prefix: dict[int, set[int]] = {}  # what launch L resumed with
+    trained_so_far: set[int] = set()
+    durable_sizes = 0
+    extra_trainings: Counter = Counter()
+    for i in active:
+        r, d = resumed[i], durable_step[i]
+        steps_by_rank = [sorted(x["step"] for x in lines_of[i] if x["rank"] == k) for k in (0, 1)]
+        for steps in steps_by_rank:  # committed steps are consecutive from the resume point
+            assert steps == list(range(r + 1, r + 1 + len(steps))), (i, steps)
+        assert r <= d <= max(max(s) for s in steps_by_rank if s), (i, r, d)
+        assert all(set(range(r + 1, d + 1)) <= set(s) for s in steps_by_rank), (
+            "a durable step lacks a rank's line"
+        )
+        per_launch = Counter(s for x in lines_of[i] for s in x["samples"])
+        assert max(per_launch.values(), default=1) == 1, (
+            f"launch {i} trained a sample twice: {per_launch.most_common(3)}"
+        )
+        durable = {s for x in lines_of[i] if x["step"] <= d for s in x["samples"]}
+        tail = {s for x in lines_of[i] if x["step"] > d for s in x["samples"]}
+        prefix[i] = set(trained_so_far)
+        assert not durable & trained_so_far, (
+            f"launch {i} re-trained durable samples {sorted(durable & trained_so_far)[:10]}"
+        )
+        assert not tail & trained_so_far, f"launch {i} tail re-trained durable samples"
+        trained_so_far |= durable
+        durable_sizes += len(durable)
+        extra_trainings.update(tail)
+    assert durable_sizes == len(trained_so_far), "durable sets of launches overlap"
+    assert trained_so_far == eligible, (
+        f"missing {sorted(eligible - trained_so_far)[:20]} unexpected {sorted(trained_so_far - eligible)[:20]}\n{diag()}"
+    )
+    assert set(final.trained.indices().tolist()) == eligible
+    # every sample trained k times: once durably, k-1 times in lost tails of killed launches (checked above)
+    total = Counter(s for lines in lines_of for x in lines for s in x["samples"])
+    assert all(total[s] == 1 + extra_trainings[s] for s in eligible)
+    assert set(total) == eligible
+
+    # ---- every checkpoint left in the store holds exactly what its lineage trained up to its step
+    for step in list_steps(str(ckpt), RUN):
+        got = set(load_checkpoint(str(ckpt), RUN, step=step).trained.indices().tolist())
+        lineages = [
+            prefix[i] | {s for x in lines_of[i] if x["step"] <= step for s in x["samples"]}
+            for i in reversed(active)
+            if resumed[i] <= step <= max(x["step"] for x in lines_of[i])
+        ]
+        assert got in lineages, f"checkpoint step {step} holds a trained set no launch had"
+
+    # ---- no partial shard read, nothing left claimed or queued, no process left behind
+    logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log"))
+    assert "quarantin" not in logs.lower() and "ShardFormatError" not in logs
+    assert not any((spool / "quarantine").iterdir())
+    from dflash.common.spool import Spool
+
+    sp = Spool(spool, create=False)
+    assert sp.is_drained(), sp.stats()
+    assert not [p for d in (spool / "claimed").iterdir() for p in d.iterdir()]
+    assert not left, f"processes left running after run_all.sh exited: {left}"
+    print(
+        f"chaos: launches {len(launches)}, trained {len(eligible)} samples, {sum(extra_trainings.values())} "
+        f"extra trainings in lost tails, final step {final.step}, wall {wall:.1f} s"
+    )
