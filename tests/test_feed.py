@@ -147,7 +147,9 @@ def test_two_feeds_share_a_spool_without_duplicates(tmp_path, n_consumers):
     for seq in range(6):
         publish(spool, make_shard([16, 16], first_index=seq * 2), seq)
     finish(spool)
-    feeds = [ShardFeed(Spool(spool_root), f"c{i}", context_tokens=64, poll_s=0.01) for i in range(n_consumers)]
+    feeds = [
+        ShardFeed(Spool(spool_root), f"c{i}", context_tokens=64, poll_s=0.01) for i in range(n_consumers)
+    ]
     seen: list[int] = []
     try:
         for f in feeds:

@@ -60,14 +60,14 @@ def _ledger(run_dir):
     return rows
 
 
-def test_kill9_whole_pipeline_then_resume_from_latest(
-    tmp_path, tiny_target, s3_server, demo_spool, distilled_dataset
-):
+def test_kill9_whole_pipeline_then_resume_from_latest(tmp_path, tiny_target, s3_server, demo_spool):
     eligible = set()
     for shard in demo_spool.joinpath("ready").iterdir():
         eligible |= set(read_shard(shard).sample_index.tolist())
     run_dir, spool = tmp_path / "run", tmp_path / "spool"
-    cmd = _pipeline_cmd(tiny_target, distilled_dataset, run_dir, spool, s3_server)
+    from dflash.common.demo_assets import demo_dataset_path
+
+    cmd = _pipeline_cmd(tiny_target, demo_dataset_path(), run_dir, spool, s3_server)
 
     first = subprocess.Popen(
         cmd, env=cpu_env(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -81,6 +81,7 @@ def test_kill9_whole_pipeline_then_resume_from_latest(
     finally:
         os.killpg(first.pid, signal.SIGKILL)  # the whole pipeline: run_all, producer workers, consumer
         first.wait()
+        killed_at = time.time()
     ckpt = load_checkpoint(s3_server, RUN)
     assert ckpt is not None and ckpt.step >= 20
     c = ckpt.step
@@ -113,7 +114,7 @@ def test_kill9_whole_pipeline_then_resume_from_latest(
         for x in (run_dir / "metrics" / "consumer-0.jsonl").read_text().splitlines()
         if x.strip() and '"loss"' in x
     ]
-    after = next(r for r in recs if r["step"] == c + 1 and r["time"] > ckpt.meta.get("time", 0))
+    after = next(r for r in recs if r["step"] == c + 1 and r["time"] > killed_at)
     lam = lr_lambda_factory(max(1, int(0.04 * TOTAL_STEPS)), TOTAL_STEPS)
     assert math.isclose(after["lr"], LR * lam(c + 1), rel_tol=1e-6), (after["lr"], LR * lam(c + 1))
     assert ckpt.optimizer_state["state"], "optimizer moments were checkpointed"

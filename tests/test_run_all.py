@@ -26,8 +26,9 @@ OK = ["--model", "m", "--dataset", "d"]
     ],
 )
 def test_argument_errors_are_one_line(tmp_path, args, message):
-    proc = subprocess.run(["bash", SCRIPT, *args], capture_output=True, text=True, timeout=60, env=cpu_env(),
-                          cwd=tmp_path)
+    proc = subprocess.run(
+        ["bash", SCRIPT, *args], capture_output=True, text=True, timeout=60, env=cpu_env(), cwd=tmp_path
+    )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("run_all.sh: error: "), proc.stderr
@@ -41,8 +42,14 @@ def test_missing_gpus_are_named(tmp_path):
     env["PATH"] = f"{tmp_path}:{env['PATH']}"
     (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: x)'\n")
     (tmp_path / "nvidia-smi").chmod(0o755)
-    proc = subprocess.run(["bash", SCRIPT, *OK, "--producers", "0-4", "--consumers", "5-7"], capture_output=True,
-                          text=True, timeout=60, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        ["bash", SCRIPT, *OK, "--producers", "0-4", "--consumers", "5-7"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         "run_all.sh: error: GPU 7 requested but this machine has 1 GPU(s) (nvidia-smi -L); "
@@ -53,7 +60,9 @@ def test_missing_gpus_are_named(tmp_path):
 def test_no_nvidia_smi_means_no_gpus(tmp_path):
     env = cpu_env()
     env["PATH"] = "/usr/bin:/bin"  # no nvidia-smi (and no venv scripts) on PATH
-    proc = subprocess.run(["bash", SCRIPT, *OK], capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        ["bash", SCRIPT, *OK], capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path
+    )
     assert proc.returncode == 2
     assert "GPU 7 requested but this machine has 0 GPU(s)" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
@@ -62,9 +71,15 @@ def test_no_nvidia_smi_means_no_gpus(tmp_path):
 def test_same_gpu_for_both_roles_is_refused(tmp_path):
     env = cpu_env()
     env["PATH"] = f"{tmp_path}:{env['PATH']}"
-    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\nfor i in 0 1 2 3; do echo \"GPU $i: H200\"; done\n")
+    (tmp_path / "nvidia-smi").write_text('#!/bin/sh\nfor i in 0 1 2 3; do echo "GPU $i: H200"; done\n')
     (tmp_path / "nvidia-smi").chmod(0o755)
-    proc = subprocess.run(["bash", SCRIPT, *OK, "--producers", "0-1", "--consumers", "1"], capture_output=True,
-                          text=True, timeout=60, env=env, cwd=tmp_path)
+    proc = subprocess.run(
+        ["bash", SCRIPT, *OK, "--producers", "0-1", "--consumers", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "run_all.sh: error: GPU 1 is listed for both producers and consumers"
