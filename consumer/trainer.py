@@ -212,6 +212,7 @@ class Trainer:
         self._recompiles_after_warmup = 0
         self._recompiles_at_warmup: int | None = None
         self.first_step_s: float | None = None
+        self._saved_step: int | None = None
         self._t_process = time.monotonic()
         self.history: list[dict] = []
 
@@ -279,6 +280,7 @@ class Trainer:
                     )
         error = D.broadcast_object(error, self.dist)  # also the barrier: every rank knows the outcome
         if error is None:
+            self._saved_step = self.step
             return
         if final:
             raise CheckpointStoreError(error)
@@ -323,7 +325,8 @@ class Trainer:
                     self.save()
             if stats.steps:
                 self._log(stats)
-            self.save(final=True)
+            if self._saved_step != self.step:  # the periodic save may have just written this step
+                self.save(final=True)
         finally:
             self.feed.close()
         return {
