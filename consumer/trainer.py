@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch._dynamo  # noqa: F401  first import in the main thread: concurrent first imports from threads crash
 
 from dflash.common.checkpoint_store import CheckpointStoreError, open_store, redact
 from dflash.common.metrics_log import MetricsLog, format_console_line
