@@ -298,7 +298,7 @@ def run_demo(cfg: DemoConfig) -> dict:
             "--max-length 512 --batch-tokens 4096",
             "--consumer-args",
             "--context-tokens 512 --num-anchors 32 --max-anchors-per-doc 8 --log-every 5 --save-every 40 "
-            "--lr 3e-3 --total-steps 70",
+            "--lr 1e-3 --total-steps 70",
         ]
         print("[demo] " + " ".join(cmd))
         rc = subprocess.call(cmd, env=env)
