@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -58,7 +58,6 @@ class FeedCounters:
     samples_truncated: int = 0
     tokens_packed: int = 0
     slots_packed: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 _END = object()
@@ -94,7 +93,6 @@ class ShardFeed:
         self._in_step: list[Sample] = []  # samples packed into the step not yet committed
         self._loaded: queue.Queue = queue.Queue(maxsize=prefetch_shards)
         self._stop = threading.Event()
-        self._source_exhausted = threading.Event()
         self._error: BaseException | None = None
         self._end_seen = False
         self._lock = threading.Lock()
@@ -126,8 +124,8 @@ class ShardFeed:
                     last_recover = now
                 path = self.spool.claim(self.consumer_id, bucket=self.bucket)
                 if path is None:
-                    if self.spool.is_drained() or (self.spool.producers_done() and self._nothing_claimable()):
-                        self._source_exhausted.set()
+                    # Our own claims are in the pool already, so "drained" here ignores claimed/.
+                    if self.spool.producers_done() and self._nothing_claimable():
                         self._put(_END)
                         return
                     time.sleep(self.poll_s)
@@ -141,9 +139,7 @@ class ShardFeed:
             self._put(_END)
 
     def _nothing_claimable(self) -> bool:
-        stats_ready = any(self.spool.ready_dir.iterdir())
-        stats_tmp = any(self.spool.tmp_dir.iterdir())
-        return not stats_ready and not stats_tmp
+        return not any(self.spool.ready_dir.iterdir()) and not any(self.spool.tmp_dir.iterdir())
 
     def _put(self, item: object) -> None:
         while not self._stop.is_set():

@@ -37,11 +37,20 @@ def test_argument_errors_are_one_line(tmp_path, args, message):
     assert not (tmp_path / "runs").exists()  # nothing was started or created
 
 
-def test_missing_gpus_are_named(tmp_path):
+def _env_with_gpus(tmp_path, n: int) -> dict:
+    """A PATH whose nvidia-smi -L lists ``n`` GPUs."""
     env = cpu_env()
     env["PATH"] = f"{tmp_path}:{env['PATH']}"
-    (tmp_path / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H200 (UUID: x)'\n")
-    (tmp_path / "nvidia-smi").chmod(0o755)
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(
+        f'#!/bin/sh\ni=0; while [ $i -lt {n} ]; do echo "GPU $i: NVIDIA H200"; i=$((i+1)); done\n'
+    )
+    fake.chmod(0o755)
+    return env
+
+
+def test_missing_gpus_are_named(tmp_path):
+    env = _env_with_gpus(tmp_path, 1)
     proc = subprocess.run(
         ["bash", SCRIPT, *OK, "--producers", "0-4", "--consumers", "5-7"],
         capture_output=True,
@@ -69,10 +78,7 @@ def test_no_nvidia_smi_means_no_gpus(tmp_path):
 
 
 def test_same_gpu_for_both_roles_is_refused(tmp_path):
-    env = cpu_env()
-    env["PATH"] = f"{tmp_path}:{env['PATH']}"
-    (tmp_path / "nvidia-smi").write_text('#!/bin/sh\nfor i in 0 1 2 3; do echo "GPU $i: H200"; done\n')
-    (tmp_path / "nvidia-smi").chmod(0o755)
+    env = _env_with_gpus(tmp_path, 4)
     proc = subprocess.run(
         ["bash", SCRIPT, *OK, "--producers", "0-1", "--consumers", "1"],
         capture_output=True,
@@ -83,3 +89,73 @@ def test_same_gpu_for_both_roles_is_refused(tmp_path):
     )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "run_all.sh: error: GPU 1 is listed for both producers and consumers"
+
+
+def test_sigterm_checkpoints_then_stops_every_process(tmp_path, tiny_target):
+    """Ctrl-C / SIGTERM on the pipeline: consumers finish the step and checkpoint first, then every
+    process is stopped; exit status 130."""
+    import json
+    import os
+    import signal
+    import time
+
+    from dflash.common.demo_assets import demo_dataset_path
+    from dflash.consumer.checkpoint import load_checkpoint
+
+    run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
+    cmd = [
+        "bash",
+        SCRIPT,
+        "--producers",
+        "cpu:1",
+        "--consumers",
+        "cpu:1",
+        "--model",
+        str(tiny_target),
+        "--dataset",
+        str(demo_dataset_path()),
+        "--run",
+        "t",
+        "--run-dir",
+        str(run_dir),
+        "--spool",
+        str(tmp_path / "spool"),
+        "--checkpoint",
+        str(ckpt),
+        "--producer-args",
+        "--max-length 512 --batch-tokens 4096",
+        "--consumer-args",
+        "--context-tokens 512 --num-anchors 32 --max-anchors-per-doc 8 --log-every 1 "
+        "--save-every 1000 --compile-backend eager",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        env=cpu_env(),
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    ledger = run_dir / "metrics" / "ledger-r0.jsonl"
+    deadline = time.monotonic() + 240
+    try:
+        while not (ledger.exists() and len(ledger.read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.monotonic() < deadline, "pipeline did not start training"
+            time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, out[-2000:]
+    assert "stop requested: saving a checkpoint" in (run_dir / "logs" / "consumer-0.log").read_text()
+    last_step = json.loads(ledger.read_text().splitlines()[-1])["step"]
+    assert load_checkpoint(str(ckpt), "t").step == last_step  # nothing trained after the checkpoint
+    for line in (run_dir / "pids").read_text().splitlines():
+        pid = int(line.split()[1])
+        try:
+            os.kill(pid, 0)
+            with open(f"/proc/{pid}/stat") as f:
+                assert f.read().split()[2] == "Z", f"{line} still running"
+        except ProcessLookupError:
+            pass
