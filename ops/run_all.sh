@@ -121,10 +121,9 @@ cat > "$run_dir/run.json" <<JSON
 {"run": "$run", "spool": "$spool", "checkpoint": "$checkpoint", "model": "$model", "dataset": "$dataset",
  "producers": "$producers", "consumers": "$consumers", "started": $(date +%s)}
 JSON
-: > "$run_dir/pids"
 
 declare -A name_of=()
-pids=(); consumer_pids=(); producer_pids=()
+pids=(); consumer_pids=()
 start() {  # start NAME LOG CMD...: background process with its own log (appended across restarts)
   local name="$1" logf="$2"; shift 2
   "$@" >> "$logf" 2>&1 &
@@ -135,13 +134,12 @@ start() {  # start NAME LOG CMD...: background process with its own log (appende
 }
 
 launch_all() {
-  pids=(); consumer_pids=(); producer_pids=(); name_of=()
+  pids=(); consumer_pids=(); name_of=()
   : > "$run_dir/pids"
   # producers: one dflash-produce, which spawns one worker per listed device
   # shellcheck disable=SC2086
   start producer "$run_dir/logs/producer.log" dflash-produce --gpus "$producers" --model "$model" \
     --dataset "$dataset" --spool "$spool" --run "$run" --run-dir "$run_dir" --checkpoint "$checkpoint" $producer_args
-  producer_pids+=("${pids[-1]}")
   # consumers: one torch.distributed group over env://
   local port world rank dev extra
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
