@@ -54,6 +54,19 @@ class TrainConfig:
     """Claim policy: 'random' (default: mixes lengths in training order), 'oldest' (lowest name first),
     'fullest', or a bucket number. Steps have fixed shapes whatever the policy."""
     heartbeat_timeout_s: float = 60.0
+    pool_streams: int = 4
+    """Samples held for packing, in streams' worth of tokens (host memory: pool_streams x context_tokens x
+    K*H x 2 bytes, ~0.8 GB at 32B-class width): more choice, fuller streams."""
+    min_split_tokens: int = 256
+    """A stream with at least this many empty slots is filled with the head of a longer document, whose tail
+    goes into a later stream (see ShardFeed._best_fit); 0 = never split documents."""
+    prefetch_steps: int = 2
+    """Steps the input pipeline packs and copies ahead of the one training (host + device memory per step:
+    one stream's hidden states)."""
+    precision: str = "auto"
+    """'amp': fp32 parameters and Adam state, bf16 autocast; 'bf16': bf16 parameters and Adam state (fastest;
+    the public recipe's); 'auto' = bf16 on CUDA, fp32 on the CPU (bf16 matmuls are slow there). Measurements
+    and the choice: docs/training.md."""
     compile: bool = True
     """torch.compile each draft decoder layer (with flex_attention inside on CUDA) once per process."""
     compile_backend: str = "inductor"
@@ -72,6 +85,8 @@ class TrainConfig:
             "max_anchors_per_doc",
             "loss_chunk_tokens",
             "log_every",
+            "pool_streams",
+            "prefetch_steps",
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -98,6 +113,10 @@ class TrainConfig:
             raise ValueError(
                 f"compile-backend must be inductor, aot_eager or eager, got {self.compile_backend!r}"
             )
+        if self.min_split_tokens < 0:
+            raise ValueError(f"min-split-tokens must be >= 0, got {self.min_split_tokens}")
+        if self.precision not in ("auto", "amp", "bf16", "fp32"):
+            raise ValueError(f"precision must be auto, amp, bf16 or fp32, got {self.precision!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu-threads must be >= 1, got {self.cpu_threads}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -114,6 +133,15 @@ class TrainConfig:
         if self.bucket in ("fullest", "random"):
             return self.bucket
         return int(self.bucket)
+
+    def param_dtype(self, device_type: str):
+        """The drafter's parameter dtype for ``precision`` on this device."""
+        import torch
+
+        choice = self.precision
+        if choice == "auto":
+            choice = "bf16" if device_type == "cuda" else "fp32"
+        return torch.bfloat16 if choice == "bf16" else torch.float32
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -57,6 +57,32 @@ def init_distributed(device: torch.device, *, timeout_s: float = 1800.0) -> Dist
     return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
+_control_group: dist.ProcessGroup | None = None
+
+
+def _control() -> dist.ProcessGroup | None:
+    """A gloo group over the same ranks for small host-side agreements (None = the default group).
+
+    With NCCL as the default backend, an all-reduce of host flags would copy them to the GPU and read the
+    result back, waiting for every step already queued there: the GPU would drain once per step. Over gloo
+    it is a host round trip that never touches the GPU.
+    """
+    global _control_group
+    if dist.get_backend() == "gloo":
+        return None
+    if _control_group is None:
+        _control_group = dist.new_group(backend="gloo")
+    return _control_group
+
+
+def agree_flags(flags: list[bool], info: DistInfo) -> list[int]:
+    """For each flag, how many ranks set it (world size 1: the flags as 0/1, no collective)."""
+    t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int64)
+    if info.enabled:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_control())
+    return [int(x) for x in t.tolist()]
+
+
 def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     """Sum ``t`` over ranks in place (no-op at world size 1)."""
     if info.enabled:
@@ -96,5 +122,7 @@ def barrier(info: DistInfo) -> None:
 
 
 def close_distributed() -> None:
+    global _control_group
+    _control_group = None
     if dist.is_initialized():
         dist.destroy_process_group()

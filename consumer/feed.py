@@ -2,8 +2,13 @@
 
 A background thread claims shards from the spool and decodes them (zstd decoding releases the GIL and
 never touches compiled code), so the training loop only packs samples that are already in memory.
-Packing is best-fit over a pool of loaded samples into exactly ``context_tokens`` tokens, which keeps
-step shapes constant and padding low.
+Packing is best-fit over a pool of loaded samples (``pool_streams`` streams' worth) into exactly
+``context_tokens`` tokens, which keeps step shapes constant and padding low: a pool of one or two streams
+left 16 % of the slots empty on real length distributions, eight fill them to ~99 %.
+
+Several packed steps may be in flight at once (the trainer's input pipeline packs step n+1 while step n
+runs): ``commit()`` commits the OLDEST packed step, so steps must be committed in the order they were
+packed. ``next_packed`` (pipeline thread) and ``commit`` (training loop) may run on different threads.
 
 Delivery accounting: a shard is acked only after every one of its samples was used by a *committed*
 optimizer step (``commit``); samples listed in ``skip`` (already trained before a restart) are dropped on
@@ -16,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,15 +37,31 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Sample:
+    """One document held by the feed, or a piece of one (see ``ShardFeed._best_fit``)."""
+
     input_ids: torch.Tensor  # int64 [L]
     loss_mask: torch.Tensor  # bool [L]
     hidden: torch.Tensor  # bf16 [L, K*H]
     sample_index: int
     shard: Path
+    start: int = 0  # position of this piece's first token in its document
+    last_piece: bool = True  # False for the head of a split document: the sample is not trained yet
 
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    def split(self, n: int) -> tuple[Sample, Sample]:
+        """(first n tokens, the rest) as two pieces of the same document."""
+        head = Sample(
+            self.input_ids[:n], self.loss_mask[:n], self.hidden[:n], self.sample_index, self.shard,
+            start=self.start, last_piece=False,
+        )
+        tail = Sample(
+            self.input_ids[n:], self.loss_mask[n:], self.hidden[n:], self.sample_index, self.shard,
+            start=self.start + n, last_piece=self.last_piece,
+        )
+        return head, tail
 
 
 @dataclass
@@ -75,6 +97,9 @@ class ShardFeed:
         skip: SampleSet | None = None,
         bucket: int | str | None = None,
         prefetch_shards: int = 2,
+        pool_streams: int = 8,
+        min_split_tokens: int | None = 256,
+        pin_memory: bool = False,
         poll_s: float = 0.05,
         heartbeat_timeout_s: float = 60.0,
         expected_layer_ids: list[int] | None = None,
@@ -88,9 +113,13 @@ class ShardFeed:
         self.poll_s = poll_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.counters = FeedCounters()
+        self.pool_tokens_target = max(2, pool_streams) * context_tokens
+        self.pin_memory = pin_memory
+        self.min_split_tokens = min_split_tokens
         self._pool: list[Sample] = []
+        self._pool_tokens = 0
         self._ledger: dict[str, _ShardLedger] = {}
-        self._in_step: list[Sample] = []  # samples packed into the step not yet committed
+        self._in_flight: deque[list[Sample]] = deque()  # packed steps not yet committed, oldest first
         self._loaded: queue.Queue = queue.Queue(maxsize=prefetch_shards)
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -214,33 +243,51 @@ class ShardFeed:
                 self.spool.ack(path)  # every sample was already trained before the restart
                 self.counters.shards_acked += 1
                 continue
-            self._ledger[path.name] = _ShardLedger(outstanding=len(samples), path=path)
+            with self._lock:
+                self._ledger[path.name] = _ShardLedger(outstanding=len(samples), path=path)
             self._pool.extend(samples)
-            if sum(s.num_tokens for s in self._pool) >= 2 * self.context_tokens:
+            self._pool_tokens += sum(s.num_tokens for s in samples)
+            if self._pool_tokens >= self.pool_tokens_target:
                 return alive
 
     def next_packed(self, *, wait_s: float = 1.0) -> PackedSamples | None:
         """Pack the next context stream; None when no sample arrived within ``wait_s``.
 
-        Call ``commit()`` after the optimizer step that used the returned samples.
+        Call ``commit()`` after the optimizer step that used the returned samples (steps packed earlier
+        first). Only one thread may call this.
         """
-        assert not self._in_step, "commit() the previous step before packing the next"
-        pool_tokens = sum(s.num_tokens for s in self._pool)
-        if pool_tokens < 2 * self.context_tokens:
+        if self._pool_tokens < self.pool_tokens_target:
             self._drain_loaded(wait_s if not self._pool else 0.0)
         if not self._pool:
             return None
         chosen = self._best_fit()
-        self._in_step = chosen
-        self.counters.tokens_packed += sum(s.num_tokens for s in chosen)
+        with self._lock:
+            self._in_flight.append(chosen)
+        tokens = sum(s.num_tokens for s in chosen)
+        self._pool_tokens -= tokens
+        self.counters.tokens_packed += tokens
         self.counters.slots_packed += self.context_tokens
         return pack_samples(
             [(s.input_ids, s.loss_mask, s.hidden, s.sample_index) for s in chosen],
             context_tokens=self.context_tokens,
+            pin_memory=self.pin_memory,
+            position_offsets=[s.start for s in chosen],
         )
 
     def _best_fit(self) -> list[Sample]:
-        """Greedy first-fit-decreasing into one stream; the oldest sample always goes first (no starvation)."""
+        """The oldest sample first (no starvation), then repeatedly the largest sample that still fits.
+
+        Largest-first leaves the pool rich in short samples, which close the last gaps of later streams.
+        Whole documents alone cannot fill streams when long documents outnumber the fillers (measured: 84 %
+        of the slots on a real 8B run; 89-96 % in simulation with bucketed shards and pools of 8 streams).
+        So when at least ``min_split_tokens`` stay empty, the oldest document that does not fit is SPLIT:
+        its head fills the stream exactly, its tail (positions continuing where the head ended) stays in
+        the pool for a later stream. What a split costs: the tail's anchors attend to the tail's own
+        context only (the target's hidden states they read already summarise the whole prefix), and the
+        head's last blocks have no labels past the cut. A split document counts as trained when its LAST
+        piece is committed; a crash between its pieces retrains the whole document (never loses it).
+        Pieces shorter than ``min_split_tokens`` are never made; None disables splitting.
+        """
         room = self.context_tokens
         chosen = [self._pool.pop(0)]
         room -= chosen[0].num_tokens
@@ -248,22 +295,44 @@ class ShardFeed:
             if s.num_tokens <= room:
                 chosen.append(s)
                 room -= s.num_tokens
+                if room == 0:
+                    break
         picked = {id(s) for s in chosen}
         self._pool = [s for s in self._pool if id(s) not in picked]
+        m = self.min_split_tokens
+        if m is not None and room >= m:
+            for i, s in enumerate(self._pool):
+                if s.num_tokens - room >= m:
+                    head, tail = s.split(room)
+                    chosen.append(head)
+                    self._pool[i] = tail
+                    break
         return chosen
 
     def commit(self) -> list[int]:
-        """Mark the packed step as trained: ack finished shards, return the trained sample indices."""
-        trained = [s.sample_index for s in self._in_step]
-        for s in self._in_step:
-            ledger = self._ledger[s.shard.name]
-            ledger.outstanding -= 1
-            if ledger.outstanding == 0:
-                self.spool.ack(ledger.path)
-                self.counters.shards_acked += 1
-                del self._ledger[s.shard.name]
-        self._in_step = []
-        return trained
+        """Mark the oldest packed step as trained: ack finished shards, return its sample indices."""
+        with self._lock:
+            if not self._in_flight:
+                raise RuntimeError("commit() without a packed step in flight")
+            step = self._in_flight.popleft()
+            finished = []
+            for s in step:
+                if not s.last_piece:
+                    continue
+                ledger = self._ledger[s.shard.name]
+                ledger.outstanding -= 1
+                if ledger.outstanding == 0:
+                    finished.append(ledger.path)
+                    del self._ledger[s.shard.name]
+        for path in finished:
+            self.spool.ack(path)
+            self.counters.shards_acked += 1
+        return [s.sample_index for s in step if s.last_piece]
+
+    @property
+    def in_flight(self) -> int:
+        """Packed steps not yet committed."""
+        return len(self._in_flight)
 
     def exhausted(self) -> bool:
         """True when the spool is drained and every loaded sample was packed."""

@@ -1,8 +1,15 @@
 """The consumer's training loop: claimed shards -> DFlash drafter steps -> checkpoints.
 
 Build order is visible in ``Trainer.__init__`` (distributed -> model -> optimizer -> schedule ->
-checkpoint resume -> data). ``train()`` reads top to bottom: pack a fixed-shape step, agree across ranks
+checkpoint resume -> data). ``train()`` reads top to bottom: take the next staged step, agree across ranks
 whether anyone has data, step, ack, log, checkpoint.
+
+The GPU never waits for the host: the input pipeline (``input_pipeline.py``) packs, samples anchors and
+copies step n+1 while step n runs; nothing in a step reads a device value back (loss, accuracy and τ sums
+stay on the device until a log line); the per-step agreement between ranks goes over a gloo group on the
+CPU (a host round trip of well under a millisecond that never waits for the GPU, which is kept busy by
+the steps already launched); checkpoints copy the state to host memory on the compute stream and write
+and upload it from a background thread (``async_checkpoint.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from dflash.consumer.checkpoint import (
 from dflash.consumer.config import TrainConfig
 from dflash.consumer.drafter import DFlashDrafter, DrafterConfig, load_target_head
 from dflash.consumer.feed import ShardFeed
+from dflash.consumer.input_pipeline import InputPipeline, StepInput
 from dflash.consumer.loss import DraftLossOutput, draft_loss
 
 log = logging.getLogger(__name__)
@@ -110,11 +118,21 @@ def forward_backward(
     """
     device_type = batch.input_ids.device.type
     mask = model.build_mask(batch)
-    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=device_type == "cuda"):
+    # autocast only for fp32 parameters on CUDA (precision "amp"); bf16 parameters run in bf16 as they are
+    amp = device_type == "cuda" and model.fc.weight.dtype == torch.float32
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp):
         hidden_out = train_model(batch, mask)
         result = draft_loss(hidden_out, batch, model.target_head.lm_head_weight, chunk_tokens=chunk_tokens)
     (result.loss_sum * loss_scale).backward()
     return result
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast the trainable parameters only: buffers such as rotary ``inv_freq`` stay fp32 (a bf16
+    ``inv_freq`` is off by whole radians at position 4000)."""
+    for p in model.parameters():
+        if p.dtype != dtype:
+            p.data = p.data.to(dtype)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
@@ -172,6 +190,7 @@ class Trainer:
         )
         head = load_target_head(cfg.target, dtype=self.compute_dtype, device=self.device)
         self.model = DFlashDrafter(self.drafter_config, head).to(self.device)
+        cast_parameters(self.model, cfg.param_dtype(self.device.type))
         if cfg.compile:
             compile_drafter(self.model, cfg.compile_backend)
         self.train_model: torch.nn.Module = self.model
@@ -200,7 +219,19 @@ class Trainer:
             bucket=cfg.claim_bucket,
             expected_layer_ids=list(self.drafter_config.target_layer_ids),
             heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+            pool_streams=cfg.pool_streams,
+            min_split_tokens=cfg.min_split_tokens or None,
+            pin_memory=self.device.type == "cuda",
         )
+        self.inputs = InputPipeline(
+            lambda wait_s: self.feed.next_packed(wait_s=wait_s),
+            self._build_batch,
+            self.feed.exhausted,
+            device=self.device,
+            hidden_dtype=self.compute_dtype,
+            depth=cfg.prefetch_steps,
+        )
+        self._padding_input: StepInput | None = None
         self.metrics = None
         self.ledger = None
         if cfg.run_dir:
@@ -300,22 +331,20 @@ class Trainer:
         t_start = time.monotonic()
         try:
             while cfg.max_steps is None or self.step < cfg.max_steps:
-                packed = self.feed.next_packed(wait_s=0.5)
-                flags = torch.tensor(
-                    [float(packed is not None), float(self.feed.exhausted()), float(self._stop_requested)],
-                    dtype=torch.float64,
+                item = self.inputs.get(timeout=0.5)
+                have, exhausted, stop = D.agree_flags(
+                    [item is not None, self.inputs.exhausted(), self._stop_requested], self.dist
                 )
-                D.all_reduce_sum(flags, self.dist)
-                if flags[2] > 0:
+                if stop:
                     log.warning("stop requested: saving a checkpoint at step %d", self.step)
                     break
-                if flags[0] == 0:
-                    if flags[1] == self.dist.world_size:
+                if not have:
+                    if exhausted == self.dist.world_size:
                         break
                     continue
-                if packed is None:  # others have data: take part in the collective step with padding only
-                    packed = empty_packed(cfg.context_tokens, self._hidden_width())
-                self._train_step(packed, stats)
+                if item is None:  # others have data: take part in the collective step with padding only
+                    item = self._padding()
+                self._train_step(item, stats)
                 if self.first_step_s is None:
                     self.first_step_s = time.monotonic() - t_start
                 self._check_recompiles()
@@ -329,6 +358,7 @@ class Trainer:
             if self._saved_step != self.step:  # the periodic save may have just written this step
                 self.save(final=True)
         finally:
+            self.inputs.close()
             self.feed.close()
         return {
             "steps": self.step,
@@ -355,21 +385,36 @@ class Trainer:
     def _hidden_width(self) -> int:
         return self.drafter_config.hidden_size * len(self.drafter_config.target_layer_ids)
 
-    def _train_step(self, packed, stats: StepStats) -> None:
+    def _build_batch(self, packed, generator: torch.Generator | None = None) -> DraftBatch:
+        """Anchors, draft blocks, labels and weights of one packed stream (input pipeline thread)."""
         cfg = self.cfg
-        batch: DraftBatch = build_draft_batch(
+        return build_draft_batch(
             packed,
             block_size=cfg.block_size,
             num_anchors=cfg.num_anchors,
             max_anchors_per_doc=cfg.max_anchors_per_doc,
             mask_token_id=self.drafter_config.mask_token_id,
             gamma=cfg.gamma,
-            generator=self.generator,
+            generator=generator or self.generator,
         )
-        weight = batch.label_weights.sum(dtype=torch.float64)
-        batch = batch.to(self.device, non_blocking=True, hidden_dtype=self.compute_dtype)
+
+    def _padding(self) -> StepInput:
+        """A step of pure padding (zero weight) for a rank without data while others step; built once, with
+        its own generator so the input pipeline's anchor draws stay exactly the serial path's."""
+        if self._padding_input is None:
+            packed = empty_packed(self.cfg.context_tokens, self._hidden_width())
+            batch = self._build_batch(packed, torch.Generator().manual_seed(0))
+            self._padding_input = StepInput(
+                batch.to(self.device, hidden_dtype=self.compute_dtype), tokens=0, weight=0.0
+            )
+        return self._padding_input
+
+    def _train_step(self, item: StepInput, stats: StepStats) -> None:
+        cfg = self.cfg
+        batch = item.batch
         # The global supervised weight stays a device tensor: no host sync before the forward.
-        global_weight = D.all_reduce_sum(weight.reshape(1).to(self.device), self.dist)
+        weight = torch.tensor([item.weight], dtype=torch.float64)
+        global_weight = D.all_reduce_sum(weight.to(self.device, non_blocking=True), self.dist)
         result = forward_backward(
             self.model,
             self.train_model,
@@ -386,13 +431,7 @@ class Trainer:
         self.trained.add(trained)
         if self.ledger is not None:
             self.ledger.write({"step": self.step, "pid": os.getpid(), "samples": trained})
-        stats.add(
-            result,
-            weight=float(weight),
-            grad_norm=grad_norm,
-            tokens=int((packed.doc_ids >= 0).sum()),
-            samples=len(trained),
-        )
+        stats.add(result, weight=item.weight, grad_norm=grad_norm, tokens=item.tokens, samples=len(trained))
 
     def _check_recompiles(self) -> None:
         if self.step == WARMUP_STEPS_FOR_RECOMPILES:
