@@ -205,6 +205,8 @@ def format_console_line(rec: Mapping[str, Any], *, elapsed_s: float, eta_s: floa
         rates.append(f"prod={format_rate(rec['prod_tok_s'])} tok/s")
     if rec.get("tok_s") is not None:
         rates.append(f"cons={format_rate(rec['tok_s'])} tok/s")
+    if rec.get("fill") is not None:
+        rates.append(f"fill={100 * float(rec['fill']):.1f}%")
     if rates:
         line += " | " + " ".join(rates)
     if rec.get("spool_shards") is not None or rec.get("spool_bytes") is not None:

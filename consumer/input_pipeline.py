@@ -41,6 +41,7 @@ class StepInput:
     tokens: int  # real (non-padding) context tokens in the stream
     weight: float  # sum of the label weights (the loss normaliser's local share)
     ready: torch.cuda.Event | None = None  # recorded on the copy stream after the host->device copy
+    padding: bool = False  # a rank's stand-in step without data: nothing to commit
 
 
 class InputPipeline:

@@ -1,33 +1,53 @@
-"""Consumer step benchmark: ms/step, context tok/s, TFLOP/s, MFU, first step, recompiles, memory drift.
+"""Consumer benchmark: the real trainer loop over a real spool, and the reference step, in one run.
 
-Runs the trainer's own step (``forward_backward`` + grad clip + fused AdamW + schedule, compiled draft
-layers with flex_attention on CUDA) on synthetic packed batches of fixed shape: random documents per
-step (the mask changes every step, the shapes never do), hidden states copied host->device from pinned
-memory each step as the trainer does. Random weights; the target's embedding/lm_head are random too.
+``--mode trainer`` (what users run): producer processes (``bench_data.SpoolFiller``) write real shards (the
+project's zarr writer and default codec, spool publish + byte budget, a realistic chat length
+distribution) while ``dflash.consumer.trainer.Trainer`` — the object ``dflash-consume`` runs — trains from
+that spool: feed, packing, input pipeline, compiled step, checkpoints to a local store. Reports context and
+real tok/s (stream fill), ms/step, TFLOP/s, MFU, stall per checkpoint, first step, recompiles, memory drift.
+``--reference DIR`` runs the reference step (``ref_consumer_step.py`` from ../shared/bench, copied into a
+git-ignored folder) first, on the same GPU in the same call, so the ratio is measured side by side.
+
+``--mode step``: the trainer's step on synthetic batches built in this process (a HAND-BUILT path: no feed,
+no spool, no input pipeline; kept to isolate the step's own speed).
+
+``--mode learning``: the same learnable spool trained with each ``--precision`` (same data order, same
+seed) for ``--steps`` steps; writes the loss curves (JSON) to compare precisions.
 
 FLOPs are counted explicitly (see ``step_flops``): matmul FLOPs of every projection that runs, x3 for
 trainable layers (forward + input grad + weight grad), x2 for ``fc`` (its input is data: no input grad) and
 for the frozen lm_head (no weight grad); attention counts only the (query, key) pairs the mask lets through
 (4·pairs·head_dim per head forward, x3 for backward). MFU = achieved / measured bf16 matmul peak.
 
-    python ops/bench/consumer_bench.py --preset 32b --steps 200 --json out.json
-    python ops/bench/consumer_bench.py --preset tiny --steps 5 --device cpu      # smoke test
+    python ops/bench/consumer_bench.py --mode trainer --preset 32b --steps 200 --reference .bench/ref
+    python ops/bench/consumer_bench.py --mode step --preset tiny --steps 5 --device cpu      # smoke test
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_data import FillPlan, SpoolFiller, write_target_head  # noqa: E402
+
+from dflash.common.layers import default_target_layer_ids
 from dflash.consumer.attention import recompile_count
 from dflash.consumer.batching import build_draft_batch, pack_samples
 from dflash.consumer.config import TrainConfig
 from dflash.consumer.drafter import DFlashDrafter, DrafterConfig, TargetHead
-from dflash.consumer.trainer import build_optimizer, compile_drafter, forward_backward
+from dflash.consumer.trainer import Trainer, build_optimizer, compile_drafter, forward_backward
 
 PRESETS = {
     # hidden, heads, kv heads, head_dim, intermediate, vocab, target layers
@@ -207,40 +227,248 @@ def run(preset: str, *, steps: int, context: int, anchors: int, device: torch.de
     return out
 
 
+def visible_pairs(batch, block_size: int) -> float:
+    """(query, key) pairs the DFlash mask lets through: each valid block sees its document's prefix before
+    the anchor plus its own B tokens."""
+    doc_start = batch.anchors - batch.positions[batch.anchors]
+    return float(((batch.anchors - doc_start + block_size) * batch.anchor_valid).sum()) * block_size
+
+
+def run_reference(ref_dir: str, context: int, anchors: int) -> dict:
+    """The reference step (../shared/bench/ref_consumer_step.py) in a subprocess on the same GPU."""
+    script = Path(ref_dir) / "ref_consumer_step.py"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(context), str(anchors)], capture_output=True, text=True, timeout=600
+    )
+    out = proc.stdout + proc.stderr
+    m = re.search(r"([\d.]+) ms/step, (\d+) TFLOP/s.*ctx tok/s (\d+)", out)
+    first = re.search(r"first step s ([\d.]+)", out)
+    if proc.returncode != 0 or m is None:
+        raise RuntimeError(f"reference step failed (rc {proc.returncode}): {out[-2000:]}")
+    return {
+        "ms_per_step": float(m.group(1)),
+        "tflops": float(m.group(2)),
+        "context_tok_s": int(m.group(3)),
+        "first_step_s": float(first.group(1)) if first else None,
+    }
+
+
+def _steady_intervals(history: list[dict], *, from_step: int, save_steps: set[int]) -> tuple[list, list]:
+    """Per-step seconds of each logged interval after ``from_step``: (without a save, with a save)."""
+    plain, with_save = [], []
+    for a, b in zip(history, history[1:], strict=False):
+        if a["step"] < from_step:
+            continue
+        per_step = (b["time"] - a["time"]) / (b["step"] - a["step"])
+        saved = any(a["step"] < s <= b["step"] for s in save_steps)
+        (with_save if saved else plain).append((per_step, b["step"] - a["step"]))
+    return plain, with_save
+
+
+def run_trainer(
+    preset: str,
+    *,
+    steps: int,
+    warmup: int,
+    context: int,
+    anchors: int,
+    precision: str,
+    workdir: Path,
+    save_every: int | None,
+    learnable: bool = False,
+    seed: int = 0,
+    bucket: str = "random",
+    producers: int = 6,
+    log_every: int = 10,
+    device: str = "cuda",
+) -> dict:
+    """The real Trainer over a spool that producer processes fill while it trains."""
+    shape = PRESETS[preset]
+    layer_ids = default_target_layer_ids(shape["num_target_layers"], 5)
+    target = workdir / f"target-{preset}"
+    if not (target / "model.safetensors").exists():
+        write_target_head(target, shape)
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    spool = shm / f"dflash-bench-{preset}-{os.getpid()}"
+    shutil.rmtree(spool, ignore_errors=True)
+    run_dir = workdir / f"run-{preset}-{precision}-{int(time.time())}"
+    ckpt = workdir / "ckpt"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    max_steps = warmup + steps
+    width = shape["hidden_size"] * len(layer_ids)
+    plan = FillPlan(
+        spool=str(spool),
+        hidden_size=shape["hidden_size"],
+        layer_ids=layer_ids,
+        vocab_size=shape["vocab_size"],
+        context_tokens=context,
+        total_tokens=int((max_steps + 8) * context * 1.05),
+        budget_bytes=int(min(24e9, max(2e9, 40 * context * width * 2))),
+        producers=producers if not learnable else 1,
+        seed=seed,
+        learnable=learnable,
+    )
+    from dflash.common.spool import Spool
+
+    Spool(spool)  # create the layout before the processes start
+    filler = SpoolFiller(plan)
+    cfg = TrainConfig(
+        spool=str(spool),
+        target=str(target),
+        device=device,
+        run="bench",
+        run_dir=str(run_dir),
+        checkpoint=str(ckpt) if save_every else None,
+        save_every=save_every or 10**9,
+        keep_last=1,
+        max_steps=max_steps,
+        total_steps=max_steps,
+        context_tokens=context,
+        num_anchors=anchors,
+        max_anchors_per_doc=anchors,
+        log_every=log_every,
+        precision=precision,
+        seed=seed,
+        bucket=bucket,
+    )
+    t0 = time.monotonic()
+    trainer = Trainer(cfg)
+    pairs: list[float] = []
+    build = trainer._build_batch
+
+    def counted_build(packed, generator=None):  # instrumentation only: count the mask's visible pairs
+        batch = build(packed, generator)
+        pairs.append(visible_pairs(batch, cfg.block_size))
+        return batch
+
+    trainer.inputs._build = counted_build
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+        filler.close()
+        shutil.rmtree(spool, ignore_errors=True)
+    total_s = time.monotonic() - t0
+    history = summary["history"]
+    save_steps = set(range(save_every, max_steps + 1, save_every)) if save_every else set()
+    plain, with_save = _steady_intervals(history, from_step=warmup, save_steps=save_steps)
+    step_s = statistics.median(p for p, _ in plain)
+    all_steps = sum(n for _, n in plain + with_save)
+    mean_all = sum(p * n for p, n in plain + with_save) / max(1, all_steps)
+    stall_from_timing = [(p - step_s) * n for p, n in with_save]
+    drafter_cfg = trainer.drafter_config
+    flops = step_flops(drafter_cfg, context=context, anchors=anchors, visible_pairs=statistics.mean(pairs))
+    cuda = device.startswith("cuda")
+    peak = matmul_peak_tflops(torch.device(device)) if cuda else float("nan")
+    mem = [r["mem_gb"] for r in history if r["step"] >= warmup and "mem_gb" in r]
+    ckpt_events = []
+    metrics_file = run_dir / "metrics" / "consumer-0.jsonl"
+    if metrics_file.exists():
+        for line in metrics_file.read_text().splitlines():
+            rec = json.loads(line)
+            if rec.get("event") in ("checkpoint", "checkpoint_failed"):
+                ckpt_events.append(rec)
+    fill = summary["fill"]
+    return {
+        "mode": "trainer (real Trainer over a real spool)",
+        "preset": preset,
+        "precision": precision,
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "context_tokens": context,
+        "anchors": anchors,
+        "steps_measured": steps,
+        "ms_per_step_median": round(step_s * 1e3, 1),
+        "ms_per_step_mean_incl_saves": round(mean_all * 1e3, 1),
+        "context_tok_s": round(context / step_s),
+        "real_tok_s": round(context * fill / step_s),
+        "fill": round(fill, 4),
+        "tflop_per_step": round(flops / 1e12, 2),
+        "tflops": round(flops / step_s / 1e12, 1),
+        "matmul_peak_tflops": round(peak, 1),
+        "mfu": round(flops / step_s / 1e12 / peak, 3),
+        "first_step_s": round(summary["first_step_s"], 1),
+        "recompiles_after_warmup": summary["recompiles_after_warmup"],
+        "peak_mem_gb_first": round(mem[0], 2) if mem else None,
+        "peak_mem_gb_last": round(mem[-1], 2) if mem else None,
+        "peak_mem_drift_pct": round(100 * (mem[-1] - mem[0]) / mem[0], 2) if mem else None,
+        "checkpoints": [
+            {k: e.get(k) for k in ("event", "step", "stall_s", "write_s", "gb")} for e in ckpt_events
+        ],
+        "stall_per_save_s_from_step_times": [round(x, 2) for x in stall_from_timing],
+        "losses": [(r["step"], round(r["loss"], 4)) for r in history],
+        "total_s": round(total_s, 1),
+    }
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mode", default="trainer", choices=["trainer", "step", "learning"])
     p.add_argument(
         "--preset", action="append", choices=sorted(PRESETS), help="repeatable (default 8b and 32b)"
     )
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20, help="trainer mode: steps before timing starts")
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--anchors", type=int, default=256)
     p.add_argument("--device", default="cuda")
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
+    p.add_argument("--precision", action="append", help="trainer/learning modes: repeatable (default bf16)")
+    p.add_argument("--save-every", type=int, default=100, help="trainer mode: checkpoint period (0 = none)")
+    p.add_argument("--reference", default=None, help="folder holding ref_consumer_step.py: run it first")
+    p.add_argument(
+        "--workdir", default=None, help="trainer mode: target/checkpoint folder (default: a temp dir)"
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device(args.device)
     results = []
+    if args.reference:
+        ref = {"mode": "reference", **run_reference(args.reference, args.context, args.anchors)}
+        print(json.dumps(ref), flush=True)
+        results.append(ref)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dflash-bench-"))
     for preset in args.preset or ["8b", "32b"]:
-        r = run(
-            preset,
-            steps=args.steps,
-            context=args.context,
-            anchors=args.anchors,
-            device=device,
-            backend=args.backend,
-        )
-        print(json.dumps(r), flush=True)
-        results.append(r)
-        torch._dynamo.reset()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        for precision in args.precision or (["bf16"] if args.mode != "step" else [None]):
+            if args.mode == "step":
+                r = run(
+                    preset,
+                    steps=args.steps,
+                    context=args.context,
+                    anchors=args.anchors,
+                    device=device,
+                    backend=args.backend,
+                )
+                r["mode"] = "step (hand-built batches, no feed/spool/input pipeline)"
+            else:
+                r = run_trainer(
+                    preset,
+                    steps=args.steps,
+                    warmup=args.warmup,
+                    context=args.context,
+                    anchors=args.anchors,
+                    precision=precision,
+                    workdir=workdir,
+                    save_every=args.save_every if args.mode == "trainer" else None,
+                    learnable=args.mode == "learning",
+                    bucket="random" if args.mode == "trainer" else "oldest",
+                    device=args.device,
+                )
+            if results and results[0]["mode"] == "reference" and "context_tok_s" in r:
+                r["vs_reference"] = round(r["context_tok_s"] / results[0]["context_tok_s"], 3)
+            print(json.dumps({k: v for k, v in r.items() if k != "losses"}), flush=True)
+            results.append(r)
+            torch._dynamo.reset()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     cols = [
+        "mode",
         "preset",
+        "precision",
         "ms_per_step_median",
         "context_tok_s",
-        "tflops",
+        "fill",
         "mfu",
+        "vs_reference",
         "first_step_s",
         "recompiles_after_warmup",
         "peak_mem_drift_pct",
