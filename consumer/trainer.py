@@ -30,6 +30,7 @@ from dflash.common.metrics_log import MetricsLog, format_console_line
 from dflash.common.sample_set import SampleSet
 from dflash.common.spool import Spool
 from dflash.consumer import distributed as D
+from dflash.consumer.async_checkpoint import AsyncCheckpointer
 from dflash.consumer.attention import recompile_count
 from dflash.consumer.batching import DraftBatch, build_draft_batch, empty_packed
 from dflash.consumer.checkpoint import (
@@ -207,6 +208,9 @@ class Trainer:
 
         # checkpoint resume (every rank loads the same files)
         self.store = open_store(cfg.checkpoint) if cfg.checkpoint else None
+        self.checkpointer = AsyncCheckpointer(self.device)
+        self.last_save_stall_s: float | None = None
+        self._last_save_failed = False
         if self.store is not None and cfg.resume == "auto":
             self._resume()
 
@@ -271,57 +275,89 @@ class Trainer:
         log.info("resumed from step %d (%d samples already trained)", self.step, len(self.trained))
 
     def save(self, *, final: bool = False) -> None:
-        """Checkpoint the group's state (rank 0 writes, every rank takes part).
+        """Checkpoint the group's state (rank 0 writes, every rank takes part in merging the trained sets).
 
-        A periodic checkpoint the store refuses (S3 outage longer than the retries, lost permissions, full
-        disk) is ONE error line and training goes on: ``latest`` still names the previous good checkpoint
-        and the next save tries again; losing a checkpoint costs at most redoing its steps after a crash,
-        stopping would cost the run. The ``final`` save (data drained, SIGTERM) raises instead, on every
-        rank: exiting 0 without it would throw away the run's tail without anyone noticing.
+        The state is copied to host memory on the compute stream and written in the background
+        (``async_checkpoint.py``): training stalls only for that copy. A periodic checkpoint the store refuses
+        (S3 outage longer than the retries, lost permissions, full disk) is ONE error line when its write
+        ends, and training goes on: ``latest`` still names the previous good checkpoint and the next save
+        tries again; losing a checkpoint costs at most redoing its steps after a crash, stopping would cost
+        the run. The ``final`` save (data drained, SIGTERM) waits for its write and raises on every rank if
+        it failed: exiting 0 without it would throw away the run's tail without anyone noticing.
         """
         if self.store is None:
             return
+        if not (final and self._saved_step == self.step):  # else the last periodic save wrote this step
+            self._submit_save()
+        if final:
+            error = None
+            if self.dist.is_main:
+                errors = self._report_saves(self.checkpointer.wait())
+                error = errors[-1] if errors and self._last_save_failed else None
+            error = D.broadcast_object(error, self.dist)  # every rank knows the outcome
+            if error is not None:
+                raise CheckpointStoreError(error)
+
+    def _submit_save(self) -> None:
         for blob in D.all_gather_bytes(self.trained.to_bytes(), self.dist):
             self.trained.update(SampleSet.from_bytes(blob))  # in place: the feed skips from this set
-        merged = self.trained
+        trained = SampleSet.from_bytes(self.trained.to_bytes())  # frozen at this step; the live set grows on
         rng_states = D.all_gather_object(capture_rng_state(), self.dist)
-        error = None
-        if self.dist.is_main:
-            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
-            model_state = {k: v for k, v in self.model.state_dict().items() if k in trainable}
-            try:
-                url = save_checkpoint(
-                    self.store,
-                    self.cfg.run,
-                    self.step,
-                    model_state=model_state,
-                    optimizer_state=self.optimizer.state_dict(),
-                    scheduler_state=self.scheduler.state_dict(),
-                    rng_state=dict(enumerate(rng_states)),
-                    trained=merged,
-                    config={"train": self.cfg.to_dict(), "drafter": self.drafter_config.to_dict()},
-                    keep_last=self.cfg.keep_last,
-                )
-            except CheckpointStoreError as err:  # one line, already redacted
-                error = f"checkpoint step {self.step} failed: {err}"
-            else:
-                log.info("checkpoint step %d -> %s", self.step, redact(url))
-                if self.metrics:
-                    self.metrics.write(
-                        {"event": "checkpoint", "step": self.step, "url": redact(url), "time": time.time()}
-                    )
-        error = D.broadcast_object(error, self.dist)  # also the barrier: every rank knows the outcome
-        if error is None:
-            self._saved_step = self.step
+        self._saved_step = self.step
+        if not self.dist.is_main:
             return
-        if final:
-            raise CheckpointStoreError(error)
-        if self.dist.is_main:
-            log.error("%s; training goes on, latest still names the previous checkpoint", error)
+        step, scheduler_state = self.step, self.scheduler.state_dict()
+        config = {"train": self.cfg.to_dict(), "drafter": self.drafter_config.to_dict()}
+
+        def write(host: dict) -> str:
+            return save_checkpoint(
+                self.store,
+                self.cfg.run,
+                step,
+                model_state=host["model"],
+                optimizer_state=host["optimizer"],
+                scheduler_state=scheduler_state,
+                rng_state=dict(enumerate(rng_states)),
+                trained=trained,
+                config=config,
+                keep_last=self.cfg.keep_last,
+            )
+
+        self.checkpointer.snapshot_and_write(step, self._device_state(), write)
+        self._report_saves(self.checkpointer.collect())
+
+    def _device_state(self) -> dict:
+        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        model_state = {k: v for k, v in self.model.state_dict().items() if k in trainable}
+        return {"model": model_state, "optimizer": self.optimizer.state_dict()}
+
+    def _report_saves(self, outcomes) -> list[str]:
+        """One log line (and metrics event) per finished save; returns the error lines."""
+        errors = []
+        for out in outcomes:
+            stall = out.waited_s + out.copy_s
+            self.last_save_stall_s = stall
+            self._last_save_failed = out.error is not None
+            if out.error is not None:
+                error = f"checkpoint step {out.step} failed: {redact(out.error)}"
+                errors.append(error)
+                log.error("%s; training goes on, latest still names the previous checkpoint", error)
+                event = {"event": "checkpoint_failed", "step": out.step, "error": error}
+            else:
+                log.info(
+                    "checkpoint step %d -> %s (%.1f GB; training stalled %.2fs, written in %.1fs in the background)",
+                    out.step,
+                    redact(out.url),
+                    out.snapshot_gb,
+                    stall,
+                    out.write_s,
+                )
+                event = {"event": "checkpoint", "step": out.step, "url": redact(out.url)}
             if self.metrics:
                 self.metrics.write(
-                    {"event": "checkpoint_failed", "step": self.step, "error": error, "time": time.time()}
+                    {**event, "stall_s": stall, "write_s": out.write_s, "gb": out.snapshot_gb, "time": time.time()}
                 )
+        return errors
 
     # ------------------------------------------------------------------------------ the loop
     def train(self) -> dict:
@@ -347,6 +383,8 @@ class Trainer:
                 self._train_step(item, stats)
                 if self.first_step_s is None:
                     self.first_step_s = time.monotonic() - t_start
+                    if self.store is not None and self.dist.is_main:
+                        self.checkpointer.prepare(self._device_state())  # host buffers, in the background
                 self._check_recompiles()
                 if self.step % cfg.log_every == 0:
                     self._log(stats)
@@ -366,8 +404,11 @@ class Trainer:
             "world_size": self.dist.world_size,
             "weights_sha256": self.weights_digest(),
             "samples_trained": len(self.trained),
+            # lost to this launch (corrupt shards, not in the trained set: the next launch re-produces them)
             "first_step_s": self.first_step_s,
             "recompiles_after_warmup": self._recompiles_after_warmup,
+            "fill": self.feed.counters.tokens_packed / max(1, self.feed.counters.slots_packed),
+            "last_save_stall_s": self.last_save_stall_s,
             "history": self.history,
         }
 
@@ -405,7 +446,7 @@ class Trainer:
             packed = empty_packed(self.cfg.context_tokens, self._hidden_width())
             batch = self._build_batch(packed, torch.Generator().manual_seed(0))
             self._padding_input = StepInput(
-                batch.to(self.device, hidden_dtype=self.compute_dtype), tokens=0, weight=0.0
+                batch.to(self.device, hidden_dtype=self.compute_dtype), tokens=0, weight=0.0, padding=True
             )
         return self._padding_input
 
@@ -427,7 +468,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        trained = self.feed.commit()
+        trained = [] if item.padding else self.feed.commit()
         self.trained.add(trained)
         if self.ledger is not None:
             self.ledger.write({"step": self.step, "pid": os.getpid(), "samples": trained})
@@ -449,6 +490,8 @@ class Trainer:
     def _log(self, stats: StepStats) -> None:
         if stats.steps == 0:
             return
+        if self.dist.is_main:
+            self._report_saves(self.checkpointer.collect())
         B = self.cfg.block_size
         sums = torch.tensor(
             [
@@ -484,6 +527,8 @@ class Trainer:
             "lr": self.scheduler.get_last_lr()[0],
             "grad_norm": float(stats.grad_norm),
             "tok_s": tokens / max(elapsed, 1e-9),
+            # share of the context slots that held real tokens (packing quality), over this interval
+            "fill": tokens / max(1.0, stats.steps * self.dist.world_size * self.cfg.context_tokens),
             "samples": len(self.trained),
             "interval_samples": samples,
             "world_size": self.dist.world_size,
