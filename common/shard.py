@@ -415,6 +415,21 @@ def _read_array(
     return out
 
 
+def read_sample_index(path: str | Path) -> np.ndarray:
+    """Only the shard's global sample indices (int64), without reading its tokens or hidden states.
+    FileNotFoundError if it is gone, ShardFormatError if it cannot be read."""
+    path = Path(path)
+    group = _open_group(path)
+    try:
+        return np.asarray(group["sample_index"][...], dtype=np.int64)
+    except (MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no such shard") from e
+        raise ShardFormatError(f"{path}: unreadable sample_index ({_one_line(e)})") from e
+
+
 def read_shard_meta(path: str | Path) -> dict[str, Any]:
     """Attributes plus `arrays: {name: {shape, dtype, chunks, codecs}}` and `nbytes`, without reading data.
 

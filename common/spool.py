@@ -14,6 +14,7 @@ dies is moved back to ready/ by any other consumer (``recover_dead_claims``).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -42,6 +43,73 @@ _RATE_WINDOW_S = 5.0
 
 class SpoolError(RuntimeError):
     """The spool directory is missing, is not a spool, or an operation would break its invariants."""
+
+
+class RunMismatchError(SpoolError):
+    """The spool belongs to another run (or to this run with another model, dataset or plan)."""
+
+
+class SpoolBusyError(SpoolError):
+    """A live process of another launch holds the spool's lock for this role."""
+
+
+RUN_FILE = "run.json"
+LOCK_PREFIX = "lock-"
+IDENTITY_KEYS = ("run", "model", "layer_ids", "dataset", "plan")
+"""What makes two launches the same run (state/run.json): a launch that differs in any field that both
+sides record is another run. A consumer records only ``run``; a producer fills in the rest."""
+
+
+class SpoolLock:
+    """An exclusive ``flock`` on ``<spool>/lock-<name>``, held for the life of this process (or until
+    ``release``). The kernel drops it when the process dies, however it dies: a dead launch never leaves a
+    stale lock behind. The file holds one line naming the holder, for the refusal message."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self.fd = path, fd
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _lock_holder(path: Path) -> str:
+    try:
+        return path.read_text().strip() or "an unknown process"
+    except OSError:
+        return "an unknown process"
+
+
+def lock_is_held(path: Path) -> bool:
+    """Whether a live process holds the flock on ``path`` (probed with a non-blocking shared lock)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def describe_run(rec: dict) -> str:
+    """One phrase for a run record: ``run 'x' (model m, dataset d, 612 rows)``."""
+    parts = []
+    if rec.get("model"):
+        parts.append(f"model {rec['model']}")
+    ds = rec.get("dataset") or {}
+    if ds:
+        parts.append(f"dataset {ds.get('spec', '?')} [{str(ds.get('fingerprint', '?'))[:12]}]")
+    plan = rec.get("plan") or {}
+    if "rows" in plan:
+        parts.append(f"{plan['rows']} rows")
+    if rec.get("layer_ids") is not None:
+        parts.append(f"layers {rec['layer_ids']}")
+    return f"run {rec.get('run')!r}" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def _check_id(kind: str, value: str) -> str:
@@ -230,6 +298,129 @@ class Spool:
                 continue
             os.chmod(d, DIR_MODE)
 
+    # ---- run identity and launch locks ----
+
+    def read_run(self) -> dict | None:
+        """state/run.json: the run this spool belongs to (None for a spool no launch has bound yet)."""
+        return self._read_json(self.state_dir / RUN_FILE)
+
+    def bind_run(self, identity: dict, *, who: str = "this launch") -> dict:
+        """Bind the spool to ``identity`` (``run`` plus any of model, layer_ids, dataset, plan) or check
+        it against the run already recorded. Fields recorded on both sides must be equal, else
+        RunMismatchError with one line naming both runs; fields the record lacks are filled in (a
+        consumer binds the run name first, the producer adds the rest). Returns the record."""
+        if not identity.get("run"):
+            raise ValueError("bind_run needs identity['run']")
+        ident = {k: identity[k] for k in IDENTITY_KEYS if identity.get(k) is not None}
+        path = self.state_dir / RUN_FILE
+        with self._lock:
+            for _ in range(10):
+                rec = self.read_run()
+                if rec is None:
+                    new = {**ident, "created": time.time(), "launches": 0}
+                    tmp = path.with_name(f".{RUN_FILE}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+                    tmp.write_text(json.dumps(new) + "\n")
+                    try:
+                        os.link(tmp, path)  # exactly one creator wins
+                    except FileExistsError:
+                        continue
+                    finally:
+                        tmp.unlink(missing_ok=True)
+                    return new
+                differ = [k for k in IDENTITY_KEYS if k in ident and k in rec and ident[k] != rec[k]]
+                if differ:
+                    what = (
+                        "another run"
+                        if "run" in differ
+                        else f"the same run name with another {', '.join(differ)}"
+                    )
+                    raise RunMismatchError(
+                        f"spool {self.root} belongs to {describe_run(rec)}; {who} is {describe_run(ident)} "
+                        f"({what}): use another --spool, or discard this one (ops/run_all.sh --fresh-spool)"
+                    )
+                missing = {k: v for k, v in ident.items() if k not in rec}
+                if not missing:
+                    return rec
+                rec = {**rec, **missing}
+                _atomic_write_text(path, json.dumps(rec) + "\n")
+                return rec
+        raise SpoolError(f"spool {self.root}: could not bind state/{RUN_FILE} (concurrent writers?)")
+
+    def next_launch(self) -> int:
+        """Count a producer launch in state/run.json and return its number (1, 2, ...): producer ids carry
+        it, so shard names and DONE markers of different launches never collide. Call under the
+        producer's lock, after bind_run."""
+        with self._lock:
+            rec = self.read_run() or {}
+            n = int(rec.get("launches", 0)) + 1
+            _atomic_write_text(self.state_dir / RUN_FILE, json.dumps({**rec, "launches": n}) + "\n")
+            return n
+
+    def acquire_lock(self, name: str, holder: str) -> SpoolLock:
+        """Take ``<spool>/lock-<name>`` (flock, non-blocking) for the rest of this process's life, or raise
+        SpoolBusyError naming the live holder. ``holder`` (one line) is written into the file."""
+        _check_id("lock name", name)
+        path = self.root / f"{LOCK_PREFIX}{name}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SpoolBusyError(
+                f"spool {self.root} is in use by a live launch: {_lock_holder(path)} holds {path.name}"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{holder} (pid {os.getpid()} on {HOST}, since {time.strftime('%H:%M:%S')})\n".encode())
+        return SpoolLock(path, fd)
+
+    def live_locks(self) -> dict[str, str]:
+        """Locks held by live processes right now: {lock name: holder line}."""
+        out = {}
+        for p in sorted(self.root.glob(f"{LOCK_PREFIX}*")):
+            if lock_is_held(p):
+                out[p.name[len(LOCK_PREFIX) :]] = _lock_holder(p)
+        return out
+
+    def leftover_shards(self) -> list[Path]:
+        """Published shards still in the flow (ready/ and claimed/): a previous launch's leftovers when no
+        process of the run is live."""
+        out = [self.ready_dir / n for n in self._scan_names(self.ready_dir)]
+        for d in self._scan_dirs(self.claimed_dir):
+            out += [d / n for n in self._scan_names(d)]
+        return sorted(out, key=lambda p: p.name)
+
+    def discard_flow(self) -> dict:
+        """Forget a previous launch's flow: every shard in tmp/, ready/ and claimed/ (and ack trash), the
+        producer registration, DONE markers, heartbeats and the quarantined shards (their samples are in no
+        trained set, so they are produced again). Keeps state/run.json (the run's identity), the
+        quarantine/*.why reasons and the lock files. Only when no process of the run is live (the caller
+        holds the launch lock and checked ``live_locks``). Returns {"shards": n, "samples": m}."""
+        from dflash.common.shard import ShardFormatError, read_shard_meta
+
+        shards = samples = 0
+        for p in self.leftover_shards():
+            try:
+                samples += int(read_shard_meta(p).get("num_samples", 0))
+            except (ShardFormatError, OSError, ValueError):
+                pass
+            shards += 1
+        for d in (self.tmp_dir, self.ready_dir):
+            for e in list(os.scandir(d)):
+                _remove(Path(e.path))
+        for d in self._scan_dirs(self.claimed_dir):
+            _remove(d)
+        for name in self._scan_names(self.quarantine_dir):  # their samples are re-produced; the .why stay
+            _remove(self.quarantine_dir / name)
+        for e in list(os.scandir(self.state_dir)):
+            n = e.name
+            if (
+                n.startswith("DONE-")
+                or n == "producers.json"
+                or (n.endswith(".json") and "-" in n and n != RUN_FILE)
+            ):
+                Path(e.path).unlink(missing_ok=True)
+        return {"shards": shards, "samples": samples}
+
     # ---- producer side ----
 
     def new_tmp_path(self, name: str) -> Path:
@@ -288,6 +479,16 @@ class Spool:
             log.info("removed %d tmp leftovers of producer %s", n, producer_id)
         return n
 
+    def clean_tmp_of(self, prefix: str) -> int:
+        """Remove the tmp/ leftovers of every producer whose id starts with ``prefix`` (dflash-produce
+        of node N passes "nNp" while it holds that node's producer lock, so none of them is live)."""
+        n = 0
+        for name in self._scan_names(self.tmp_dir):
+            if parse_shard_name(name)[1].startswith(prefix):
+                _remove(self.tmp_dir / name)
+                n += 1
+        return n
+
     def wait_for_budget(
         self, budget_bytes: int, *, poll_s: float = 0.05, should_stop: Callable[[], bool] | None = None
     ) -> bool:
@@ -315,7 +516,7 @@ class Spool:
             raise ValueError("register_producers needs at least one producer id")
         old = self.registered_producers()
         if old and old != ids:
-            log.warning("re-registering producers %s (was %s)", ids, old)
+            log.info("registering producers %s (was %s)", ids, old)
         _atomic_write_text(self.state_dir / "producers.json", json.dumps({"producers": ids}) + "\n")
 
     def registered_producers(self) -> list[str]:

@@ -5,8 +5,13 @@
     dflash-spool inspect SHARD [--json] a shard's metadata, sample/token counts, codec, bytes on disk
                                         and compression ratio (raw array bytes / bytes on disk)
 
-Read-only (``Spool(create=False)``), so it is safe on a live run. User errors print one line on stderr
-and exit with status 2, like argparse's own errors.
+    dflash-spool prepare DIR --run NAME [--fresh]
+                                        before a launch (ops/run_all.sh, holding the spool's launch lock):
+                                        refuse a spool of another run or one a live process uses; discard
+                                        what a previous launch left in the flow (see docs/reliability.md)
+
+stats and inspect are read-only (``Spool(create=False)``), so they are safe on a live run. User errors
+print one line on stderr and exit with status 2, like argparse's own errors.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dflash.common.spool import Spool, SpoolError
+from dflash.common.spool import LOCK_PREFIX, Spool, SpoolError, describe_run
 
 PROG = "dflash-spool"
 EXIT_USAGE = 2
@@ -186,6 +191,61 @@ def format_inspect(info: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+# ---- prepare (the one command that writes) ----
+
+
+def prepare(root: str, run: str, *, fresh: bool) -> str:
+    """Make ``root`` ready for a new launch of ``run``; returns the line to print. The caller holds
+    ``lock-launch`` (ops/run_all.sh). Refuses (UserError) a spool bound to another run unless ``fresh``,
+    and any spool a live producer or consumer uses.
+
+    Why discard the leftovers rather than reuse them: a consumer of the new launch may train a leftover
+    shard before a producer of the new launch has looked at the spool; the producer would then re-produce
+    those samples (they are in no checkpoint yet) and a second consumer of the group could train them
+    again. Starting from an empty flow, the checkpoint's trained set is the only thing both sides read,
+    so each untrained sample is produced and trained once; the price is re-producing at most one spool
+    budget."""
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        spool = Spool(path)
+        live = {k: v for k, v in spool.live_locks().items() if k != "launch"}
+        if live:
+            name, who = next(iter(live.items()))
+            raise UserError(f"spool {spool.root} is in use by a live process: {who} holds lock-{name}")
+        rec = spool.read_run()
+        if rec is not None and rec.get("run") != run and not fresh:
+            raise UserError(
+                f"spool {spool.root} belongs to {describe_run(rec)}; this launch is run {run!r}: use another "
+                "--spool, or --fresh-spool to discard it"
+            )
+        if fresh:
+            for e in list(os.scandir(spool.root)):
+                if not e.name.startswith(LOCK_PREFIX):
+                    p = Path(e.path)
+                    if p.is_dir() and not p.is_symlink():
+                        import shutil
+
+                        shutil.rmtree(p)
+                    else:
+                        p.unlink()
+            spool = Spool(path)
+            spool.bind_run({"run": run})
+            return f"spool {spool.root}: fresh, bound to run {run!r}"
+        gone = spool.discard_flow()
+        spool.bind_run({"run": run})
+    except SpoolError as e:
+        raise UserError(str(e)) from None
+    except OSError as e:
+        raise UserError(f"cannot prepare spool {root}: {e.strerror or e}") from None
+    if rec is None:
+        return f"spool {spool.root}: new, bound to run {run!r}"
+    return (
+        f"spool {spool.root}: run {run!r} continues; discarded {gone['shards']} shards ({gone['samples']} "
+        "samples) left by its previous launch: producers re-produce what the checkpoint has not trained"
+    )
+
+
 # ---- entry point ----
 
 
@@ -203,13 +263,19 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("inspect", help="metadata, counts, codec and compression of one shard")
     i.add_argument("shard", help="a shard directory (<name>.zarr)")
     i.add_argument("--json", action="store_true", help="print the result as JSON")
+    r = sub.add_parser("prepare", help="before a launch: check the spool's run, discard leftovers")
+    r.add_argument("dir", help="the spool directory (created if missing)")
+    r.add_argument("--run", required=True, help="the run this launch belongs to")
+    r.add_argument("--fresh", action="store_true", help="discard everything, whatever run it belonged to")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.cmd == "stats":
+        if args.cmd == "prepare":
+            text = prepare(args.dir, args.run, fresh=args.fresh)
+        elif args.cmd == "stats":
             st = spool_stats(args.dir)
             text = json.dumps(st, indent=2, default=str) if args.json else format_stats(st)
         else:

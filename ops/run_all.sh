@@ -26,9 +26,14 @@ Options:
   --max-steps N         consumers stop after N steps
   --producer-args "..." extra flags for dflash-produce
   --consumer-args "..." extra flags for dflash-consume
-  --fresh-spool         delete a leftover spool of the same run before starting
+  --fresh-spool         discard the spool's contents first, even if it belongs to another run
   --restarts N          after a process dies, restart the whole pipeline from the latest checkpoint up
-                        to N times (fresh spool: producers re-produce what the checkpoint has not trained)
+                        to N times (the spool's leftovers are discarded: producers re-produce what the
+                        checkpoint has not trained)
+
+Re-running the same command after Ctrl-C or a crash continues the run from its latest checkpoint,
+each sample trained once (docs/reliability.md). A spool belongs to one run: another run, or a second
+live launch of this one, is refused with one line.
   -h, --help            this text
 USAGE
 }
@@ -114,9 +119,21 @@ run=${run:-run-$(date +%Y%m%d-%H%M%S)}
 run_dir=${run_dir:-runs/$run}
 spool=${spool:-/dev/shm/dflash/$run}
 checkpoint=${checkpoint:-$run_dir/checkpoints}
-mkdir -p "$run_dir/logs" "$run_dir/metrics" || die "cannot create run directory $run_dir"
-if [ "$fresh_spool" = 1 ] && [ -d "$spool" ]; then rm -rf "$spool"; fi
+# One launch per spool at a time: an flock on $spool/lock-launch, held by this script and inherited by
+# every process it starts, so it stays held while any of them lives and the kernel drops it when the last
+# one dies (no stale lock after kill -9). Taken before anything is written.
 mkdir -p "$spool" && chmod 700 "$spool" || die "cannot create spool $spool"
+exec 9>>"$spool/lock-launch" || die "cannot open $spool/lock-launch"
+if ! flock -n 9; then
+  holder=$(head -n 1 "$spool/lock-launch" 2>/dev/null); holder=${holder:-a launch that is starting up}
+  die "spool $spool is in use by a live launch of $holder; this is run '$run': stop that launch first, or use another --spool"
+fi
+echo "run '$run' (ops/run_all.sh pid $$, since $(date +%H:%M:%S))" > "$spool/lock-launch"
+# The spool belongs to one run; what a previous launch left in its flow is discarded (producers
+# re-produce what the checkpoint has not trained): see docs/reliability.md, "Re-running a run".
+prep_args=(); [ "$fresh_spool" = 1 ] && prep_args+=(--fresh)
+dflash-spool prepare "$spool" --run "$run" "${prep_args[@]}" || exit $?
+mkdir -p "$run_dir/logs" "$run_dir/metrics" || die "cannot create run directory $run_dir"
 cat > "$run_dir/run.json" <<JSON
 {"run": "$run", "spool": "$spool", "checkpoint": "$checkpoint", "model": "$model", "dataset": "$dataset",
  "producers": "$producers", "consumers": "$consumers", "started": $(date +%s)}
@@ -195,8 +212,8 @@ while :; do
   if [ -n "$failed" ]; then stop_all 3; else stop_all 120; fi
   if [ -n "$failed" ] && [ "$attempt" -lt "$restarts" ]; then
     attempt=$((attempt + 1))
-    echo "run_all.sh: restart $attempt of $restarts from the latest checkpoint (fresh spool)" >&2
-    rm -rf "$spool" && mkdir -p "$spool" && chmod 700 "$spool"
+    echo "run_all.sh: restart $attempt of $restarts from the latest checkpoint" >&2
+    dflash-spool prepare "$spool" --run "$run" >&2 || exit $?
     continue
   fi
   break
