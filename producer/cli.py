@@ -5,7 +5,10 @@
 The parent checks what it can up front (model config, tokenizer chat template, dataset columns, layer
 ids) so that user errors are one clear line before any GPU is touched, registers the producer ids in the
 spool (consumers then know how many DONE markers to wait for), spawns the workers and prints progress.
-Exit status: 0 when every worker finished; non-zero naming the failed worker(s) and their error.
+Exit status (the convention of every dflash CLI, README "Errors and exit codes"): 0 when every worker
+finished; 2 for a user or input error (bad flag, missing GPU, a dataset with no trainable row, a spool of
+another run or in use by a live launch), one line; 1 for a runtime failure, one line naming the failed
+worker(s) (traceback only with --log-level DEBUG); 130 when stopped by SIGINT/SIGTERM (no DONE markers).
 """
 
 from __future__ import annotations
@@ -113,8 +116,9 @@ def _fail(msg: str, code: int = 2) -> None:
     sys.exit(code)
 
 
-def _check_target(model: str, layer_ids: list[int] | None, max_length: int) -> None:
-    """Model config and tokenizer load; the template exists; layer ids fit. Raises UsageError."""
+def _check_target(model: str, layer_ids: list[int] | None, max_length: int) -> list[int]:
+    """Model config and tokenizer load; the template exists; layer ids fit. Returns the layer ids the
+    workers will capture. Raises UsageError."""
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash.producer.data import DataError, check_tokenizer
@@ -134,14 +138,37 @@ def _check_target(model: str, layer_ids: list[int] | None, max_length: int) -> N
         raise UsageError(
             f"--layer-ids {layer_ids}: the target has {num_layers} layers (ids 0..{num_layers - 1})"
         )
+    if layer_ids is None:
+        from dflash.common.layers import default_target_layer_ids
+
+        layer_ids = default_target_layer_ids(num_layers)
+    return list(layer_ids)
 
 
-def _check_dataset(data_cfg) -> int:
+def _check_gpus(workers: list[Worker], spec: str) -> None:
+    """Every CUDA index asked for exists (before anything loads). Raises UsageError."""
+    wanted = [w.cuda_index for w in workers if w.cuda_index is not None]
+    if not wanted:
+        return
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    missing = [i for i in wanted if i >= n]
+    if missing:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        where = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""
+        raise UsageError(
+            f"--gpus {spec}: no CUDA device {missing[0]}: this machine has {n} visible CUDA device(s){where}; "
+            "use --gpus cpu:N for a CPU run"
+        )
+
+
+def _check_dataset(data_cfg):
     from dflash.producer.data import conversation_column, load_raw_dataset
 
     ds = load_raw_dataset(data_cfg)
     conversation_column(ds, data_cfg.format)
-    return len(ds)
+    return ds
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -164,8 +191,10 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _worker_entry(cfg, cuda_index: int | None, events, log_level: str, parent_pid: int) -> None:
-    """Spawned process body: own the device, run, report the outcome through `events`."""
+def _worker_entry(cfg, cuda_index: int | None, events, log_level: str, parent_pid: int, go, abort) -> None:
+    """Spawned process body: own the device, run, report the outcome through `events`. After
+    tokenizing its slice it reports ("tokenized", summary) and waits for the parent's `go` (or `abort`:
+    the dataset yields no trainable sample) before loading the target."""
     _die_with_parent(parent_pid)
     if cuda_index is not None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -192,17 +221,40 @@ def _worker_entry(cfg, cuda_index: int | None, events, log_level: str, parent_pi
     from dflash.producer.data import DataError
     from dflash.producer.worker import run_producer
 
+    def tokenized(summary: dict) -> bool:
+        events.put(("tokenized", cfg.producer_id, summary))
+        while not go.wait(0.2):
+            if abort.is_set() or stop.is_set():
+                return False
+        return not abort.is_set()
+
+    wlog = logging.getLogger(__name__)
+    debug = logging.getLogger().isEnabledFor(logging.DEBUG)
     try:
-        result = run_producer(cfg, stop=stop, on_heartbeat=lambda hb: events.put(("hb", cfg.producer_id, hb)))
+        result = run_producer(
+            cfg,
+            stop=stop,
+            on_heartbeat=lambda hb: events.put(("hb", cfg.producer_id, hb)),
+            on_tokenized=tokenized,
+        )
+    except KeyboardInterrupt:  # a second signal: stop now, without the clean stop
+        events.put(("stopped", cfg.producer_id, {"done": False}))
+        sys.exit(130)
     except (DataError, ValueError, OSError) as err:
-        events.put(("error", cfg.producer_id, f"{type(err).__name__}: {err}"))
-        logging.getLogger(__name__).exception("producer %s failed", cfg.producer_id)
+        events.put(("error", cfg.producer_id, f"{type(err).__name__}: {_one_line(err)}", 2))
+        wlog.error("producer %s failed: %s", cfg.producer_id, _one_line(err), exc_info=debug)
         sys.exit(2)
     except BaseException as err:
-        events.put(("error", cfg.producer_id, f"{type(err).__name__}: {err}"))
-        logging.getLogger(__name__).exception("producer %s failed", cfg.producer_id)
+        events.put(("error", cfg.producer_id, f"{type(err).__name__}: {_one_line(err)}", 1))
+        wlog.error("producer %s failed: %s", cfg.producer_id, _one_line(err), exc_info=debug)
         sys.exit(1)
-    events.put(("done" if result["done"] else "stopped", cfg.producer_id, result))
+    kind = "aborted" if result.get("aborted") else "done" if result["done"] else "stopped"
+    events.put((kind, cfg.producer_id, result))
+
+
+def _one_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
 class Progress:
@@ -257,13 +309,16 @@ class Progress:
             self.bar.close()
 
 
-def _workers(args) -> list[Worker]:
+def _workers(args, launch: int | None = None) -> list[Worker]:
+    """One Worker per device; ids n<node>p<index>.<launch>: unique per launch of the run (the spool
+    counts launches), so shard names and DONE markers of different launches never collide."""
     devices = parse_gpus(args.gpus)
     per_node = len(devices)
     out = []
     for p, (dev, idx) in enumerate(devices):
         rank = args.node_rank * per_node + p
-        out.append(Worker(producer_id=f"n{args.node_rank}p{p}", rank=rank, device=dev if dev == "cpu" else "cuda:0", cuda_index=idx))  # fmt: skip
+        pid = f"n{args.node_rank}p{p}" + (f".{launch}" if launch is not None else "")
+        out.append(Worker(producer_id=pid, rank=rank, device=dev if dev == "cpu" else "cuda:0", cuda_index=idx))  # fmt: skip
     return out
 
 
@@ -276,13 +331,16 @@ def main(argv: list[str] | None = None) -> None:
         _fail(str(err))
     except KeyboardInterrupt:
         _fail("interrupted", 130)
+    except Exception as err:  # noqa: BLE001 - a runtime failure: one line, the traceback with DEBUG only
+        log.debug("traceback", exc_info=True)
+        _fail(f"{type(err).__name__}: {_one_line(err)}", 1)
     sys.exit(code)
 
 
 def _main(args) -> int:
-    from dflash.common.spool import Spool, SpoolError, default_budget_bytes
+    from dflash.common.spool import RunMismatchError, Spool, SpoolError, default_budget_bytes
     from dflash.producer.buckets import BucketConfig
-    from dflash.producer.data import DataConfig, DataError
+    from dflash.producer.data import DataConfig, DataError, dataset_fingerprint
     from dflash.producer.worker import ProducerConfig
 
     if args.num_nodes < 1 or not 0 <= args.node_rank < args.num_nodes:
@@ -292,7 +350,7 @@ def _main(args) -> int:
     spool_dir = args.spool or f"/dev/shm/dflash/{args.run}"
     run = args.run or os.path.basename(os.path.normpath(spool_dir))
     layer_ids = parse_layer_ids(args.layer_ids)
-    workers = _workers(args)
+    _check_gpus(_workers(args), args.gpus)  # before anything loads
     try:
         data_cfg = DataConfig(
             dataset=args.dataset, split=args.split, format=args.format, max_length=args.max_length,
@@ -305,17 +363,44 @@ def _main(args) -> int:
             CodecConfig.parse(args.codec)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    _check_target(args.model, layer_ids, args.max_length)
+    resolved_layers = _check_target(args.model, layer_ids, args.max_length)
     try:
-        num_rows = _check_dataset(data_cfg)
+        ds = _check_dataset(data_cfg)
+        fingerprint = dataset_fingerprint(data_cfg, ds)
     except DataError as err:
         raise UsageError(str(err)) from None
+    num_rows = min(len(ds), args.limit) if args.limit else len(ds)
     try:
         spool = Spool(spool_dir)
+        # one dflash-produce per node and spool: a live one holds this lock (the kernel drops it at death)
+        lock = spool.acquire_lock(f"producer-n{args.node_rank}", f"dflash-produce of run {run!r}")
+        model = os.path.abspath(args.model) if os.path.exists(args.model) else args.model
+        plan = {"epochs": 1, "rows": num_rows, "max_length": args.max_length,
+                "min_loss_tokens": data_cfg.min_loss_tokens, "format": args.format}  # fmt: skip
+        identity = {
+            "run": run,
+            "model": model,
+            "layer_ids": resolved_layers,
+            "dataset": fingerprint,
+            "plan": plan,
+        }
+        spool.bind_run(identity, who="this producer")
+        launch = spool.next_launch()
+    except RunMismatchError as err:
+        raise UsageError(str(err)) from None
     except (SpoolError, OSError) as err:
         raise UsageError(f"spool {spool_dir}: {err}") from None
+    args._lock = lock  # held until this process exits
+    workers = _workers(args, launch)
     budget = int(args.budget_gb * 1e9) if args.budget_gb else default_budget_bytes(spool.root)
-    skip = None
+    # Reconcile with what earlier launches left (no producer of this node is live: we hold its lock).
+    # Shards still in the flow are reused: their samples are skipped here. The spool is read BEFORE the
+    # checkpoint, so a leftover a consumer trains meanwhile is either still seen in the spool or already
+    # in the trained set we read next, never neither (ops/run_all.sh discards leftovers instead, see
+    # docs/reliability.md).
+    removed = spool.clean_tmp_of(f"n{args.node_rank}p")
+    leftover = _leftover_samples(spool)
+    skip_set = None
     if args.checkpoint:
         from dflash.consumer.checkpoint import read_trained_set
 
@@ -324,13 +409,18 @@ def _main(args) -> int:
         except Exception as err:  # noqa: BLE001 - store errors come in many types; the user needs one line
             raise UsageError(f"cannot read trained samples from {args.checkpoint} run {run}: {err}") from None
         if trained is not None:
-            skip = trained.to_bytes()
-            log.info(
-                "skipping %d samples already trained (checkpoint %s, run %s)",
-                len(trained),
-                args.checkpoint,
-                run,
-            )
+            skip_set = trained
+            log.info("skipping %d samples already trained (checkpoint %s, run %s)", len(trained), args.checkpoint, run)  # fmt: skip
+    if leftover is not None and len(leftover):
+        from dflash.common.sample_set import SampleSet
+
+        skip_set = skip_set if skip_set is not None else SampleSet(epoch=0)
+        before = len(skip_set)
+        skip_set.add(leftover)
+        log.info("reusing %d samples still in the spool from an earlier launch (%d not trained yet)", len(leftover), len(skip_set) - before)  # fmt: skip
+    if removed:
+        log.info("removed %d unpublished tmp/ leftovers of earlier launches", removed)
+    skip = skip_set.to_bytes() if skip_set is not None else None
     world = len(workers) * args.num_nodes
     cpu_threads = max(1, (os.cpu_count() or 1) // len(workers))
     try:
@@ -365,20 +455,57 @@ def _main(args) -> int:
     return _supervise(cfgs, workers, spool, args)
 
 
+def _leftover_samples(spool):
+    """Sample indices of the shards still in ready/ and claimed/ (None when there are none)."""
+    import numpy as np
+
+    from dflash.common.shard import ShardFormatError, read_sample_index
+
+    parts = []
+    for path in spool.leftover_shards():
+        try:
+            parts.append(read_sample_index(path))
+        except FileNotFoundError:
+            continue  # acked or moved meanwhile
+        except ShardFormatError:
+            continue  # a consumer will quarantine it; its samples are re-produced by the next launch
+    return np.concatenate(parts) if parts else None
+
+
+def _merge_summaries(summaries: list[dict]) -> dict:
+    out = {"rows": 0, "ok": 0, "dropped": 0, "skipped": 0, "reasons": {}, "first": {}}
+    for sm in summaries:
+        for k in ("rows", "ok", "dropped", "skipped"):
+            out[k] += int(sm.get(k, 0))
+        for r, n in sm.get("reasons", {}).items():
+            out["reasons"][r] = out["reasons"].get(r, 0) + n
+        for r, ex in sm.get("first", {}).items():
+            row = lambda e: int(e.split()[1].rstrip(":")) if e.startswith("row ") else 1 << 62  # noqa: E731
+            if r not in out["first"] or row(ex) < row(out["first"][r]):
+                out["first"][r] = ex
+    out["reasons"] = dict(sorted(out["reasons"].items(), key=lambda kv: -kv[1]))
+    return out
+
+
 def _supervise(cfgs, workers: list[Worker], spool, args) -> int:
+    from dflash.producer.data import format_drops
+
     ctx = mp.get_context("spawn")
     events = ctx.Queue()
+    go, abort = ctx.Event(), ctx.Event()
     procs = {}
     for cfg, w in zip(cfgs, workers, strict=True):
         proc = ctx.Process(
             target=_worker_entry,
-            args=(cfg, w.cuda_index, events, args.log_level, os.getpid()),
+            args=(cfg, w.cuda_index, events, args.log_level, os.getpid(), go, abort),
             name=w.producer_id,
         )
         proc.start()
         procs[w.producer_id] = proc
     progress = Progress(spool, list(procs), args.progress_s)
-    outcome: dict[str, tuple[str, object]] = {}
+    outcome: dict[str, tuple] = {}
+    tokenized: dict[str, dict] = {}
+    no_data: str | None = None
     stopping = False
 
     def on_signal(signum, frame):
@@ -388,19 +515,42 @@ def _supervise(cfgs, workers: list[Worker], spool, args) -> int:
             if p.is_alive() and p.pid is not None:
                 os.kill(p.pid, signal.SIGTERM)
 
+    def decide() -> None:
+        """Every worker tokenized (or died): go on, or abort when the dataset yields nothing to train."""
+        nonlocal no_data
+        summary = _merge_summaries(list(tokenized.values()))
+        print(f"{PROG}: {summary['ok']} trainable rows; {format_drops(summary)}", file=sys.stderr, flush=True)
+        if (
+            summary["ok"] == 0
+            and summary["skipped"] == 0
+            and args.num_nodes == 1
+            and len(tokenized) == len(procs)
+        ):
+            no_data = f"no trainable sample in dataset {args.dataset}: {format_drops(summary)}"
+            abort.set()
+        go.set()
+
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         while any(p.is_alive() for p in procs.values()) or not events.empty():
             try:
-                kind, pid, payload = events.get(timeout=0.5)
+                kind, pid, payload, *rest = events.get(timeout=0.5)
             except queue.Empty:
                 kind = None
             if kind == "hb":
                 progress.update(pid, payload)
+            elif kind == "tokenized":
+                tokenized[pid] = payload
             elif kind is not None:
-                outcome[pid] = (kind, payload)
+                outcome[pid] = (kind, payload, *rest)
                 if kind == "error":
-                    print(f"{PROG}: worker {pid} failed: {payload}", file=sys.stderr, flush=True)
+                    log.error("worker %s failed: %s (the other workers finish their slices)", pid, payload)
+            if not go.is_set():
+                pending = [
+                    i for i, p in procs.items() if i not in tokenized and p.is_alive() and i not in outcome
+                ]
+                if not pending:
+                    decide()
             progress.maybe_print()
         for p in procs.values():
             p.join()
@@ -408,20 +558,31 @@ def _supervise(cfgs, workers: list[Worker], spool, args) -> int:
         for s, h in old.items():
             signal.signal(s, h)
         progress.close()
+    if no_data is not None:
+        print(f"{PROG}: error: {no_data}", file=sys.stderr, flush=True)
+        return 2
     progress.maybe_print(force=True)
-    failed = []
+    failed, codes = [], []
     for pid, p in procs.items():
-        kind, payload = outcome.get(pid, ("error", f"exited with code {p.exitcode} without a report"))
-        if kind == "error" or p.exitcode != 0:
+        kind, payload, *rest = outcome.get(pid, (None, None))
+        if kind == "error":
             failed.append(f"{pid}: {payload}")
+            codes.append(rest[0] if rest else 1)
+        elif kind is None and not stopping:  # died without a word: kill -9, OOM killer, segfault
+            failed.append(f"{pid}: exited with code {p.exitcode} without a report")
+            codes.append(1)
+        elif kind == "done" and p.exitcode != 0 and not stopping:
+            failed.append(f"{pid}: exited with code {p.exitcode} after its last shard")
+            codes.append(1)
     if failed:
+        code = 2 if all(c == 2 for c in codes) else 1
         print(
             f"{PROG}: error: {len(failed)} worker(s) failed: " + "; ".join(failed),
             file=sys.stderr,
             flush=True,
         )
-        return 1
-    if stopping or any(kind != "done" for kind, _ in outcome.values()):
+        return code
+    if stopping or any(o[0] != "done" for o in outcome.values()):
         print(
             f"{PROG}: stopped before the end (no DONE markers for stopped workers)",
             file=sys.stderr,
@@ -429,8 +590,8 @@ def _supervise(cfgs, workers: list[Worker], spool, args) -> int:
         )
         return 130
     totals = {
-        k: sum(int(r.get(k, 0)) for _, r in outcome.values())
-        for k in ("samples", "tokens", "shards", "dropped", "bad", "skipped")
+        k: sum(int(o[1].get(k, 0)) for o in outcome.values())
+        for k in ("samples", "tokens", "shards", "dropped", "bad", "short", "skipped")
     }
     print(f"{PROG}: done: " + " ".join(f"{k}={v}" for k, v in totals.items()), file=sys.stderr, flush=True)
     return 0

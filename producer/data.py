@@ -8,7 +8,11 @@ predict is exactly what the target generates.
 
 Result columns of `tokenize_slice` (one row per dataset row of the slice, bad rows included so they can
 be counted): `sample_index` int64, `input_ids` int32[], `loss_mask` bool[], `num_loss_tokens` int32,
-`status` ("ok" | "short" | "bad:<reason>").
+`status` ("ok" | "short" | "bad:<reason>"). Reasons (``drop_reason`` turns a status into the phrase the
+producer prints): unparseable (a line that is not JSON), not a list / empty / turn not an object / unknown
+role / empty content (the conversation's shape), no assistant turn, template error (the chat template
+raised), over-long (enough supervised tokens, but --max-length cuts them below the minimum); "short" is
+too few supervised tokens.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ _ROLE = {
     "chatgpt": "assistant",
 }
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-_TOKENIZE_VERSION = 1  # bump when tokenize output changes, to invalidate datasets' map cache
+_TOKENIZE_VERSION = 2  # bump when tokenize output changes, to invalidate datasets' map cache
 
 
 class DataError(ValueError):
@@ -128,6 +132,95 @@ def _load_json_rows(files: list[str]):
     return Dataset.from_dict({_RAW: rows})
 
 
+def _is_blank_file(f: str) -> bool:
+    with open(f, "rb") as fh:
+        while chunk := fh.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+class _quiet_datasets:
+    """Silence the datasets library's logger (its ERROR lines about a failed JSON load) for a block."""
+
+    def __enter__(self):
+        import datasets
+
+        self._level = datasets.logging.get_verbosity()
+        datasets.logging.set_verbosity(logging.CRITICAL)
+        return self
+
+    def __exit__(self, *exc):
+        import datasets
+
+        datasets.logging.set_verbosity(self._level)
+        return False
+
+
+def _bad_json_lines(files: list[str], limit: int = 1) -> tuple[int, int, list[str]]:
+    """(non-blank lines, lines that are not JSON, the first ``limit`` of those as 'file:line: error')
+    over the .jsonl files; a .json file counts as one line (its whole text)."""
+    total = bad = 0
+    examples: list[str] = []
+    for f in files:
+        with open(f, encoding="utf-8", errors="replace") as fh:
+            lines = enumerate(fh, 1) if f.endswith(".jsonl") else [(1, fh.read())]
+            for no, raw in lines:
+                if not raw.strip():
+                    continue
+                total += 1
+                try:
+                    json.loads(raw)
+                except json.JSONDecodeError as err:
+                    bad += 1
+                    if len(examples) < limit:
+                        examples.append(f"{f}:{no}: {err.msg} (column {err.colno}): {raw.strip()[:40]!r}")
+    return total, bad, examples
+
+
+def _load_json_fallback(spec: str, files: list[str], err: BaseException):
+    """The json builder failed: say why in one line. No line is JSON: a DataError. Some lines are not
+    JSON, or rows mix types (arrow cannot infer one schema): rows are read one by one as raw JSON text,
+    and the lines that do not parse are dropped later as "unparseable", each counted."""
+    total, bad, examples = _bad_json_lines(files)
+    if total and bad == total:
+        raise DataError(f"dataset {spec}: no line is valid JSON ({bad} lines; first: {examples[0]})") from err
+    if bad:
+        log.warning(
+            "dataset %s: %d of %d lines are not valid JSON (first: %s); they are dropped as unparseable",
+            spec, bad, total, examples[0],
+        )  # fmt: skip
+    else:
+        log.info("dataset %s: rows have mixed types (%s); reading rows one by one", spec, _first_line(err))
+    try:
+        return _load_json_rows(files)
+    except json.JSONDecodeError as jerr:
+        raise DataError(f"dataset {spec}: invalid JSON ({jerr})") from jerr
+
+
+def dataset_fingerprint(cfg: DataConfig, ds=None) -> dict:
+    """What identifies a dataset for the spool's run record: local files by name, size and the sha256 of
+    their first and last MiB (cheap on a 100 GB file; an edit in the middle that keeps the size goes
+    unseen), a hub dataset by name, split and its datasets fingerprint."""
+    h = hashlib.sha256()
+    path = Path(cfg.dataset).expanduser()
+    if path.exists():
+        files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
+        for f in files:
+            size = f.stat().st_size
+            h.update(f"{f.relative_to(path) if f != path else f.name}\0{size}\0".encode())
+            with open(f, "rb") as fh:
+                h.update(fh.read(1 << 20))
+                if size > 2 << 20:
+                    fh.seek(size - (1 << 20))
+                    h.update(fh.read())
+        spec = str(path.resolve())
+    else:
+        h.update(f"{cfg.dataset}\0{cfg.split}\0{getattr(ds, '_fingerprint', '')}".encode())
+        spec = cfg.dataset
+    return {"spec": spec, "split": cfg.split, "fingerprint": h.hexdigest()[:32]}
+
+
 def load_raw_dataset(cfg: DataConfig):
     """The dataset as a `datasets.Dataset` (row order = global sample index). Raises DataError."""
     import datasets
@@ -143,18 +236,20 @@ def load_raw_dataset(cfg: DataConfig):
                 ds = ds[cfg.split]
             return ds
         builder, files = _local_files(path)
+        empty = [f for f in files if _is_blank_file(f)]
+        if len(empty) == len(files):
+            raise DataError(
+                f"dataset {spec}: {'file is' if len(files) == 1 else 'files are'} empty (no rows)"
+            )
         try:
-            return datasets.load_dataset(builder, data_files=files, split="train", cache_dir=cfg.cache_dir)
+            with _quiet_datasets():  # its own ERROR lines (printed by every process) say less than ours
+                return datasets.load_dataset(
+                    builder, data_files=files, split="train", cache_dir=cfg.cache_dir
+                )
         except Exception as err:  # noqa: BLE001 - arrow raises several types for schema conflicts
             if builder != "json":
                 raise DataError(f"cannot read dataset {spec}: {_first_line(err)}") from err
-            log.warning(
-                "dataset %s: rows have mixed types (%s); reading rows as raw JSON", spec, _first_line(err)
-            )
-            try:
-                return _load_json_rows(files)
-            except json.JSONDecodeError as jerr:
-                raise DataError(f"dataset {spec}: invalid JSON ({jerr})") from jerr
+            return _load_json_fallback(spec, files, err)
     if spec.startswith(("/", ".", "~")) or Path(spec).suffix in _SUFFIX_BUILDER:
         raise DataError(f"dataset path {spec} does not exist")
     try:
@@ -233,6 +328,14 @@ def normalize_conversation(raw: Any) -> tuple[list[dict[str, str]] | None, str]:
     if not any(m["role"] == "assistant" for m in msgs):
         return None, "no assistant turn"
     return msgs, "ok"
+
+
+def drop_reason(status: str, min_loss_tokens: int | None = None) -> str:
+    """The phrase a producer prints for a dropped row's status ("short" -> "too short (< 32 supervised
+    tokens)", "bad:no assistant turn" -> "no assistant turn")."""
+    if status == "short":
+        return "too short" + (f" (< {min_loss_tokens} supervised tokens)" if min_loss_tokens else "")
+    return status.partition(":")[2] or status
 
 
 def has_generation_tags(tokenizer) -> bool:
@@ -322,7 +425,7 @@ class _Tokenize:
         raws = batch[self.column]
         if self.column == _RAW:
             raws = [_parse_raw(r) for r in raws]
-        normalized = [normalize_conversation(r) for r in raws]
+        normalized = [(None, "unparseable") if r is _UNPARSEABLE else normalize_conversation(r) for r in raws]
         good = [i for i, (m, _) in enumerate(normalized) if m is not None]
         toks = tokenize_conversations(self.tokenizer, [normalized[i][0] for i in good])
         by_row: dict[int, Any] = dict(zip(good, toks, strict=True))
@@ -339,7 +442,12 @@ class _Tokenize:
                 ids, mask, status = [], [], res
             else:
                 ids, mask = res[0][: self.max_length], res[1][: self.max_length]
-                status = "ok" if sum(mask) >= self.min_loss_tokens else "short"
+                if sum(mask) >= self.min_loss_tokens:
+                    status = "ok"
+                elif sum(res[1]) >= self.min_loss_tokens:
+                    status, ids, mask = "bad:over-long", [], []  # --max-length cut its supervision
+                else:
+                    status = "short"
             out["input_ids"].append(ids)
             out["loss_mask"].append(mask)
             out["num_loss_tokens"].append(int(sum(mask)))
@@ -347,11 +455,14 @@ class _Tokenize:
         return out
 
 
+_UNPARSEABLE = object()
+
+
 def _parse_raw(text: str) -> Any:
     try:
         return json.loads(text)
     except (TypeError, json.JSONDecodeError):
-        return None
+        return _UNPARSEABLE
 
 
 def _fingerprint(*parts: Any) -> str:
@@ -411,3 +522,44 @@ def tokenize_slice(ds, tokenizer, cfg: DataConfig, indices: np.ndarray):
         new_fingerprint=fingerprint,
         desc="tokenize",
     )
+
+
+def drop_summary(
+    tok_ds, raw_ds=None, column: str | None = None, *, min_loss_tokens: int | None = None
+) -> dict:
+    """What tokenization kept and dropped: ``{"rows", "ok", "dropped", "reasons": {phrase: count},
+    "first": {phrase: "row <global index>: <first 60 chars of the raw row>"}}`` (counted with pyarrow,
+    no Python loop over rows)."""
+    import pyarrow.compute as pc
+
+    if len(tok_ds) == 0 or "status" not in tok_ds.column_names:
+        return {"rows": 0, "ok": 0, "dropped": 0, "reasons": {}, "first": {}}
+    status = tok_ds.with_format("arrow")["status"]
+    index = tok_ds.with_format("arrow")["sample_index"]
+    counts = {str(v["values"]): int(v["counts"]) for v in pc.value_counts(status).to_pylist()}
+    reasons: dict[str, int] = {}
+    first: dict[str, str] = {}
+    for st, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+        if st == "ok":
+            continue
+        phrase = drop_reason(st, min_loss_tokens)
+        reasons[phrase] = reasons.get(phrase, 0) + n
+        if phrase not in first:
+            row = int(index[pc.index(status, st).as_py()].as_py())
+            snippet = ""
+            if raw_ds is not None and column is not None:
+                try:
+                    snippet = ": " + repr(str(raw_ds[row][column]))[:60]
+                except (IndexError, KeyError, TypeError):
+                    snippet = ""
+            first[phrase] = f"row {row}{snippet}"
+    ok = counts.get("ok", 0)
+    return {"rows": len(tok_ds), "ok": ok, "dropped": len(tok_ds) - ok, "reasons": reasons, "first": first}
+
+
+def format_drops(summary: dict) -> str:
+    """``dropped 3 of 80 rows: unparseable 2 (first: row 5: '{oops'), no assistant turn 1 (first: row 3)``."""
+    if not summary.get("dropped"):
+        return f"dropped 0 of {summary.get('rows', 0)} rows"
+    parts = [f"{r} {n} (first: {summary['first'].get(r, '?')})" for r, n in summary["reasons"].items()]
+    return f"dropped {summary['dropped']} of {summary['rows']} rows: " + ", ".join(parts)

@@ -363,10 +363,14 @@ def run_producer(
     *,
     stop: threading.Event | None = None,
     on_heartbeat: Callable[[dict], None] | None = None,
+    on_tokenized: Callable[[dict], bool] | None = None,
 ) -> dict:
     """Produce every sample of this producer's slice into the spool; returns the final counters.
 
     Raises DataError / ValueError for user errors; returns early (no DONE marker) when `stop` is set.
+    ``on_tokenized(summary)`` (data.drop_summary of the slice, plus "skipped") is called once the slice is
+    tokenized, before the target loads; returning False aborts (no DONE marker, result "aborted": True):
+    dflash-produce uses it to stop a run whose dataset yields no trainable sample.
     """
     from transformers import AutoTokenizer
 
@@ -394,6 +398,17 @@ def run_producer(
         mine = mine[~SampleSet.from_bytes(cfg.skip).contains_mask(mine).numpy()]
     counters.add(skipped=len(range(cfg.rank, num_rows, cfg.world)) - len(mine), total=len(mine))
     tok_ds = tokenize_slice(ds, tokenizer, cfg.data, mine)
+    if on_tokenized is not None:
+        from dflash.producer.data import conversation_column, drop_summary
+
+        summary = drop_summary(
+            tok_ds, ds, conversation_column(ds, cfg.data.format), min_loss_tokens=cfg.data.min_loss_tokens
+        )
+        summary["skipped"] = int(counters.values["skipped"])
+        if not on_tokenized(summary):
+            heartbeat(force=True, phase="aborted", done=False)
+            heartbeat.close()
+            return {**counters.snapshot(), "done": False, "aborted": True}
 
     heartbeat(force=True, phase="load model")
     capture = _load_target(cfg)
