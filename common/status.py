@@ -82,6 +82,12 @@ def spool_stats(root: str | Path, *, heartbeat_timeout_s: float = 120.0) -> dict
     out["producers_done"] = sorted(str(p) for p in st["producers"]["done"])
     for hb in st["processes"]:
         out["processes"].append({**hb, "time": st["time"] - hb["age_s"]})
+    # samples lost to quarantine in this launch, as the consumers counted them (corrupt shards)
+    out["samples_quarantined"] = sum(
+        int(hb.get("counters", {}).get("samples_quarantined") or 0)
+        for hb in st["processes"]
+        if hb.get("role") == "consumer"
+    )
     return out
 
 
@@ -365,6 +371,13 @@ def render(snap: dict[str, Any]) -> str:
             )
         if spool["claimed_by"]:
             out.append("  claimed by: " + " ".join(f"{c}:{n}" for c, n in spool["claimed_by"].items()))
+        if st["quarantine"]["shards"]:
+            lost = spool.get("samples_quarantined") or 0
+            out.append(
+                f"  quarantined: {st['quarantine']['shards']} shards"
+                + (f" ({lost} samples lost to this launch)" if lost else "")
+                + ": not trained; the next launch of this run re-produces them (reasons: quarantine/*.why)"
+            )
         reg = spool["producers_registered"]
         if reg:
             out.append(

@@ -2,6 +2,11 @@
 
 Several consumers form one torch.distributed group when started with the env:// variables (RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT), e.g. by ``torchrun`` or ``ops/run_all.sh``.
+
+Exit status (README "Errors and exit codes"): 0 when the spool is drained (or --max-steps reached) and the
+final checkpoint is saved; 2 for a user or input error (bad flag, no GPU, a spool of another run or in use,
+no S3 credentials, unreachable endpoint, no usable checkpoint), one line; 1 for a runtime failure, one line
+(traceback with --log-level DEBUG); 130 when stopped by SIGINT/SIGTERM (after its stop checkpoint).
 """
 
 from __future__ import annotations
@@ -11,8 +16,15 @@ import json
 import logging
 import os
 import sys
+import time
 
 PROG = "dflash-consume"
+EXIT_USAGE, EXIT_FAILURE, EXIT_INTERRUPTED = 2, 1, 130
+
+
+def _fail(msg: str, code: int = EXIT_USAGE):
+    print(f"{PROG}: error: {' '.join(str(msg).split())}", file=sys.stderr, flush=True)
+    sys.exit(code)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,7 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--target", required=True, help="target model folder or hub id (config + embedding/lm_head)"
     )
-    p.add_argument("--run", default="default", help="run name (checkpoint folder and trained-sample set key)")
+    p.add_argument(
+        "--run",
+        default=None,
+        help="run name (checkpoint folder and trained-sample set key; default: the spool's run, else 'default')",
+    )
     p.add_argument("--run-dir", default=None, help="folder for metrics JSONL, plots and logs")
     p.add_argument(
         "--checkpoint", default=None, help="checkpoint store: s3://bucket/prefix or a local folder"
@@ -88,6 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="target layers the producers captured, e.g. 1,9,17,25,33 (default: K=5 from 1 to L-3)",
     )
+    p.add_argument("--log-level", default="INFO", help="logging level (DEBUG adds tracebacks to errors)")
     p.add_argument(
         "--summary-json",
         default=None,
@@ -102,13 +119,13 @@ def _parse_ids(text: str | None) -> list[int] | None:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        sys.exit(f"{PROG}: error: --target-layer-ids must be comma-separated integers, got {text!r}")
+        _fail(f"--target-layer-ids must be comma-separated integers, got {text!r}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=logging.INFO,
+        level=args.log_level.upper(),
         format=f"%(asctime)s consumer[{os.environ.get('RANK', '0')}] %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
@@ -119,16 +136,35 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = args.gpu
         device = "cuda:0"
     else:
-        sys.exit(f"{PROG}: error: --gpu must be a GPU index or 'cpu', got {args.gpu!r}")
+        _fail(f"--gpu must be a GPU index or 'cpu', got {args.gpu!r}")
 
-    from dflash.common.spool import SpoolError
+    from dflash.common.checkpoint_store import CheckpointStoreError
+    from dflash.common.spool import Spool, SpoolError
+    from dflash.consumer.checkpoint import CheckpointCorruptError, CheckpointError
     from dflash.consumer.config import TrainConfig
+
+    debug = logging.getLogger().isEnabledFor(logging.DEBUG)
+    rank = os.environ.get("RANK", "0")
+    try:
+        if not os.path.isdir(args.spool):
+            raise ValueError(
+                f"--spool {args.spool}: no such directory (start the producers first, or create it)"
+            )
+        # The spool belongs to one run: take its run name (or check ours against it), and one consumer
+        # group at a time: a live consumer of this rank holds lock-consumer-r<rank>.
+        spool = Spool(args.spool)
+        recorded = (spool.read_run() or {}).get("run")
+        run = args.run or recorded or "default"
+        spool.bind_run({"run": run}, who="this consumer")
+        lock = spool.acquire_lock(f"consumer-r{rank}", f"dflash-consume rank {rank} of run {run!r}")  # noqa: F841
+    except (ValueError, SpoolError, OSError) as err:
+        _fail(str(err))
 
     try:
         cfg = TrainConfig(
             spool=args.spool,
             target=args.target,
-            run=args.run,
+            run=run,
             run_dir=args.run_dir,
             device=device,
             checkpoint=args.checkpoint,
@@ -163,20 +199,29 @@ def main(argv: list[str] | None = None) -> int:
 
             if not torch.cuda.is_available():
                 raise ValueError(f"--gpu {args.gpu}: no CUDA device is visible (use --gpu cpu)")
-        if not os.path.isdir(cfg.spool):
-            raise ValueError(
-                f"--spool {cfg.spool}: no such directory (start the producers first, or create it)"
-            )
         from dflash.consumer.trainer import Trainer
 
         trainer = Trainer(cfg)
-    except (ValueError, SpoolError, OSError) as err:
-        sys.exit(f"{PROG}: error: {err}")
+    except CheckpointCorruptError as err:
+        logging.getLogger(PROG).debug("traceback", exc_info=True)
+        _fail(f"{err}; no usable checkpoint: fix or remove it, or start over with --resume none")
+    except (ValueError, SpoolError, OSError, CheckpointStoreError, CheckpointError) as err:
+        logging.getLogger(PROG).debug("traceback", exc_info=True)
+        _fail(str(err))
+    except KeyboardInterrupt:
+        _fail("interrupted", EXIT_INTERRUPTED)
     try:
         summary = trainer.train()
-    except Exception as err:  # the log keeps the traceback; the console gets one line
-        logging.getLogger(PROG).exception("training failed")
-        sys.exit(f"{PROG}: error: {err}")
+        if trainer.metrics is not None:  # the run's end in the metrics, quarantine losses included
+            trainer.metrics.write(
+                {"event": "end", "time": time.time(), **{k: v for k, v in summary.items() if k != "history"}}
+            )
+    except KeyboardInterrupt:
+        _fail("interrupted", EXIT_INTERRUPTED)
+    except Exception as err:  # noqa: BLE001 - a runtime failure: one line; the traceback with DEBUG only
+        if debug:
+            logging.getLogger(PROG).exception("training failed")
+        _fail(f"{type(err).__name__}: {err}", EXIT_FAILURE)
     finally:
         trainer.close()
     summary.pop("history", None)
@@ -184,6 +229,19 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.summary_json.replace("{rank}", str(summary.get("rank", 0))), "w") as f:
             json.dump(summary, f, indent=2)
     logging.getLogger(PROG).info("done: %s", json.dumps(summary))
+    lost = summary.get("samples_quarantined") or 0
+    if lost:
+        logging.getLogger(PROG).warning(
+            "%d samples of %d quarantined shards were not trained (quarantine/ in the spool says why); "
+            "the next launch of this run (the same command) produces and trains them",
+            lost,
+            summary.get("shards_quarantined", 0),
+        )
+    if getattr(trainer, "_stop_requested", False):
+        print(
+            f"{PROG}: stopped by a signal at step {summary.get('steps')} (checkpoint saved)", file=sys.stderr
+        )
+        return EXIT_INTERRUPTED
     return 0
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from dflash.common.sample_set import SampleSet
-from dflash.common.shard import ShardFormatError, read_shard
+from dflash.common.shard import ShardFormatError, read_shard, read_shard_meta
 from dflash.common.spool import Spool
 from dflash.consumer.batching import PackedSamples, pack_samples
 
@@ -75,6 +75,8 @@ class FeedCounters:
     shards_claimed: int = 0
     shards_acked: int = 0
     shards_quarantined: int = 0
+    samples_quarantined: int = 0  # samples of quarantined shards (when their metadata still says how many)
+    samples_duplicate: int = 0  # copies of a sample this feed already holds or trained, refused
     samples_loaded: int = 0
     samples_skipped: int = 0
     samples_truncated: int = 0
@@ -109,6 +111,9 @@ class ShardFeed:
         self.consumer_id = consumer_id
         self.context_tokens = context_tokens
         self.skip = skip
+        self._seen = SampleSet(epoch=skip.epoch if skip is not None else 0)
+        """Samples this feed accepted in this life (held in the pool, in a step, or trained): a second copy
+        (a leftover shard and its re-produced twin) is refused. Only the decode thread touches it."""
         self.bucket = bucket
         self.poll_s = poll_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -138,13 +143,24 @@ class ShardFeed:
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self._heartbeat_every_s):
             try:
-                self.spool.heartbeat("consumer", self.consumer_id, dict(self.heartbeat_counters))
+                self.spool.heartbeat("consumer", self.consumer_id, self._hb_counters())
             except OSError as err:  # a full or vanished spool must not kill training
                 log.warning("heartbeat failed: %s", err)
+
+    def _hb_counters(self) -> dict:
+        c = self.counters
+        return dict(
+            self.heartbeat_counters,
+            shards_quarantined=c.shards_quarantined,
+            samples_quarantined=c.samples_quarantined,
+            samples_duplicate=c.samples_duplicate,
+        )
 
     # ---------------------------------------------------------------- background: claim + decode
     def _prefetch_loop(self) -> None:
         last_recover = 0.0
+        idle_since: float | None = None  # when claims started coming back empty
+        last_wait_log = 0.0
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
@@ -157,8 +173,13 @@ class ShardFeed:
                     if self.spool.producers_done() and self._nothing_claimable():
                         self._put(_END)
                         return
+                    idle_since = idle_since or now
+                    if now - idle_since >= 30.0 and now - last_wait_log >= 30.0:
+                        self._log_waiting(now - idle_since)
+                        last_wait_log = now
                     time.sleep(self.poll_s)
                     continue
+                idle_since = None
                 self.counters.shards_claimed += 1
                 samples = self._decode(path)
                 if samples is not None:
@@ -166,6 +187,17 @@ class ShardFeed:
         except BaseException as err:  # surfaced to the training loop by next_packed
             self._error = err
             self._put(_END)
+
+    def _log_waiting(self, idle_s: float) -> None:
+        registered = self.spool.registered_producers()
+        if not registered:
+            log.info("waiting for producers (%.0f s without a shard): none has registered on this spool yet", idle_s)
+            return
+        done = len(set(self.spool.done_producers()) & set(registered))
+        log.info(
+            "waiting for producers (%.0f s without a shard): %d of %d registered producers done",
+            idle_s, done, len(registered),
+        )  # fmt: skip
 
     def _nothing_claimable(self) -> bool:
         return not any(self.spool.ready_dir.iterdir()) and not any(self.spool.tmp_dir.iterdir())
@@ -186,9 +218,14 @@ class ShardFeed:
             log.warning("claimed shard %s vanished before decoding; skipping it", path.name)
             return None
         except ShardFormatError as err:
-            log.error("quarantining %s: %s", path.name, err)
+            try:  # the attributes often survive a corrupt array: say how many samples are lost
+                n = int(read_shard_meta(path).get("num_samples", 0))
+            except (ShardFormatError, OSError, ValueError, TypeError):
+                n = 0
+            log.error("quarantining %s (%s samples lost to this launch): %s", path.name, n or "unknown", err)
             self.spool.quarantine(path, str(err))
             self.counters.shards_quarantined += 1
+            self.counters.samples_quarantined += n
             return None
         if self.expected_layer_ids is not None and list(shard.meta.layer_ids) != self.expected_layer_ids:
             self.spool.release(path)
@@ -198,11 +235,16 @@ class ShardFeed:
             )
         cu = shard.cu_seqlens.tolist()
         samples: list[Sample] = []
-        skipped = 0
+        skipped = duplicate = 0
+        accepted: set[int] = set()
         for i, idx in enumerate(shard.sample_index.tolist()):
             if self.skip is not None and idx in self.skip:
                 skipped += 1
                 continue
+            if idx in self._seen or idx in accepted:  # a copy of a sample held or trained in this life
+                duplicate += 1
+                continue
+            accepted.add(idx)
             a, b = cu[i], cu[i + 1]
             if b - a > self.context_tokens:
                 b = a + self.context_tokens
@@ -217,6 +259,10 @@ class ShardFeed:
                 )
             )
         self.counters.samples_skipped += skipped
+        self._seen.add(sorted(accepted))
+        self.counters.samples_duplicate += duplicate
+        if duplicate:
+            log.warning("%s: refused %d samples this consumer already holds or trained", path.name, duplicate)
         self.counters.samples_loaded += len(samples)
         return samples
 
