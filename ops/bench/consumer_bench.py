@@ -69,6 +69,15 @@ PRESETS = {
         vocab_size=151936,
         num_target_layers=64,
     ),
+    "small": dict(
+        hidden_size=1024,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+        intermediate_size=3072,
+        vocab_size=32000,
+        num_target_layers=24,
+    ),
     "tiny": dict(
         hidden_size=256,
         num_attention_heads=4,
@@ -303,8 +312,9 @@ def run_trainer(
         vocab_size=shape["vocab_size"],
         context_tokens=context,
         total_tokens=int((max_steps + 8) * context * 1.05),
-        budget_bytes=int(min(24e9, max(2e9, 40 * context * width * 2))),
-        producers=producers if not learnable else 1,
+        # learning runs write everything before training (same data, same order for every precision)
+        budget_bytes=int(1e15 if learnable else min(24e9, max(2e9, 40 * context * width * 2))),
+        producers=producers,
         seed=seed,
         learnable=learnable,
     )
@@ -312,6 +322,8 @@ def run_trainer(
 
     Spool(spool)  # create the layout before the processes start
     filler = SpoolFiller(plan)
+    if learnable:
+        filler.wait()
     cfg = TrainConfig(
         spool=str(spool),
         target=str(target),
@@ -402,7 +414,7 @@ def run_trainer(
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--mode", default="trainer", choices=["trainer", "step", "learning"])
+    p.add_argument("--mode", default="trainer", choices=["trainer", "step", "learning", "reference"])
     p.add_argument(
         "--preset", action="append", choices=sorted(PRESETS), help="repeatable (default 8b and 32b)"
     )
@@ -427,7 +439,7 @@ def main() -> None:
         print(json.dumps(ref), flush=True)
         results.append(ref)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dflash-bench-"))
-    for preset in args.preset or ["8b", "32b"]:
+    for preset in [] if args.mode == "reference" else args.preset or ["8b", "32b"]:
         for precision in args.precision or (["bf16"] if args.mode != "step" else [None]):
             if args.mode == "step":
                 r = run(

@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
-# Everything that needs the GPU machine, in one call (device time is scarce):
-#   GPU tests (flex fwd+bwd vs SDPA, three consumers compiling on one GPU, producer on CUDA),
-#   the consumer step benchmark (8B- and 32B-class drafters), the producer benchmark (8B target).
+# Everything that needs the GPU machine, in few calls (device time is scarce). Parts (any order, several per
+# call; default all):
+#   tests      GPU tests (flex fwd+bwd vs SDPA, three consumers compiling on one GPU, producer on CUDA)
+#   ref        the reference consumer step (needs .bench/ref: a copy of ../shared/bench)
+#   trainer32  the real Trainer over a real spool, 32B-class drafter, bf16 (cold compile cache)
+#   warm32     the same, a fresh process on the warm compile cache: time to first step
+#   amp32      trainer32 with fp32 parameters + bf16 autocast (precision comparison)
+#   trainer8   the real Trainer, 8B-class drafter, bf16
+#   learning   a learnable spool trained 500 steps with bf16 and with amp (loss curves)
+#   producer   the producer benchmark (8B target)
 # Run from the repo root on the device with `.whl` carried (../shared/device/wheels.sh).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/dflash-inductor-cache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
@@ -15,14 +23,24 @@ python3 -c "import torch, transformers, zarr; print(torch.__version__, transform
 
 parts=" ${*:-all} "
 want() { [[ "$parts" == *" all "* || "$parts" == *" $1 "* ]]; }
+bench() {  # name, args...
+  local name=$1; shift
+  echo "== consumer bench: $name"
+  python3 ops/bench/consumer_bench.py --workdir /tmp/bench-work --json "$OUT/$name.json" "$@" \
+    > "$OUT/$name.log" 2>&1
+  grep -v "^W1\|warn\|Writing" "$OUT/$name.log" | tail -4 | cut -c1-1500
+}
 if want tests; then
   echo "== GPU tests"
   timeout 240 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
-if want consumer; then
-  echo "== consumer bench"
-  timeout 330 python3 ops/bench/consumer_bench.py --preset 8b --preset 32b --steps 200 \
-    --json "$OUT/consumer_bench.json" 2>&1 | tee "$OUT/consumer_bench.log" | grep -v "^W1\|warn" | tail -12
+if want ref; then bench ref --mode reference --reference .bench/ref; fi
+if want trainer32; then bench trainer32 --mode trainer --preset 32b --steps 200 --precision bf16; fi
+if want warm32; then bench warm32 --mode trainer --preset 32b --steps 10 --warmup 2 --save-every 0 --precision bf16; fi
+if want amp32; then bench amp32 --mode trainer --preset 32b --steps 100 --precision amp; fi
+if want trainer8; then bench trainer8 --mode trainer --preset 8b --steps 200 --precision bf16; fi
+if want learning; then
+  bench learning --mode learning --preset small --steps 500 --warmup 0 --context 2048 --anchors 128 --precision bf16 --precision amp
 fi
 if want producer; then
   echo "== producer bench"
