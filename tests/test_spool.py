@@ -414,14 +414,16 @@ def test_byte_accounting_per_state_and_bucket_and_cache(tmp_path, monkeypatch):
     assert len(sp._size_cache) == 2  # forgotten once acked
 
 
-def test_wait_for_budget(tmp_path):
+def test_wait_for_budget(tmp_path, monkeypatch):
     sp = Spool(tmp_path)
     put_dummy(sp, 0, "p0", 0, pad=1000)
-    t0 = time.monotonic()
+    sleeps: list[float] = []  # the waits, counted instead of timed (a verdict that cannot depend on load)
+    monkeypatch.setattr(spool_mod.time, "sleep", sleeps.append)
     assert sp.wait_for_budget(1000) is True
-    stops = iter([False, False, True])
+    assert sleeps == []  # at the budget: returns without waiting
+    stops = iter([False, False, True])  # a 4th should_stop() call would raise StopIteration
     assert sp.wait_for_budget(999, poll_s=0.01, should_stop=lambda: next(stops)) is False
-    assert time.monotonic() - t0 < 1.0
+    assert sleeps == [0.01, 0.01]  # two polls, then the stop request ended the wait
     with pytest.raises(ValueError, match="budget_bytes"):
         sp.wait_for_budget(0)
 
@@ -510,8 +512,8 @@ def test_zombie_detection_sees_a_killed_unreaped_child():
     hb = {"pid": p.pid, "host": spool_mod.HOST, "boot_id": spool_mod.BOOT_ID, "time": time.time()}
     assert heartbeat_alive(hb, timeout_s=60)
     os.kill(p.pid, signal.SIGKILL)
-    deadline = time.time() + 5
-    while heartbeat_alive(hb, timeout_s=60) and time.time() < deadline:
+    deadline = time.monotonic() + 30  # bounds the wait (below the 60 s staleness: the pid check decides)
+    while heartbeat_alive(hb, timeout_s=60) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not heartbeat_alive(hb, timeout_s=60)
     p.wait()

@@ -21,7 +21,7 @@ from pathlib import Path
 from dflash.common.spool import Spool, parse_shard_name, shard_name
 
 PAD = 16384
-TIMEOUT_S = 60
+TIMEOUT_S = 120  # hang guard only (every wait below ends on a condition)
 
 
 # ---- workers ----
@@ -316,7 +316,12 @@ def test_backpressure_blocks_writer_until_readers_ack_and_drops_nothing(tmp_path
                 time.sleep(0.002)
                 continue
             got += [int(i) for i in (p / "samples.txt").read_text().split(",")]
-            time.sleep(0.004)
+            # hold the claim until the sampler has looked 3 more times (a condition, not a sleep: on a
+            # loaded box a sleep may pass without a single sample)
+            seen = len(samples)
+            while len(samples) < seen + 3:
+                assert sampler.is_alive() and time.monotonic() < deadline + TIMEOUT_S
+                time.sleep(0.001)
             sp.ack(p)
         (out,) = finish([w])
     finally:
