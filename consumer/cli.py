@@ -145,6 +145,11 @@ def main(argv: list[str] | None = None) -> int:
 
     debug = logging.getLogger().isEnabledFor(logging.DEBUG)
     rank = os.environ.get("RANK", "0")
+    if device.startswith("cuda"):  # before anything is touched or loaded
+        import torch
+
+        if not torch.cuda.is_available():
+            _fail(f"--gpu {args.gpu}: no CUDA device is visible (use --gpu cpu)")
     try:
         if not os.path.isdir(args.spool):
             raise ValueError(
@@ -194,11 +199,6 @@ def main(argv: list[str] | None = None) -> int:
             cpu_threads=args.cpu_threads,
             target_layer_ids=_parse_ids(args.target_layer_ids),
         )
-        if device.startswith("cuda"):
-            import torch
-
-            if not torch.cuda.is_available():
-                raise ValueError(f"--gpu {args.gpu}: no CUDA device is visible (use --gpu cpu)")
         from dflash.consumer.trainer import Trainer
 
         trainer = Trainer(cfg)

@@ -85,6 +85,7 @@ class FeedCounters:
 
 
 _END = object()
+WAITING_LOG_S = 30.0  # an empty spool: one "waiting for producers" line this often
 
 
 class ShardFeed:
@@ -174,7 +175,7 @@ class ShardFeed:
                         self._put(_END)
                         return
                     idle_since = idle_since or now
-                    if now - idle_since >= 30.0 and now - last_wait_log >= 30.0:
+                    if now - idle_since >= WAITING_LOG_S and now - last_wait_log >= WAITING_LOG_S:
                         self._log_waiting(now - idle_since)
                         last_wait_log = now
                     time.sleep(self.poll_s)
@@ -388,3 +389,7 @@ class ShardFeed:
         self._stop.set()
         self._thread.join(timeout=5.0)
         self._hb_thread.join(timeout=5.0)
+        try:  # the last word in state/: final counters (quarantine losses) for dflash-status
+            self.spool.heartbeat("consumer", self.consumer_id, self._hb_counters())
+        except OSError:
+            pass

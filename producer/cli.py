@@ -582,7 +582,7 @@ def _supervise(cfgs, workers: list[Worker], spool, args) -> int:
             flush=True,
         )
         return code
-    if stopping or any(o[0] != "done" for o in outcome.values()):
+    if len(outcome) < len(procs) or any(o[0] != "done" for o in outcome.values()):  # a late signal is no stop
         print(
             f"{PROG}: stopped before the end (no DONE markers for stopped workers)",
             file=sys.stderr,

@@ -178,19 +178,19 @@ def _bad_json_lines(files: list[str], limit: int = 1) -> tuple[int, int, list[st
     return total, bad, examples
 
 
-def _load_json_fallback(spec: str, files: list[str], err: BaseException):
+def _load_json_fallback(spec: str, files: list[str], err: BaseException, *, quiet: bool = False):
     """The json builder failed: say why in one line. No line is JSON: a DataError. Some lines are not
     JSON, or rows mix types (arrow cannot infer one schema): rows are read one by one as raw JSON text,
     and the lines that do not parse are dropped later as "unparseable", each counted."""
     total, bad, examples = _bad_json_lines(files)
     if total and bad == total:
         raise DataError(f"dataset {spec}: no line is valid JSON ({bad} lines; first: {examples[0]})") from err
-    if bad:
+    if bad and not quiet:
         log.warning(
             "dataset %s: %d of %d lines are not valid JSON (first: %s); they are dropped as unparseable",
             spec, bad, total, examples[0],
         )  # fmt: skip
-    else:
+    elif not quiet:
         log.info("dataset %s: rows have mixed types (%s); reading rows one by one", spec, _first_line(err))
     try:
         return _load_json_rows(files)
@@ -221,8 +221,9 @@ def dataset_fingerprint(cfg: DataConfig, ds=None) -> dict:
     return {"spec": spec, "split": cfg.split, "fingerprint": h.hexdigest()[:32]}
 
 
-def load_raw_dataset(cfg: DataConfig):
-    """The dataset as a `datasets.Dataset` (row order = global sample index). Raises DataError."""
+def load_raw_dataset(cfg: DataConfig, *, quiet: bool = False):
+    """The dataset as a `datasets.Dataset` (row order = global sample index). Raises DataError.
+    ``quiet``: no warning about unparseable lines (the dflash-produce parent said it once already)."""
     import datasets
 
     spec = cfg.dataset
@@ -249,7 +250,7 @@ def load_raw_dataset(cfg: DataConfig):
         except Exception as err:  # noqa: BLE001 - arrow raises several types for schema conflicts
             if builder != "json":
                 raise DataError(f"cannot read dataset {spec}: {_first_line(err)}") from err
-            return _load_json_fallback(spec, files, err)
+            return _load_json_fallback(spec, files, err, quiet=quiet)
     if spec.startswith(("/", ".", "~")) or Path(spec).suffix in _SUFFIX_BUILDER:
         raise DataError(f"dataset path {spec} does not exist")
     try:

@@ -389,7 +389,7 @@ def run_producer(
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     check_tokenizer(tokenizer, cfg.model)
-    ds = load_raw_dataset(cfg.data)
+    ds = load_raw_dataset(cfg.data, quiet=True)
     num_rows = min(len(ds), cfg.data.limit) if cfg.data.limit else len(ds)
     mine = slice_indices(num_rows, rank=cfg.rank, world=cfg.world)
     if cfg.skip:

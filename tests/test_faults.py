@@ -83,7 +83,7 @@ def _read_jsonl(path: Path) -> list[dict]:
     return out
 
 
-def _heartbeat(spool: Path, producer_id: str = "n0p0") -> dict:
+def _heartbeat(spool: Path, producer_id: str = "n0p0.1") -> dict:  # .1: the spool's first launch
     try:
         return json.loads((spool / "state" / f"producer-{producer_id}.json").read_text())
     except (OSError, ValueError):
@@ -340,7 +340,7 @@ def test_producer_workers_die_with_their_parent(tmp_path, tiny_target):
         if parent.poll() is None:
             parent.kill()
             parent.wait()
-    assert not (spool / "state" / "DONE-n0p0").exists()
+    assert not (spool / "state" / "DONE-n0p0.1").exists()
     assert len(list((spool / "ready").iterdir())) == 1  # what it published before; tmp/ is cleaned on restart
 
 

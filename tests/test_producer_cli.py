@@ -88,18 +88,18 @@ def test_two_cpu_workers_cover_dataset_exactly(tmp_path, target, demo_rows):
     got = [int(i) for s in shards for i in s.sample_index]
     expected = set(range(len(rows))) - bad - short - trained
     assert len(got) == len(set(got)) and set(got) == expected
-    assert {s.meta.producer_id for s in shards} == {"n0p0", "n0p1"}
-    assert all(int(i) % 2 == int(s.meta.producer_id[-1]) for s in shards for i in s.sample_index)
+    assert {s.meta.producer_id for s in shards} == {"n0p0.1", "n0p1.1"}  # .1: the spool's first launch
+    assert all(int(i) % 2 == int(s.meta.producer_id.split(".")[0][-1]) for s in shards for i in s.sample_index)
     assert not any((spool / "tmp").iterdir())
     state = spool / "state"
-    assert (state / "DONE-n0p0").exists() and (state / "DONE-n0p1").exists()
-    counters = [json.loads((state / f"producer-n0p{p}.json").read_text())["counters"] for p in (0, 1)]
+    assert (state / "DONE-n0p0.1").exists() and (state / "DONE-n0p1.1").exists()
+    counters = [json.loads((state / f"producer-n0p{p}.1.json").read_text())["counters"] for p in (0, 1)]
     assert sum(c["skipped"] for c in counters) == len(trained)
     assert sum(c["bad"] for c in counters) == len(bad) and sum(c["short"] for c in counters) == len(short)
     assert sum(c["dropped"] for c in counters) == len(bad) + len(short)
     assert sum(c["samples"] for c in counters) == len(expected)
     for p in (0, 1):
-        lines = (run_dir / "metrics" / f"producer-n0p{p}.jsonl").read_text().splitlines()
+        lines = (run_dir / "metrics" / f"producer-n0p{p}.1.jsonl").read_text().splitlines()
         assert json.loads(lines[-1])["done"] is True
 
     # Tokens, loss mask and hidden states of one shard are those of the target on each sample alone.
@@ -134,7 +134,7 @@ def test_sigterm_under_backpressure_stops_cleanly(tmp_path, target, demo_rows):
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 240
-        hb = spool / "state" / "producer-n0p0.json"
+        hb = spool / "state" / "producer-n0p0.1.json"
         while time.monotonic() < deadline:
             # The spool is over budget after the first shard: the writer blocks, the forward loop waits.
             if hb.exists() and json.loads(hb.read_text())["counters"].get("phase") == "waiting for writer":
@@ -152,8 +152,8 @@ def test_sigterm_under_backpressure_stops_cleanly(tmp_path, target, demo_rows):
     assert "stopped before the end" in err
     assert len(list((spool / "ready").iterdir())) == 1
     assert not any((spool / "tmp").iterdir())
-    assert not (spool / "state" / "DONE-n0p0").exists()
-    counters = json.loads((spool / "state" / "producer-n0p0.json").read_text())["counters"]
+    assert not (spool / "state" / "DONE-n0p0.1").exists()
+    counters = json.loads((spool / "state" / "producer-n0p0.1.json").read_text())["counters"]
     assert counters["phase"] == "stopped" and counters["done"] is False
 
 
