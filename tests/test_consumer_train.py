@@ -13,31 +13,35 @@ from pipeline_helpers import consume_cmd, cpu_env, run, write_synthetic_spool
 from dflash.common.metrics_log import read_metrics
 
 
-def _run_200_steps(spool, tiny_target, run_dir, lr: str) -> list[dict]:
-    proc = run(
-        consume_cmd(
-            spool,
-            tiny_target,
-            "--run-dir",
-            str(run_dir),
-            "--context-tokens",
-            "256",
-            "--num-anchors",
-            "16",
-            "--max-steps",
-            "200",
-            "--total-steps",
-            "200",
-            "--lr",
-            lr,
-            "--log-every",
-            "10",
-            "--compile-backend",
-            "eager",
-        ),
-        timeout=600,
+def _start_200_steps(spool, tiny_target, run_dir, lr: str) -> subprocess.Popen:
+    cmd = consume_cmd(
+        spool,
+        tiny_target,
+        "--run-dir",
+        str(run_dir),
+        "--context-tokens",
+        "256",
+        "--num-anchors",
+        "16",
+        "--max-steps",
+        "200",
+        "--total-steps",
+        "200",
+        "--lr",
+        lr,
+        "--log-every",
+        "10",
+        "--compile-backend",
+        "eager",
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_dir.mkdir(parents=True)
+    with open(run_dir / "stderr.log", "w") as log:  # a file, not a pipe: two processes run at once
+        return subprocess.Popen(cmd, env=cpu_env(), stdout=subprocess.DEVNULL, stderr=log)
+
+
+def _finish_200_steps(proc: subprocess.Popen, run_dir) -> list[dict]:
+    proc.wait(timeout=900)  # only catches a hang
+    assert proc.returncode == 0, (run_dir / "stderr.log").read_text()[-3000:]
     recs = [r for r in read_metrics(run_dir / "metrics" / "consumer-0.jsonl") if "loss" in r]
     assert recs[-1]["step"] >= 150  # one pass over the data: ~160-200 steps of 256 tokens
     return recs
@@ -60,8 +64,20 @@ def test_training_on_real_shards_cuts_loss_and_raises_tau(demo_spool, copy_spool
     spool_a = copy_spool(demo_spool)
     spool_b = tmp_path / "spool_b"
     shutil.copytree(demo_spool, spool_b)
-    trained = _run_200_steps(spool_a, tiny_target, tmp_path / "trained", "3e-3")
-    untrained = _run_200_steps(spool_b, tiny_target, tmp_path / "untrained", "1e-12")
+    # both runs at once (one torch thread each: the 2-core box runs them side by side); nothing below
+    # depends on how fast either runs
+    procs = [
+        _start_200_steps(spool_a, tiny_target, tmp_path / "trained", "3e-3"),
+        _start_200_steps(spool_b, tiny_target, tmp_path / "untrained", "1e-12"),
+    ]
+    try:
+        trained = _finish_200_steps(procs[0], tmp_path / "trained")
+        untrained = _finish_200_steps(procs[1], tmp_path / "untrained")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
 
     def tail_mean(recs, key):
         rows = [r[key] for r in recs if r["step"] > 50]
