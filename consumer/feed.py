@@ -304,8 +304,10 @@ class ShardFeed:
         first). Only one thread may call this.
         """
         if self._pool_tokens < self.pool_tokens_target:
-            self._drain_loaded(wait_s if not self._pool else 0.0)
-        if not self._pool:
+            self._drain_loaded(wait_s if self._pool_tokens < self.context_tokens else 0.0)
+        # A stream is packed only from a pool that can fill it, or from the last samples of the run:
+        # packing whatever had arrived made streams of a starved pool half empty, each costing a full step.
+        if not self._pool or (self._pool_tokens < self.context_tokens and not self._end_seen):
             return None
         chosen = self._best_fit()
         with self._lock:
