@@ -285,9 +285,10 @@ def run_trainer(
     workdir: Path,
     save_every: int | None,
     learnable: bool = False,
+    feed_only: bool = False,
     seed: int = 0,
     bucket: str = "random",
-    producers: int = 6,
+    producers: int = 12,
     log_every: int = 10,
     device: str = "cuda",
 ) -> dict:
@@ -304,7 +305,6 @@ def run_trainer(
     ckpt = workdir / "ckpt"
     shutil.rmtree(ckpt, ignore_errors=True)
     max_steps = warmup + steps
-    width = shape["hidden_size"] * len(layer_ids)
     plan = FillPlan(
         spool=str(spool),
         hidden_size=shape["hidden_size"],
@@ -312,8 +312,7 @@ def run_trainer(
         vocab_size=shape["vocab_size"],
         context_tokens=context,
         total_tokens=int((max_steps + 8) * context * 1.05),
-        # learning runs write everything before training (same data, same order for every precision)
-        budget_bytes=int(1e15 if learnable else min(24e9, max(2e9, 40 * context * width * 2))),
+        budget_bytes=int(1e15),  # pre-filled: every shard is written before training starts
         producers=producers,
         seed=seed,
         learnable=learnable,
@@ -322,8 +321,11 @@ def run_trainer(
 
     Spool(spool)  # create the layout before the processes start
     filler = SpoolFiller(plan)
-    if learnable:
-        filler.wait()
+    t_fill = time.monotonic()
+    written = filler.wait()  # a pre-filled spool: the consumer alone is measured, not the producers' CPU load
+    fill_s = time.monotonic() - t_fill
+    if feed_only:
+        return feed_throughput(spool, plan, context=context, anchors=anchors, steps=max_steps, fill_s=fill_s)
     cfg = TrainConfig(
         spool=str(spool),
         target=str(target),
@@ -354,6 +356,12 @@ def run_trainer(
         return batch
 
     trainer.inputs._build = counted_build
+    if os.environ.get("DFLASH_BENCH_PYSPY"):  # "delay_s:duration_s:out": sample every thread's stacks
+        delay, duration, out = os.environ["DFLASH_BENCH_PYSPY"].split(":", 2)
+        subprocess.Popen(
+            ["bash", "-c", f"sleep {delay}; py-spy record --pid {os.getpid()} --duration {duration} "
+             f"--rate 50 --format raw --nonblocking --threads -o {out} >/dev/null 2>&1"]
+        )  # fmt: skip
     try:
         summary = trainer.train()
     finally:
@@ -409,12 +417,71 @@ def run_trainer(
         "stall_per_save_s_from_step_times": [round(x, 2) for x in stall_from_timing],
         "losses": [(r["step"], round(r["loss"], 4)) for r in history],
         "total_s": round(total_s, 1),
+        "prefill_s": round(fill_s, 1),
+        "prefill_tokens": written,
+    }
+
+
+def feed_throughput(
+    spool: Path, plan: FillPlan, *, context: int, anchors: int, steps: int, fill_s: float
+) -> dict:
+    """The data path alone (claim, decode, pack, anchors, pinned copy to the GPU), no training step."""
+    from dflash.common.spool import Spool
+    from dflash.consumer.batching import build_draft_batch
+    from dflash.consumer.feed import ShardFeed
+    from dflash.consumer.input_pipeline import InputPipeline
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    feed = ShardFeed(Spool(spool), "probe", context_tokens=context, bucket="random", pin_memory=True)
+    gen = torch.Generator().manual_seed(0)
+
+    def build(packed):
+        return build_draft_batch(
+            packed, block_size=16, num_anchors=anchors, max_anchors_per_doc=anchors, mask_token_id=0,
+            gamma=7.0, generator=gen,
+        )  # fmt: skip
+
+    pipe = InputPipeline(
+        lambda w: feed.next_packed(wait_s=w),
+        build,
+        feed.exhausted,
+        device=device,
+        hidden_dtype=torch.bfloat16,
+    )
+    times, n = [], 0
+    t = time.monotonic()
+    try:
+        while n < steps:
+            item = pipe.get(timeout=5.0)
+            if item is None:
+                if pipe.exhausted():
+                    break
+                continue
+            torch.cuda.current_stream().synchronize()
+            feed.commit()
+            n += 1
+            now = time.monotonic()
+            times.append(now - t)
+            t = now
+    finally:
+        pipe.close()
+        feed.close()
+        shutil.rmtree(spool, ignore_errors=True)
+    step_s = statistics.median(times[5:]) if len(times) > 10 else float("nan")
+    return {
+        "mode": "feed (data path only: claim, decode, pack, anchors, pinned copy; no step)",
+        "steps": n,
+        "ms_per_step_median": round(step_s * 1e3, 1),
+        "context_tok_s": round(context / step_s),
+        "fill": round(feed.counters.tokens_packed / max(1, feed.counters.slots_packed), 4),
+        "hidden_gb_per_s": round(context * plan.hidden_size * len(plan.layer_ids) * 2 / step_s / 1e9, 2),
+        "prefill_s": round(fill_s, 1),
     }
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--mode", default="trainer", choices=["trainer", "step", "learning", "reference"])
+    p.add_argument("--mode", default="trainer", choices=["trainer", "step", "learning", "reference", "feed"])
     p.add_argument(
         "--preset", action="append", choices=sorted(PRESETS), help="repeatable (default 8b and 32b)"
     )
@@ -430,6 +497,7 @@ def main() -> None:
     p.add_argument(
         "--workdir", default=None, help="trainer mode: target/checkpoint folder (default: a temp dir)"
     )
+    p.add_argument("--producers", type=int, default=12, help="processes pre-filling the spool")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -462,6 +530,8 @@ def main() -> None:
                     workdir=workdir,
                     save_every=args.save_every if args.mode == "trainer" else None,
                     learnable=args.mode == "learning",
+                    feed_only=args.mode == "feed",
+                    producers=args.producers,
                     bucket="random" if args.mode == "trainer" else "oldest",
                     device=args.device,
                 )
