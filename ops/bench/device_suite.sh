@@ -3,6 +3,7 @@
 # call; default all):
 #   tests      GPU tests (flex fwd+bwd vs SDPA, three consumers compiling on one GPU, producer on CUDA)
 #   ref        the reference consumer step (needs .bench/ref: a copy of ../shared/bench)
+#   feed32     the data path alone at 32B-class width (claim, decode, pack, pinned copy; no step)
 #   trainer32  the real Trainer over a real spool, 32B-class drafter, bf16 (cold compile cache)
 #   warm32     the same, a fresh process on the warm compile cache: time to first step
 #   amp32      trainer32 with fp32 parameters + bf16 autocast (precision comparison)
@@ -35,7 +36,10 @@ if want tests; then
   timeout 240 python3 -m pytest -q -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if want ref; then bench ref --mode reference --reference .bench/ref; fi
-if want trainer32; then bench trainer32 --mode trainer --preset 32b --steps 200 --precision bf16; fi
+if want feed32; then bench feed32 --mode feed --preset 32b --steps 60 --warmup 0; fi
+if want trainer32; then
+  DFLASH_BENCH_PYSPY="${PYSPY_DELAY:-85}:12:$OUT/pyspy32.txt" bench trainer32 --mode trainer --preset 32b --steps 200 --precision bf16
+fi
 if want warm32; then bench warm32 --mode trainer --preset 32b --steps 10 --warmup 2 --save-every 0 --precision bf16; fi
 if want amp32; then bench amp32 --mode trainer --preset 32b --steps 100 --precision amp; fi
 if want trainer8; then bench trainer8 --mode trainer --preset 8b --steps 200 --precision bf16; fi
