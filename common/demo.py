@@ -352,8 +352,9 @@ def main(argv: list[str] | None = None) -> int:
                 real_responses=args.real_responses,
             )
         )
-    except (RuntimeError, OSError, ValueError) as err:
-        sys.exit(f"{PROG}: error: {err}")
+    except (RuntimeError, OSError, ValueError) as err:  # the pipeline failed, or could not start
+        print(f"{PROG}: error: {' '.join(str(err).split())}", file=sys.stderr)
+        sys.exit(1)
     print_summary(summary)
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2))

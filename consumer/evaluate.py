@@ -573,9 +573,11 @@ def main(argv: list[str] | None = None) -> int:
             baseline=args.baseline,
         )
     except (ExportError, DataError, ValueError, OSError) as err:
-        sys.exit(
-            f"{PROG}: error: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}"
+        print(
+            f"{PROG}: error: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}",
+            file=sys.stderr,
         )
+        sys.exit(2)  # a user or input error (README, "Errors and exit codes")
     print(format_table(report))
     if args.json:
         text = json.dumps(

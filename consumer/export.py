@@ -344,7 +344,8 @@ def main(argv: list[str] | None = None) -> int:
             store_url, run, args.out_dir, step=step, dtype=DTYPES[args.dtype], overwrite=args.overwrite
         )
     except (ExportError, CheckpointError, CheckpointStoreError, ValueError, OSError) as err:
-        sys.exit(f"{PROG}: error: {redact(str(err)).splitlines()[0]}")
+        print(f"{PROG}: error: {redact(str(err)).splitlines()[0]}", file=sys.stderr)
+        sys.exit(2)  # a user or input error (README, "Errors and exit codes")
     print(out)
     return 0
 

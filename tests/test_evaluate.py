@@ -278,7 +278,7 @@ def test_load_prompts_formats(tmp_path, tokenizer):
     assert len(load_prompts(str(path), tokenizer, num_prompts=10, max_prompt_tokens=12)) < 4
 
 
-def test_cli_errors_are_one_line(tmp_path, target):
+def test_cli_errors_are_one_line(tmp_path, target, capsys):
     from dflash.consumer.export import export_drafter
 
     config = DrafterConfig.from_target_config(target.config, num_layers=1, mask_token_id=3)
@@ -293,8 +293,9 @@ def test_cli_errors_are_one_line(tmp_path, target):
         argv = ["--target", weightless, "--drafter", str(tmp_path / "export"), "--dataset", "x.jsonl", *extra]
         with pytest.raises(SystemExit) as exc:
             main(argv)
-        msg = str(exc.value.code)
-        assert msg.startswith("dflash-eval: error: ") and match in msg and "\n" not in msg, msg
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("dflash-eval: error: ")]
+        assert exc.value.code == 2 and len(lines) == 1 and match in lines[0] and "Traceback" not in err, err
 
 
 # ---------------------------------------------------------------------------------- train -> export -> eval

@@ -274,9 +274,10 @@ def test_parse_checkpoint_url_errors(url, step, match):
 def _error(capsys, argv) -> str:
     with pytest.raises(SystemExit) as exc:
         main(argv)
-    msg = str(exc.value.code)
-    assert msg.startswith("dflash-export: error: ") and "\n" not in msg, msg
-    assert "Traceback" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    msg = err.strip()
+    assert exc.value.code == 2 and msg.startswith("dflash-export: error: ") and "\n" not in msg, msg
+    assert "Traceback" not in err
     return msg
 
 
