@@ -407,6 +407,9 @@ class Trainer:
             "weights_sha256": self.weights_digest(),
             "samples_trained": len(self.trained),
             # lost to this launch (corrupt shards, not in the trained set: the next launch re-produces them)
+            "shards_quarantined": self.feed.counters.shards_quarantined,
+            "samples_quarantined": self.feed.counters.samples_quarantined,
+            "samples_duplicate": self.feed.counters.samples_duplicate,
             "first_step_s": self.first_step_s,
             "recompiles_after_warmup": self._recompiles_after_warmup,
             "fill": self.feed.counters.tokens_packed / max(1, self.feed.counters.slots_packed),
