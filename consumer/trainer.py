@@ -395,8 +395,9 @@ class Trainer:
                     self.save()
             if stats.steps:
                 self._log(stats)
-            if self._saved_step != self.step:  # the periodic save may have just written this step
-                self.save(final=True)
+            # always: when the last periodic save wrote this step, save() only waits for its background
+            # write (exiting while it runs aborts the process and loses the checkpoint)
+            self.save(final=True)
         finally:
             self.inputs.close()
             self.feed.close()
