@@ -128,6 +128,10 @@ def self_distill(
             if len(rows) >= limit:
                 break
     kept: list[str] = []
+    # One torch thread: decoding a tiny model gains little from a second one, and on a busy 2-core box the
+    # two spin against each other (measured: 128 prompts in 5 s with 1 thread, 32 s with 2; same output).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     with open(dst, "w") as out:
         for i in range(0, len(rows), batch):
             chunk = rows[i : i + batch]
@@ -148,6 +152,7 @@ def self_distill(
         for _ in range(passes):
             for line in kept:
                 out.write(line + "\n")
+    torch.set_num_threads(threads)
     return dst
 
 
