@@ -1,11 +1,15 @@
-"""Chaos: kill -9 random pipeline processes while ``ops/run_all.sh --restarts`` trains, then audit every
-sample exactly.
+"""Chaos: kill -9 random pipeline processes (and Ctrl-C the whole pipeline once) while ``ops/run_all.sh``
+trains, restarting either by itself (``--restarts``) or by the user simply running the same command
+again, then audit every sample exactly.
 
 The pipeline (2 CPU producers, 2 CPU consumers in one gloo DDP group, the tiny target, ~80 chat rows with a
 few rows the producers must drop) runs under a killer thread that SIGKILLs a producer parent, a producer
 worker or a consumer at random moments (during start-up, after some steps, right after a checkpoint), at
-least ``NUM_KILLS`` times. Each kill makes run_all.sh wipe the spool and restart everything from the
-latest checkpoint. Afterwards the consumers' sample ledgers (one line per committed optimizer step: step,
+least ``NUM_KILLS`` times, and once sends SIGINT to the whole process group (a terminal's Ctrl-C). Each
+invocation of run_all.sh gets a random ``--restarts`` budget (0-3): a kill -9 within the budget makes it
+discard the spool's flow and restart everything from the latest checkpoint; past the budget, or after the
+Ctrl-C, it exits and the test runs the same command again (a *plain re-run*: the spool is kept, the launch
+discards its leftovers). Afterwards the consumers' sample ledgers (one line per committed optimizer step: step,
 pid, sample indices) and the checkpoints left in the store are audited:
 
 - launch L (one life of the pipeline) resumed from step r_L (= its first ledger step - 1) and is
@@ -62,6 +66,7 @@ CONSUMER_ARGS = (
     "--compile-backend eager --heartbeat-timeout 20 --keep-last 1000"
 )
 KILL_KINDS = ["producer", "worker", "consumer-0", "consumer-1"]
+CTRL_C = "ctrl-c"  # SIGINT to run_all.sh's process group: a clean stop, run_all exits 130, the test re-runs
 _STARTED = re.compile(r"^started (\S+) \(pid (\d+)\)", re.M)
 _FAILED = re.compile(r"run_all\.sh: (\S+) \(pid (\d+)\) failed with exit code (\d+)")
 
@@ -187,6 +192,7 @@ class Killer:
             self.error = err
 
     def _running(self) -> bool:
+        """The current run_all.sh invocation is running (the test swaps ``proc`` for each re-run)."""
         return self.proc.poll() is None and not self._halt.is_set()
 
     def _sleep(self, s: float) -> None:
@@ -212,7 +218,7 @@ class Killer:
 
     def _run(self) -> None:
         seen: set[int] = set()
-        while len(self.kills) < len(self.plan) and self._running():
+        while len(self.kills) < len(self.plan) and not self._halt.is_set():
             kind, when = self.plan[len(self.kills)]
             launch = self._wait_new_launch(seen)
             if launch is None:
@@ -229,7 +235,10 @@ class Killer:
                 continue
             pid, kind = self._pick_target(kind, launch)
             try:
-                os.kill(pid, signal.SIGKILL)
+                if kind == CTRL_C:
+                    os.killpg(pid, signal.SIGINT)
+                else:
+                    os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:  # exited between the check and the kill
                 self.notes.append(f"{kind} {pid} exited before its kill")
                 continue
@@ -246,7 +255,7 @@ class Killer:
 
     def _wait_new_launch(self, seen: set[int]) -> dict[str, int] | None:
         deadline = time.monotonic() + 120
-        while self._running() and time.monotonic() < deadline:
+        while not self._halt.is_set() and time.monotonic() < deadline:  # across re-runs too
             launch = _current_launch(self.run_dir)
             if (
                 {"producer", "consumer-0", "consumer-1"} <= set(launch)
@@ -255,7 +264,7 @@ class Killer:
             ):
                 return launch
             self._sleep(0.05)
-        if self._running():
+        if not self._halt.is_set():
             self.notes.append("no new launch within 120 s")
         return None
 
@@ -305,6 +314,8 @@ class Killer:
         return self._running()
 
     def _pick_target(self, kind: str, launch: dict[str, int]) -> tuple[int, str]:
+        if kind == CTRL_C:
+            return self.proc.pid, kind  # the process group of this run_all.sh invocation
         if kind == "worker":
             workers = self._workers(launch)
             if workers:
@@ -357,8 +368,12 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
         TOKENIZERS_PARALLELISM="false",
         DFLASH_CHAOS_MARK=token,
     )
-    # every kind twice, then two at random; the moments shuffled independently
-    kinds = KILL_KINDS * 2 + [rng.choice(KILL_KINDS) for _ in range(NUM_KILLS - 2 * len(KILL_KINDS))]
+    # every kind twice, one Ctrl-C, the rest at random; the moments shuffled independently
+    kinds = (
+        KILL_KINDS * 2
+        + [CTRL_C]
+        + [rng.choice(KILL_KINDS) for _ in range(NUM_KILLS - 2 * len(KILL_KINDS) - 1)]
+    )
     whens = ["startup"] * 5 + ["progress"] * 3 + ["checkpoint"] * (NUM_KILLS - 8)
     rng.shuffle(kinds)
     rng.shuffle(whens)
@@ -367,20 +382,37 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
         "bash", str(REPO / "ops" / "run_all.sh"), "--producers", "cpu:2", "--consumers", "cpu:2",
         "--model", str(tiny_target), "--dataset", str(data), "--run", RUN, "--run-dir", str(run_dir),
         "--spool", str(spool), "--checkpoint", str(ckpt), "--producer-args", PRODUCER_ARGS,
-        "--consumer-args", CONSUMER_ARGS, "--restarts", str(NUM_KILLS + 2),
+        "--consumer-args", CONSUMER_ARGS,
     ]  # fmt: skip
     t0 = time.monotonic()
-    with open(out_path, "w") as out_f, open(err_path, "w") as err_f:
-        proc = subprocess.Popen(
-            cmd, stdout=out_f, stderr=err_f, env=env, cwd=tmp_path, start_new_session=True
-        )
+    budgets: list[int] = []  # --restarts of each invocation
+    budget_rng = random.Random(seed + 1)  # not the killer thread's generator: a seed replays the same plan
+    out_path.write_text("")
+    err_path.write_text("")
+
+    def invoke() -> subprocess.Popen:
+        budgets.append(budget_rng.choice([0, 1, 2, 3]))
+        with open(out_path, "a") as out_f, open(err_path, "a") as err_f:
+            return subprocess.Popen(
+                [*cmd, "--restarts", str(budgets[-1])], stdout=out_f, stderr=err_f, env=env, cwd=tmp_path,
+                start_new_session=True,
+            )  # fmt: skip
+
+    proc = invoke()
     killer = Killer(proc, run_dir, out_path, spool, ckpt, len(rows), plan, rng)
     killer.thread.start()
     try:
-        try:
-            rc = proc.wait(timeout=420)
-        except subprocess.TimeoutExpired:
-            rc = None
+        deadline = time.monotonic() + 480  # a hang guard over every invocation
+        rc = None
+        while True:
+            try:
+                rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                rc = None
+                break
+            if rc == 0 or len(budgets) > NUM_KILLS + 1:
+                break
+            proc = killer.proc = invoke()  # the user runs the same command again
         killer.stop()
         killer.thread.join(timeout=10)
         deadline = time.monotonic() + 5  # killed processes take a moment to go
@@ -414,6 +446,8 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
     assert killer.error is None, f"killer thread failed: {killer.error!r}\n{diag()}"
     assert rc == 0, f"run_all.sh did not finish cleanly\n{diag()}"
     assert len(killer.kills) >= NUM_KILLS, f"only {len(killer.kills)} kills landed\n{diag()}"
+    plain_reruns = len(budgets) - 1
+    assert plain_reruns >= 1, "no plain re-run happened"  # the Ctrl-C always ends an invocation
 
     # ---- every restart was caused by one of our kills, in the launch it hit
     starts = _STARTED.findall(out_text)
@@ -424,9 +458,15 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
         launches[-1][name] = int(pid)
     failures = _FAILED.findall(err_text)
     restarts = err_text.count("run_all.sh: restart ")
-    assert restarts == len(failures) == len(killer.kills) == len(launches) - 1, diag()
-    for (name, pid, _code), kill, launch in zip(failures, killer.kills, launches, strict=False):
-        assert kill["launch"] == launch, diag()
+    kill9 = [k for k in killer.kills if k["kind"] != CTRL_C]
+    assert len(failures) == len(kill9), diag()
+    assert restarts + plain_reruns == len(killer.kills) == len(launches) - 1, diag()
+    said = (out_text + err_text).count("run 'chaos' continues")  # every later launch said so (prepare)
+    assert said == len(launches) - 1, diag()
+    for kill, launch in zip(killer.kills, launches, strict=False):
+        assert kill["launch"] == launch, diag()  # kill i ended launch i
+    for (name, pid, _code), kill in zip(failures, kill9, strict=True):
+        launch = kill["launch"]
         if kill["kind"] == "worker":  # the parent reports its dead worker
             assert (name, int(pid)) == ("producer", launch["producer"]), diag()
         else:
@@ -437,8 +477,13 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
     assert not eligible & set(BAD_ROWS) and len(eligible) >= GOOD_ROWS - 4, sorted(
         set(range(len(rows))) - eligible
     )
+    last_producers = json.loads((spool / "state" / "producers.json").read_text())["producers"]
+    suffixes = {p.rpartition(".")[2] for p in last_producers}  # ids are unique per launch: n0p0.<launch>
+    assert len(last_producers) == 2 and len(suffixes) == 1 and int(suffixes.pop()) <= len(launches), (
+        last_producers
+    )
     final_counters = [
-        json.loads((spool / "state" / f"producer-n0p{p}.json").read_text())["counters"] for p in (0, 1)
+        json.loads((spool / "state" / f"producer-{p}.json").read_text())["counters"] for p in last_producers
     ]
     assert sum(c["dropped"] for c in final_counters) == len(rows) - len(eligible)
 
@@ -518,7 +563,8 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
 
     # ---- no partial shard read, nothing left claimed or queued, no process left behind
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log"))
-    assert "quarantin" not in logs.lower() and "ShardFormatError" not in logs
+    assert "quarantining" not in logs and "ShardFormatError" not in logs
+    assert '"samples_quarantined": 0' in logs and not re.search(r'"(shards|samples)_quarantined": [1-9]', logs)
     assert not any((spool / "quarantine").iterdir())
     from dflash.common.spool import Spool
 
