@@ -574,5 +574,6 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
     assert not left, f"processes left running after run_all.sh exited: {left}"
     print(
         f"chaos: launches {len(launches)}, trained {len(eligible)} samples, {sum(extra_trainings.values())} "
-        f"extra trainings in lost tails, final step {final.step}, wall {wall:.1f} s"
+        f"extra trainings in lost tails, final step {final.step}, wall {wall:.1f} s; {plain_reruns} plain re-runs "
+        f"(--restarts per invocation {budgets})"
     )
