@@ -612,16 +612,28 @@ class Spool:
             raise ValueError(f"not a claimed shard path of this spool: {path}")
         return path.parent, path.name
 
-    def ack(self, claimed_path: Path) -> None:
+    def ack(self, claimed_path: Path, *, delete: bool = True) -> Path | None:
         """Delete a shard whose samples are trained (after the optimizer step that used them). Renamed to
-        a hidden trash name first, so a crash mid-delete never leaves a half shard that looks claimed."""
+        a hidden trash name first, so a crash mid-delete never leaves a half shard that looks claimed.
+
+        The rename is the ack. ``delete=False`` returns the trash path for the caller to remove later with
+        ``remove_trash`` (freeing a 1.6 GB shard of tmpfs pages takes tens of ms: a training loop hands it
+        to a background thread); None if the shard was already gone."""
         owner_dir, name = self._claimed_path_parts(claimed_path)
         trash = owner_dir / f"{ACK_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
         try:
             os.rename(claimed_path, trash)
         except FileNotFoundError:
             log.warning("ack: %s is gone (recovered as dead and re-delivered?)", claimed_path)
-            return
+            return None
+        if not delete:
+            return trash
+        _remove(trash)
+        return None
+
+    @staticmethod
+    def remove_trash(trash: Path) -> None:
+        """Finish an ``ack(..., delete=False)``."""
         _remove(trash)
 
     def release(self, claimed_path: Path) -> None:

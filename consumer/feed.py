@@ -137,6 +137,16 @@ class ShardFeed:
         self._heartbeat_every_s = max(0.5, min(5.0, heartbeat_timeout_s / 4))
         self._thread = threading.Thread(target=self._prefetch_loop, name=f"feed-{consumer_id}", daemon=True)
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name=f"hb-{consumer_id}", daemon=True)
+        self._trash: queue.SimpleQueue = queue.SimpleQueue()
+        self._trash_thread = threading.Thread(target=self._trash_loop, name=f"trash-{consumer_id}", daemon=True)
+        self._trash_thread.start()
+        self.spool_summary: dict = {}
+        try:
+            self.spool_summary = self._scan_spool()
+        except OSError:
+            pass
+        """Spool depth and the producers' rate, refreshed by the heartbeat thread: a scan of the spool takes
+        tens of ms, too long for the training loop (it ran right after the log line's device sync)."""
         self.spool.heartbeat("consumer", self.consumer_id, dict(self.heartbeat_counters))
         self._hb_thread.start()
         self._thread.start()
@@ -145,8 +155,29 @@ class ShardFeed:
         while not self._stop.wait(self._heartbeat_every_s):
             try:
                 self.spool.heartbeat("consumer", self.consumer_id, self._hb_counters())
+                self.spool_summary = self._scan_spool()
             except OSError as err:  # a full or vanished spool must not kill training
                 log.warning("heartbeat failed: %s", err)
+
+    def _scan_spool(self) -> dict:
+        s = self.spool.stats(heartbeat_timeout_s=self.heartbeat_timeout_s)
+        prod_rate = sum(
+            float(p["counters"].get("tok_s", 0.0))
+            for p in s["processes"]
+            if p.get("role") == "producer" and p.get("alive")
+        )
+        return {
+            "spool_shards": s["states"]["ready"]["shards"],
+            "spool_bytes": s["total_bytes"],
+            "prod_tok_s": prod_rate,
+        }
+
+    def _trash_loop(self) -> None:
+        while (trash := self._trash.get()) is not None:
+            try:
+                self.spool.remove_trash(trash)
+            except OSError as err:
+                log.warning("could not remove acked shard %s: %s", trash.name, err)
 
     def _hb_counters(self) -> dict:
         c = self.counters
@@ -374,7 +405,9 @@ class ShardFeed:
                     finished.append(ledger.path)
                     del self._ledger[s.shard.name]
         for path in finished:
-            self.spool.ack(path)
+            trash = self.spool.ack(path, delete=False)  # acked here; the pages are freed in the background
+            if trash is not None:
+                self._trash.put(trash)
             self.counters.shards_acked += 1
         return [s.sample_index for s in step if s.last_piece]
 
@@ -391,6 +424,8 @@ class ShardFeed:
         self._stop.set()
         self._thread.join(timeout=5.0)
         self._hb_thread.join(timeout=5.0)
+        self._trash.put(None)
+        self._trash_thread.join(timeout=30.0)
         try:  # the last word in state/: final counters (quarantine losses) for dflash-status
             self.spool.heartbeat("consumer", self.consumer_id, self._hb_counters())
         except OSError:

@@ -555,21 +555,8 @@ class Trainer:
         log.info(format_console_line(rec, elapsed_s=time.monotonic() - self._t_process))
 
     def _spool_summary(self) -> dict:
-        """Spool depth and the producers' summed rate, for the console line and the metrics."""
-        try:
-            s = self.spool.stats(heartbeat_timeout_s=self.cfg.heartbeat_timeout_s)
-        except OSError:
-            return {}
-        prod_rate = sum(
-            float(p["counters"].get("tok_s", 0.0))
-            for p in s["processes"]
-            if p.get("role") == "producer" and p.get("alive")
-        )
-        return {
-            "spool_shards": s["states"]["ready"]["shards"],
-            "spool_bytes": s["total_bytes"],
-            "prod_tok_s": prod_rate,
-        }
+        """Spool depth and the producers' summed rate, as the feed's heartbeat thread last saw them."""
+        return dict(self.feed.spool_summary)
 
     def _init_wandb(self):
         if not self.cfg.wandb_project:

@@ -416,6 +416,10 @@ def run_trainer(
         ],
         "stall_per_save_s_from_step_times": [round(x, 2) for x in stall_from_timing],
         "losses": [(r["step"], round(r["loss"], 4)) for r in history],
+        "ms_per_step_by_interval": [
+            (b["step"], round(1e3 * (b["time"] - a["time"]) / (b["step"] - a["step"]), 1))
+            for a, b in zip(history, history[1:], strict=False)
+        ],
         "total_s": round(total_s, 1),
         "prefill_s": round(fill_s, 1),
         "prefill_tokens": written,

@@ -5,7 +5,8 @@
 #   ref        the reference consumer step (needs .bench/ref: a copy of ../shared/bench)
 #   feed32     the data path alone at 32B-class width (claim, decode, pack, pinned copy; no step)
 #   trainer32  the real Trainer over a real spool, 32B-class drafter, bf16 (cold compile cache)
-#   warm32     the same, a fresh process on the warm compile cache: time to first step
+#   ckpt32     trainer32 with background checkpoints every 50 steps (stall per save; warm first step)
+#   warm32     a fresh process on the warm compile cache: time to first step
 #   amp32      trainer32 with fp32 parameters + bf16 autocast (precision comparison)
 #   trainer8   the real Trainer, 8B-class drafter, bf16
 #   learning   a learnable spool trained 500 steps with bf16 and with amp (loss curves)
@@ -18,7 +19,7 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && export PYTHONPATH=/tmp/site:$PWD || exit 1
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
-export PATH="$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
+export PATH="/tmp/site/bin:$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, zarr; print(torch.__version__, transformers.__version__, zarr.__version__)" | tee -a "$OUT/gpu.txt"
 
@@ -37,8 +38,12 @@ if want tests; then
 fi
 if want ref; then bench ref --mode reference --reference .bench/ref; fi
 if want feed32; then bench feed32 --mode feed --preset 32b --steps 60 --warmup 0; fi
-if want trainer32; then
-  DFLASH_BENCH_PYSPY="${PYSPY_DELAY:-85}:12:$OUT/pyspy32.txt" bench trainer32 --mode trainer --preset 32b --steps 200 --precision bf16
+if want trainer32; then  # no checkpoints: the loop alone; py-spy samples every thread for 12 s
+  DFLASH_BENCH_PYSPY="${PYSPY_DELAY:-75}:12:$OUT/pyspy32.txt" \
+    bench trainer32 --mode trainer --preset 32b --steps 120 --save-every 0 --precision bf16
+fi
+if want ckpt32; then  # background checkpoints every 50 steps (warm compile cache after trainer32)
+  bench ckpt32 --mode trainer --preset 32b --steps 120 --save-every 50 --precision bf16
 fi
 if want warm32; then bench warm32 --mode trainer --preset 32b --steps 10 --warmup 2 --save-every 0 --precision bf16; fi
 if want amp32; then bench amp32 --mode trainer --preset 32b --steps 100 --precision amp; fi
