@@ -5,7 +5,7 @@
 #   ref        the reference consumer step (needs .bench/ref: a copy of ../shared/bench)
 #   feed32     the data path alone at 32B-class width (claim, decode, pack, pinned copy; no step)
 #   trainer32  the real Trainer over a real spool, 32B-class drafter, bf16 (cold compile cache)
-#   ckpt32     trainer32 with background checkpoints every 50 steps (stall per save; warm first step)
+#   ckpt32     trainer32 with background checkpoints every 60 steps (stall per save; warm first step)
 #   warm32     a fresh process on the warm compile cache: time to first step
 #   amp32      trainer32 with fp32 parameters + bf16 autocast (precision comparison)
 #   trainer8   the real Trainer, 8B-class drafter, bf16
@@ -43,7 +43,7 @@ if want trainer32; then  # no checkpoints: the loop alone; py-spy samples every 
     bench trainer32 --mode trainer --preset 32b --steps 120 --save-every 0 --precision bf16
 fi
 if want ckpt32; then  # background checkpoints every 50 steps (warm compile cache after trainer32)
-  bench ckpt32 --mode trainer --preset 32b --steps 120 --save-every 50 --precision bf16
+  bench ckpt32 --mode trainer --preset 32b --steps 100 --save-every 60 --precision bf16
 fi
 if want warm32; then bench warm32 --mode trainer --preset 32b --steps 10 --warmup 2 --save-every 0 --precision bf16; fi
 if want amp32; then bench amp32 --mode trainer --preset 32b --steps 100 --precision amp; fi
