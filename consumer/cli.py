@@ -210,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
         _fail(str(err))
     except KeyboardInterrupt:
         _fail("interrupted", EXIT_INTERRUPTED)
+    except Exception as err:  # noqa: BLE001 - a runtime failure at start-up (e.g. the group's rendezvous)
+        logging.getLogger(PROG).debug("traceback", exc_info=True)
+        _fail(f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}", EXIT_FAILURE)
     try:
         summary = trainer.train()
         if trainer.metrics is not None:  # the run's end in the metrics, quarantine losses included

@@ -28,7 +28,7 @@ Options:
   --consumer-args "..." extra flags for dflash-consume
   --fresh-spool         discard the spool's contents first, even if it belongs to another run
   --restarts N          after a process dies, restart the whole pipeline from the latest checkpoint up
-                        to N times (the spool's leftovers are discarded: producers re-produce what the
+                        to N times (not after a user or input error: exit status 2) (the spool's leftovers are discarded: producers re-produce what the
                         checkpoint has not trained)
 
 Re-running the same command after Ctrl-C or a crash continues the run from its latest checkpoint,
@@ -210,7 +210,9 @@ while :; do
     [[ "$name" == consumer-* ]] && remaining=$((remaining - 1))
   done
   if [ -n "$failed" ]; then stop_all 3; else stop_all 120; fi
-  if [ -n "$failed" ] && [ "$attempt" -lt "$restarts" ]; then
+  if [ -n "$failed" ] && [ "$status" -eq 2 ] && [ "$attempt" -lt "$restarts" ]; then
+    echo "run_all.sh: not restarting: $failed reported a user or input error (exit 2), see above" >&2
+  elif [ -n "$failed" ] && [ "$attempt" -lt "$restarts" ]; then
     attempt=$((attempt + 1))
     echo "run_all.sh: restart $attempt of $restarts from the latest checkpoint" >&2
     dflash-spool prepare "$spool" --run "$run" >&2 || exit $?

@@ -219,3 +219,22 @@ def test_quarantined_samples_are_said_and_the_next_launch_trains_them(tmp_path, 
     assert not list((spool / "quarantine").glob("*.zarr")), "the next launch kept the corrupt shards"
     assert len(list((spool / "quarantine").glob("*.why"))) == 2, "the reasons are kept"
     assert Path(BIN / "dflash-consume").exists()
+
+
+@pytest.mark.slow
+def test_run_all_does_not_restart_after_a_user_error(tmp_path, tiny_target):
+    """A dataset with nothing to train under ``--restarts 3``: dflash-produce exits 2, and run_all.sh exits 2
+    at once instead of restarting a launch that cannot succeed."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q {i}"}]}) + "\n" for i in range(4)))  # fmt: skip
+    cmd = [
+        "bash", str(REPO / "ops" / "run_all.sh"), "--producers", "cpu:1", "--consumers", "cpu:1",
+        "--model", str(tiny_target), "--dataset", str(data), "--run", "nodata", "--run-dir", str(tmp_path / "run"),
+        "--spool", str(tmp_path / "spool"), "--checkpoint", str(tmp_path / "ckpt"), "--restarts", "3",
+        "--consumer-args", "--context-tokens 512 --num-anchors 32 --max-anchors-per-doc 8 --compile-backend eager",
+    ]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(tmp_path))
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "producer (pid" in res.stderr and "failed with exit code 2" in res.stderr, res.stderr[-3000:]
+    assert "no trainable sample in dataset" in res.stderr
+    assert "not restarting" in res.stderr and "restart 1 of 3" not in res.stderr, res.stderr[-3000:]
