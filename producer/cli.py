@@ -545,7 +545,7 @@ def _supervise(cfgs, workers: list[Worker], spool, args) -> int:
                 outcome[pid] = (kind, payload, *rest)
                 if kind == "error":
                     log.error("worker %s failed: %s (the other workers finish their slices)", pid, payload)
-            if not go.is_set():
+            if not go.is_set() and not stopping:  # a stop: the waiting workers see it and end
                 pending = [
                     i for i, p in procs.items() if i not in tokenized and p.is_alive() and i not in outcome
                 ]

@@ -169,7 +169,7 @@ def test_quarantined_samples_are_said_and_the_next_launch_trains_them(tmp_path, 
     from dflash.common.status import collect, render
     from dflash.consumer.checkpoint import load_checkpoint
 
-    rows = _demo_rows(24)
+    rows = _demo_rows(16)
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     spool, ckpt, run_dir = tmp_path / "spool", tmp_path / "ckpt", tmp_path / "run"

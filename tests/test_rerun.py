@@ -175,7 +175,7 @@ def test_a_live_runs_spool_refuses_a_second_launch_and_another_run(tmp_path, tin
     other run is still refused, by the spool's run record, until --fresh-spool."""
     from dflash.consumer.checkpoint import load_checkpoint
 
-    data = _dataset(tmp_path / "data.jsonl", rows=24)
+    data = _dataset(tmp_path / "data.jsonl", rows=12)
     run_dir, spool, ckpt = tmp_path / "run", tmp_path / "spool", tmp_path / "ckpt"
     cmd = _cmd(tiny_target, data, "alpha", run_dir, spool, ckpt)
     env = _env(tmp_path)
