@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         _fail(f"--gpu must be a GPU index or 'cpu', got {args.gpu!r}")
 
     from dflash.common.checkpoint_store import CheckpointStoreError
-    from dflash.common.spool import Spool, SpoolError
+    from dflash.common.spool import Spool, SpoolBusyError, SpoolError
     from dflash.consumer.checkpoint import CheckpointCorruptError, CheckpointError
     from dflash.consumer.config import TrainConfig
 
@@ -162,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
         run = args.run or recorded or "default"
         spool.bind_run({"run": run}, who="this consumer")
         lock = spool.acquire_lock(f"consumer-r{rank}", f"dflash-consume rank {rank} of run {run!r}")  # noqa: F841
+    except SpoolBusyError as err:
+        _fail(f"{err}; this is run {run!r}")
     except (ValueError, SpoolError, OSError) as err:
         _fail(str(err))
 

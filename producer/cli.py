@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main(args) -> int:
-    from dflash.common.spool import RunMismatchError, Spool, SpoolError, default_budget_bytes
+    from dflash.common.spool import RunMismatchError, Spool, SpoolBusyError, SpoolError, default_budget_bytes
     from dflash.producer.buckets import BucketConfig
     from dflash.producer.data import DataConfig, DataError, dataset_fingerprint
     from dflash.producer.worker import ProducerConfig
@@ -372,8 +372,6 @@ def _main(args) -> int:
     num_rows = min(len(ds), args.limit) if args.limit else len(ds)
     try:
         spool = Spool(spool_dir)
-        # one dflash-produce per node and spool: a live one holds this lock (the kernel drops it at death)
-        lock = spool.acquire_lock(f"producer-n{args.node_rank}", f"dflash-produce of run {run!r}")
         model = os.path.abspath(args.model) if os.path.exists(args.model) else args.model
         plan = {"epochs": 1, "rows": num_rows, "max_length": args.max_length,
                 "min_loss_tokens": data_cfg.min_loss_tokens, "format": args.format}  # fmt: skip
@@ -384,10 +382,12 @@ def _main(args) -> int:
             "dataset": fingerprint,
             "plan": plan,
         }
-        spool.bind_run(identity, who="this producer")
+        spool.bind_run(identity, who="this producer")  # another run: refused, naming both
+        # one dflash-produce per node and spool: a live one holds this lock (the kernel drops it at death)
+        lock = spool.acquire_lock(f"producer-n{args.node_rank}", f"dflash-produce of run {run!r}")
         launch = spool.next_launch()
-    except RunMismatchError as err:
-        raise UsageError(str(err)) from None
+    except (RunMismatchError, SpoolBusyError) as err:  # they name the spool and both launches
+        raise UsageError(f"{err}; this is run {run!r}" if isinstance(err, SpoolBusyError) else str(err)) from None
     except (SpoolError, OSError) as err:
         raise UsageError(f"spool {spool_dir}: {err}") from None
     args._lock = lock  # held until this process exits
