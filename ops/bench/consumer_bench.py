@@ -314,7 +314,7 @@ def run_trainer(
         total_tokens=int((max_steps + 8) * context * 1.05),
         budget_bytes=int(1e15),  # pre-filled: every shard is written before training starts
         producers=producers,
-        seed=seed,
+        seed=0,  # the same data whatever the trainer's seed
         learnable=learnable,
     )
     from dflash.common.spool import Spool
@@ -393,6 +393,7 @@ def run_trainer(
         "mode": "trainer (real Trainer over a real spool)",
         "preset": preset,
         "precision": precision,
+        "seed": seed,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "context_tokens": context,
         "anchors": anchors,
@@ -502,6 +503,7 @@ def main() -> None:
         "--workdir", default=None, help="trainer mode: target/checkpoint folder (default: a temp dir)"
     )
     p.add_argument("--producers", type=int, default=12, help="processes pre-filling the spool")
+    p.add_argument("--seed", type=int, action="append", help="trainer seed(s): init and anchors (default 0)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -512,7 +514,11 @@ def main() -> None:
         results.append(ref)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dflash-bench-"))
     for preset in [] if args.mode == "reference" else args.preset or ["8b", "32b"]:
-        for precision in args.precision or (["bf16"] if args.mode != "step" else [None]):
+        for precision, seed in [
+            (pr, sd)
+            for pr in args.precision or (["bf16"] if args.mode != "step" else [None])
+            for sd in args.seed or [0]
+        ]:
             if args.mode == "step":
                 r = run(
                     preset,
@@ -536,6 +542,7 @@ def main() -> None:
                     learnable=args.mode == "learning",
                     feed_only=args.mode == "feed",
                     producers=args.producers,
+                    seed=seed,
                     bucket="random" if args.mode == "trainer" else "oldest",
                     device=args.device,
                 )
