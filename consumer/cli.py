@@ -100,6 +100,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--cpu-threads", type=int, default=None, help="torch threads per CPU consumer")
     p.add_argument(
+        "--precision",
+        default="auto",
+        choices=["auto", "bf16", "amp", "fp32"],
+        help="parameters and Adam state: bf16 (fastest, measured to learn as fp32 does), amp (fp32 + bf16 "
+        "autocast), fp32; auto = bf16 on CUDA, fp32 on the CPU (default: auto; docs/training.md)",
+    )
+    p.add_argument(
+        "--pool-streams",
+        type=int,
+        default=4,
+        help="samples held for packing, in streams' worth of tokens (default: 4)",
+    )
+    p.add_argument(
+        "--min-split-tokens",
+        type=int,
+        default=256,
+        help="fill a stream with at least this many empty slots with the head of a longer document, its "
+        "tail going into a later stream; 0 = never split (default: 256)",
+    )
+    p.add_argument(
+        "--prefetch-steps",
+        type=int,
+        default=2,
+        help="steps packed and copied to the GPU ahead of the one training (default: 2)",
+    )
+    p.add_argument(
         "--target-layer-ids",
         default=None,
         help="target layers the producers captured, e.g. 1,9,17,25,33 (default: K=5 from 1 to L-3)",
@@ -199,6 +225,10 @@ def main(argv: list[str] | None = None) -> int:
             compile=not args.no_compile,
             compile_backend=args.compile_backend,
             cpu_threads=args.cpu_threads,
+            precision=args.precision,
+            pool_streams=args.pool_streams,
+            min_split_tokens=args.min_split_tokens,
+            prefetch_steps=args.prefetch_steps,
             target_layer_ids=_parse_ids(args.target_layer_ids),
         )
         from dflash.consumer.trainer import Trainer

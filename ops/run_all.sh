@@ -115,6 +115,11 @@ if [ "$n_cpu_procs" -gt 0 ] && [ -z "${OMP_NUM_THREADS:-}" ]; then
   export OMP_NUM_THREADS=$threads
 fi
 
+# One compile cache for every process and every launch on this machine: a consumer restarted by
+# --restarts (or a plain re-run) finds its compiled kernels and reaches its first step in seconds, not a
+# minute (docs/training.md). Point TORCHINDUCTOR_CACHE_DIR at a persistent disk to keep it across reboots.
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/dflash-spool/inductor}
+
 run=${run:-run-$(date +%Y%m%d-%H%M%S)}
 run_dir=${run_dir:-runs/$run}
 spool=${spool:-/dev/shm/dflash/$run}
