@@ -1,7 +1,7 @@
 """Issue 5: kill -9 the whole pipeline mid-run, restart, resume from `latest` on a real S3 endpoint —
 with exact sample accounting across both runs.
 
-Cost: the first ROWS rows of the bundled chat data (about 25 steps of 512 tokens), a checkpoint every 4
+Cost: the first ROWS rows of the bundled chat data (about 50 steps of 512 tokens), a checkpoint every 4
 steps, the kill once a checkpoint at step >= KILL_AFTER_STEP exists and the consumer has committed two steps
 past the latest one (work that must be redone). No verdict depends on timing: the waits are on conditions,
 their deadlines only catch a hung pipeline.
