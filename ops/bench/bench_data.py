@@ -5,8 +5,9 @@
 - ``SpoolFiller``: producer processes writing real shards (the project's zarr writer, its default codec, the
   spool's publish protocol and byte budget) with a realistic chat length distribution (log-normal, median
   900 tokens, capped at the context; shards hold one length bucket each, as real producers write them).
-  ``learnable=True`` makes tokens follow a sparse random Markov chain and hidden states carry the current
-  token, so a drafter can learn (loss curves mean something); otherwise hidden states are random.
+  ``learnable=True`` makes tokens follow a sparse random Markov chain over 256 words (2 successors each) and
+  hidden states carry the current token, so a drafter can learn (loss curves mean something); otherwise
+  tokens and hidden states are random.
 """
 
 from __future__ import annotations
@@ -73,15 +74,20 @@ def chat_lengths(rng: random.Random, n: int, *, cap: int, median: int, sigma: fl
     return [min(cap, max(32, int(math.exp(rng.gauss(math.log(median), sigma))))) for _ in range(n)]
 
 
-def _markov_tokens(rng: torch.Generator, n: int, vocab: int, table: torch.Tensor) -> torch.Tensor:
-    """Each token is one of 4 successors of the previous one (fixed table), so text is predictable."""
+LEARNABLE_VOCAB = 256  # tokens the learnable language uses (a drafter sees each bigram often)
+LEARNABLE_SUCCESSORS = 2  # each token is followed by one of 2 (fixed) tokens: ~0.7 nats per position
+
+
+def _markov_tokens(rng: torch.Generator, n: int, words: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Each token is one of ``table.shape[1]`` successors of the previous one, so text is predictable."""
     out = torch.empty(n, dtype=torch.int64)
-    choice = torch.randint(0, table.shape[1], (n,), generator=rng)
-    tok = int(torch.randint(0, vocab, (1,), generator=rng))
+    choice = torch.randint(0, table.shape[1], (n,), generator=rng).tolist()
+    state = int(torch.randint(0, words.numel(), (1,), generator=rng))
+    succ = table.tolist()
     for i in range(n):
-        out[i] = tok
-        tok = int(table[tok, choice[i]])
-    return out
+        out[i] = state
+        state = succ[state][choice[i]]
+    return words[out]
 
 
 def _produce(plan: FillPlan, rank: int) -> int:
@@ -94,7 +100,8 @@ def _produce(plan: FillPlan, rank: int) -> int:
     share = plan.total_tokens // plan.producers
     if plan.learnable:
         tg = torch.Generator().manual_seed(plan.seed)  # the same language for every producer
-        table = torch.randint(0, plan.vocab_size, (plan.vocab_size, 4), generator=tg)
+        words = torch.randperm(plan.vocab_size, generator=tg)[:LEARNABLE_VOCAB]
+        table = torch.randint(0, LEARNABLE_VOCAB, (LEARNABLE_VOCAB, LEARNABLE_SUCCESSORS), generator=tg)
         token_code = torch.randn(plan.vocab_size, width, generator=tg).to(torch.bfloat16)
     else:
         noise = torch.randn(plan.context_tokens * 2, width, generator=g).to(torch.bfloat16)
@@ -112,7 +119,7 @@ def _produce(plan: FillPlan, rank: int) -> int:
                 part = group[i : i + per_shard]
                 total = sum(part)
                 if plan.learnable:
-                    ids = torch.cat([_markov_tokens(g, n, plan.vocab_size, table) for n in part])
+                    ids = torch.cat([_markov_tokens(g, n, words, table) for n in part])
                     hidden = token_code[ids]
                 else:
                     ids = torch.randint(0, plan.vocab_size, (total,), generator=g)
