@@ -103,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--precision",
         default="auto",
         choices=["auto", "bf16", "amp", "fp32"],
-        help="parameters and Adam state: bf16 (fastest, measured to learn as fp32 does), amp (fp32 + bf16 "
-        "autocast), fp32; auto = bf16 on CUDA, fp32 on the CPU (default: auto; docs/training.md)",
+        help="parameters and Adam state: amp (fp32 + bf16 autocast), bf16 (fastest, but measured to learn "
+        "worse), fp32; auto = amp on CUDA, fp32 on the CPU (default: auto; docs/training.md)",
     )
     p.add_argument(
         "--pool-streams",

@@ -64,9 +64,10 @@ class TrainConfig:
     """Steps the input pipeline packs and copies ahead of the one training (host + device memory per step:
     one stream's hidden states)."""
     precision: str = "auto"
-    """'amp': fp32 parameters and Adam state, bf16 autocast; 'bf16': bf16 parameters and Adam state (fastest;
-    the public recipe's); 'auto' = bf16 on CUDA, fp32 on the CPU (bf16 matmuls are slow there). Measurements
-    and the choice: docs/training.md."""
+    """'amp': fp32 parameters and Adam state, bf16 autocast on CUDA; 'bf16': bf16 parameters and Adam state
+    (the reference step's; fastest, but measured to learn worse than fp32 master weights); 'fp32': no
+    autocast; 'auto' = amp on CUDA, fp32 on the CPU (bf16 matmuls are slow there). Measurements and the
+    choice: docs/training.md."""
     compile: bool = True
     """torch.compile each draft decoder layer (with flex_attention inside on CUDA) once per process."""
     compile_backend: str = "inductor"
@@ -138,10 +139,9 @@ class TrainConfig:
         """The drafter's parameter dtype for ``precision`` on this device."""
         import torch
 
-        choice = self.precision
-        if choice == "auto":
-            choice = "bf16" if device_type == "cuda" else "fp32"
-        return torch.bfloat16 if choice == "bf16" else torch.float32
+        # auto: fp32 parameters and Adam state everywhere (on CUDA with bf16 autocast, i.e. amp): pure bf16
+        # is faster but measured to learn worse (docs/training.md, tests/test_precision.py)
+        return torch.bfloat16 if self.precision == "bf16" else torch.float32
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -110,18 +110,20 @@ def forward_backward(
     *,
     loss_scale: torch.Tensor | float,
     chunk_tokens: int,
+    autocast: bool | None = None,
 ) -> DraftLossOutput:
     """One step's forward and backward (shared by the trainer and ops/bench/consumer_bench.py).
 
     ``train_model`` is ``model`` or its DDP wrapper. The mask is built once per step outside the compiled
-    layers; bf16 autocast on CUDA, fp32 on CPU. ``loss_scale`` turns the local loss sum into this rank's share
-    of sum(loss) / global supervised weight (DDP averages gradients over ranks).
+    layers. ``autocast`` (bf16): default on for fp32 parameters on CUDA (precision "amp"), off otherwise
+    (bf16 parameters run in bf16 as they are; fp32 on the CPU). ``loss_scale`` turns the local loss sum into
+    this rank's share of sum(loss) / global supervised weight (DDP averages gradients over ranks).
     """
     device_type = batch.input_ids.device.type
     mask = model.build_mask(batch)
-    # autocast only for fp32 parameters on CUDA (precision "amp"); bf16 parameters run in bf16 as they are
-    amp = device_type == "cuda" and model.fc.weight.dtype == torch.float32
-    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=amp):
+    if autocast is None:
+        autocast = device_type == "cuda" and model.fc.weight.dtype == torch.float32
+    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
         hidden_out = train_model(batch, mask)
         result = draft_loss(hidden_out, batch, model.target_head.lm_head_weight, chunk_tokens=chunk_tokens)
     (result.loss_sum * loss_scale).backward()

@@ -496,7 +496,7 @@ def main() -> None:
     p.add_argument("--anchors", type=int, default=256)
     p.add_argument("--device", default="cuda")
     p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
-    p.add_argument("--precision", action="append", help="trainer/learning modes: repeatable (default bf16)")
+    p.add_argument("--precision", action="append", help="trainer/learning modes: repeatable (default auto = what dflash-consume uses)")
     p.add_argument("--save-every", type=int, default=100, help="trainer mode: checkpoint period (0 = none)")
     p.add_argument("--reference", default=None, help="folder holding ref_consumer_step.py: run it first")
     p.add_argument(
@@ -516,7 +516,7 @@ def main() -> None:
     for preset in [] if args.mode == "reference" else args.preset or ["8b", "32b"]:
         for precision, seed in [
             (pr, sd)
-            for pr in args.precision or (["bf16"] if args.mode != "step" else [None])
+            for pr in args.precision or (["auto"] if args.mode != "step" else [None])
             for sd in args.seed or [0]
         ]:
             if args.mode == "step":

@@ -4,10 +4,9 @@
 #   tests      GPU tests (flex fwd+bwd vs SDPA, three consumers compiling on one GPU, producer on CUDA)
 #   ref        the reference consumer step (needs .bench/ref: a copy of ../shared/bench)
 #   feed32     the data path alone at 32B-class width (claim, decode, pack, pinned copy; no step)
-#   trainer32  the real Trainer over a real spool, 32B-class drafter, bf16 (cold compile cache)
+#   trainer32  the real Trainer over a real spool, 32B-class drafter, default precision (amp) and bf16
 #   ckpt32     trainer32 with background checkpoints every 60 steps (stall per save; warm first step)
 #   warm32     a fresh process on the warm compile cache: time to first step
-#   amp32      trainer32 with fp32 parameters + bf16 autocast (precision comparison)
 #   trainer8   the real Trainer, 8B-class drafter, bf16
 #   learning   a learnable spool trained 500 steps with bf16 and with amp (loss curves)
 #   producer   the producer benchmark (8B target)
@@ -40,14 +39,13 @@ if want ref; then bench ref --mode reference --reference .bench/ref; fi
 if want feed32; then bench feed32 --mode feed --preset 32b --steps 60 --warmup 0; fi
 if want trainer32; then  # no checkpoints: the loop alone; py-spy samples every thread for 12 s
   DFLASH_BENCH_PYSPY="${PYSPY_DELAY:-75}:12:$OUT/pyspy32.txt" \
-    bench trainer32 --mode trainer --preset 32b --steps 120 --save-every 0 --precision bf16
+    bench trainer32 --mode trainer --preset 32b --steps 120 --save-every 0 --precision auto --precision bf16
 fi
 if want ckpt32; then  # background checkpoints every 50 steps (warm compile cache after trainer32)
-  bench ckpt32 --mode trainer --preset 32b --steps 100 --save-every 60 --precision bf16
+  bench ckpt32 --mode trainer --preset 32b --steps 100 --save-every 60
 fi
-if want warm32; then bench warm32 --mode trainer --preset 32b --steps 10 --warmup 2 --save-every 0 --precision bf16; fi
-if want amp32; then bench amp32 --mode trainer --preset 32b --steps 100 --precision amp; fi
-if want trainer8; then bench trainer8 --mode trainer --preset 8b --steps 200 --precision bf16; fi
+if want warm32; then bench warm32 --mode trainer --preset 32b --steps 10 --warmup 2 --save-every 0; fi
+if want trainer8; then bench trainer8 --mode trainer --preset 8b --steps 200; fi
 if want learning; then
   bench learning --mode learning --preset small --steps 500 --warmup 0 --context 2048 --anchors 128 --precision bf16 --precision amp
 fi
