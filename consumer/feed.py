@@ -102,6 +102,7 @@ class ShardFeed:
         prefetch_shards: int = 2,
         pool_streams: int = 8,
         min_split_tokens: int | None = 256,
+        fill_wait_s: float = 5.0,
         pin_memory: bool = False,
         poll_s: float = 0.05,
         heartbeat_timeout_s: float = 60.0,
@@ -122,6 +123,8 @@ class ShardFeed:
         self.pool_tokens_target = max(2, pool_streams) * context_tokens
         self.pin_memory = pin_memory
         self.min_split_tokens = min_split_tokens
+        self.fill_wait_s = fill_wait_s
+        self._starved_since: float | None = None
         self._pool: list[Sample] = []
         self._pool_tokens = 0
         self._ledger: dict[str, _ShardLedger] = {}
@@ -336,10 +339,18 @@ class ShardFeed:
         """
         if self._pool_tokens < self.pool_tokens_target:
             self._drain_loaded(wait_s if self._pool_tokens < self.context_tokens else 0.0)
-        # A stream is packed only from a pool that can fill it, or from the last samples of the run:
-        # packing whatever had arrived made streams of a starved pool half empty, each costing a full step.
-        if not self._pool or (self._pool_tokens < self.context_tokens and not self._end_seen):
+        if not self._pool:
             return None
+        # A stream is packed from a pool that can fill it, from the run's last samples, or after
+        # ``fill_wait_s`` without enough data: packing whatever had arrived made half-empty streams, each
+        # costing a full step; waiting forever would deadlock against a producer blocked on a spool budget
+        # smaller than one stream (the samples held here count against it).
+        if self._pool_tokens < self.context_tokens and not self._end_seen:
+            now = time.monotonic()
+            self._starved_since = self._starved_since or now
+            if now - self._starved_since < self.fill_wait_s:
+                return None
+        self._starved_since = None
         chosen = self._best_fit()
         with self._lock:
             self._in_flight.append(chosen)

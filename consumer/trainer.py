@@ -214,7 +214,7 @@ class Trainer:
         self.store = open_store(cfg.checkpoint) if cfg.checkpoint else None
         self.checkpointer = AsyncCheckpointer(self.device)
         self.last_save_stall_s: float | None = None
-        self._last_save_failed = False
+        self._last_save_error: str | None = None
         if self.store is not None and cfg.resume == "auto":
             self._resume()
 
@@ -296,8 +296,8 @@ class Trainer:
         if final:
             error = None
             if self.dist.is_main:
-                errors = self._report_saves(self.checkpointer.wait())
-                error = errors[-1] if errors and self._last_save_failed else None
+                self._report_saves(self.checkpointer.wait())
+                error = self._last_save_error  # the newest save's outcome: this step's
             error = D.broadcast_object(error, self.dist)  # every rank knows the outcome
             if error is not None:
                 raise CheckpointStoreError(error)
@@ -335,16 +335,15 @@ class Trainer:
         model_state = {k: v for k, v in self.model.state_dict().items() if k in trainable}
         return {"model": model_state, "optimizer": self.optimizer.state_dict()}
 
-    def _report_saves(self, outcomes) -> list[str]:
-        """One log line (and metrics event) per finished save; returns the error lines."""
-        errors = []
+    def _report_saves(self, outcomes) -> None:
+        """One log line (and metrics event) per finished save, oldest first."""
         for out in outcomes:
             stall = out.waited_s + out.copy_s
             self.last_save_stall_s = stall
-            self._last_save_failed = out.error is not None
+            self._last_save_error = None
             if out.error is not None:
                 error = f"checkpoint step {out.step} failed: {redact(out.error)}"
-                errors.append(error)
+                self._last_save_error = error
                 log.error("%s; training goes on, latest still names the previous checkpoint", error)
                 event = {"event": "checkpoint_failed", "step": out.step, "error": error}
             else:
@@ -361,7 +360,6 @@ class Trainer:
                 self.metrics.write(
                     {**event, "stall_s": stall, "write_s": out.write_s, "gb": out.snapshot_gb, "time": time.time()}
                 )
-        return errors
 
     # ------------------------------------------------------------------------------ the loop
     def train(self) -> dict:

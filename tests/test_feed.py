@@ -85,7 +85,11 @@ def test_shard_not_acked_before_commit(tmp_path):
         assert feed.commit() == packed.sample_index
         # one sample of the shard is still outstanding: the shard stays claimed
         assert spool.stats()["states"]["claimed"]["shards"] == 1
-        packed = feed.next_packed(wait_s=0.5)
+        packed = None
+        deadline = time.monotonic() + 60  # hang guard: the last sample is packed once the end is seen
+        while packed is None:
+            assert time.monotonic() < deadline, "the last sample was never packed"
+            packed = feed.next_packed(wait_s=0.5)
         feed.commit()
         assert spool.stats()["states"]["claimed"]["shards"] == 0
     finally:

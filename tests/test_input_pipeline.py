@@ -49,7 +49,17 @@ def _spool(root, *, seed: int = 0, shards: int = 8) -> tuple[Spool, int]:
 
 
 def _feed(spool: Spool, **kw) -> ShardFeed:
-    return ShardFeed(spool, "c0", context_tokens=CONTEXT, poll_s=0.01, bucket=None, min_split_tokens=32, **kw)
+    # fill_wait_s: never pack a short stream because the decode thread was slow on a loaded box
+    return ShardFeed(
+        spool,
+        "c0",
+        context_tokens=CONTEXT,
+        poll_s=0.01,
+        bucket=None,
+        min_split_tokens=32,
+        fill_wait_s=1e9,
+        **kw,
+    )
 
 
 def _builder(seed: int):
