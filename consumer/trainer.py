@@ -379,6 +379,8 @@ class Trainer:
                 if not have:
                     if exhausted == self.dist.world_size:
                         break
+                    if self.dist.is_main:  # waiting for data: still say when a background save has landed
+                        self._report_saves(self.checkpointer.collect())
                     continue
                 if item is None:  # others have data: take part in the collective step with padding only
                     item = self._padding()
