@@ -120,6 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
         "tail going into a later stream; 0 = never split (default: 256)",
     )
     p.add_argument(
+        "--fill-wait-s",
+        type=float,
+        default=2.0,
+        help="seconds to wait for enough samples to fill a stream before packing a short one (default: 2)",
+    )
+    p.add_argument(
         "--prefetch-steps",
         type=int,
         default=2,
@@ -229,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             pool_streams=args.pool_streams,
             min_split_tokens=args.min_split_tokens,
             prefetch_steps=args.prefetch_steps,
+            fill_wait_s=args.fill_wait_s,
             target_layer_ids=_parse_ids(args.target_layer_ids),
         )
         from dflash.consumer.trainer import Trainer

@@ -60,6 +60,9 @@ class TrainConfig:
     min_split_tokens: int = 256
     """A stream with at least this many empty slots is filled with the head of a longer document, whose tail
     goes into a later stream (see ShardFeed._best_fit); 0 = never split documents."""
+    fill_wait_s: float = 2.0
+    """Seconds to wait for enough samples to fill a stream before packing a short one (a starved pool
+    would otherwise make half-empty streams; waiting forever could deadlock against a small budget)."""
     prefetch_steps: int = 2
     """Steps the input pipeline packs and copies ahead of the one training (host + device memory per step:
     one stream's hidden states)."""
@@ -114,6 +117,8 @@ class TrainConfig:
             raise ValueError(
                 f"compile-backend must be inductor, aot_eager or eager, got {self.compile_backend!r}"
             )
+        if self.fill_wait_s < 0:
+            raise ValueError(f"fill-wait-s must be >= 0, got {self.fill_wait_s}")
         if self.min_split_tokens < 0:
             raise ValueError(f"min-split-tokens must be >= 0, got {self.min_split_tokens}")
         if self.precision not in ("auto", "amp", "bf16", "fp32"):

@@ -102,7 +102,7 @@ class ShardFeed:
         prefetch_shards: int = 2,
         pool_streams: int = 8,
         min_split_tokens: int | None = 256,
-        fill_wait_s: float = 5.0,
+        fill_wait_s: float = 2.0,
         pin_memory: bool = False,
         poll_s: float = 0.05,
         heartbeat_timeout_s: float = 60.0,

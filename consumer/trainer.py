@@ -229,6 +229,7 @@ class Trainer:
             heartbeat_timeout_s=cfg.heartbeat_timeout_s,
             pool_streams=cfg.pool_streams,
             min_split_tokens=cfg.min_split_tokens or None,
+            fill_wait_s=cfg.fill_wait_s,
             pin_memory=self.device.type == "cuda",
         )
         self.inputs = InputPipeline(

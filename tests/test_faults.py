@@ -212,7 +212,8 @@ def test_spool_full_blocks_the_producer_drops_nothing_and_bounds_bytes_and_memor
         # 2. a consumer drains the spool: the producer resumes and finishes
         consumer = subprocess.Popen(
             consume_cmd(spool, tiny_target, "--checkpoint", str(ckpt), "--run", "full", "--run-dir", str(run_dir),
-                        "--save-every", "1000", "--log-every", "1", "--compile-backend", "eager"),
+                        "--save-every", "1000", "--log-every", "1", "--compile-backend", "eager",
+                        "--fill-wait-s", "0.2"),  # short steps are the point here: do not wait to fill
             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, umask=0o022,
         )  # fmt: skip
         c_out, _ = consumer.communicate(timeout=300)
