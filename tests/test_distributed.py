@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -71,7 +72,8 @@ def _model_and_batches():
 def _ddp_worker(rank: int, port: int, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # hang guard: a rendezvous that cannot complete (a port taken meanwhile on a busy box) fails in 2 min
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
     model, batches = _model_and_batches()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt, sched = build_optimizer(
