@@ -205,6 +205,11 @@ while :; do
     [ -n "${done_pid:-}" ] || continue
     name=${name_of[$done_pid]:-}
     [ -n "$name" ] || continue
+    if [ "$rc" -eq 130 ]; then
+      # interrupted (Ctrl-C reaches every process of the group): a clean stop, not a failure — also when
+      # the child's exit is seen before this shell's own INT trap has run
+      echo "run_all.sh: stopping ($name was interrupted)"; stop_all; exit 130
+    fi
     if [ "$rc" -ne 0 ]; then
       status=$rc; failed=$name
       echo "run_all.sh: $name (pid $done_pid) failed with exit code $rc; last lines of its log:" >&2
