@@ -3,7 +3,6 @@ leaves the previous checkpoint as ``latest``, and the resumed run trains exactly
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,6 +11,7 @@ import textwrap
 import time
 
 import torch
+from ledger_audit import read_jsonl
 from pipeline_helpers import consume_cmd, cpu_env, write_synthetic_spool
 
 from dflash.consumer.async_checkpoint import AsyncCheckpointer
@@ -84,25 +84,19 @@ CHILD = textwrap.dedent(
 
 
 def _ledger(run_dir) -> list[dict]:
-    rows = []
-    for line in (run_dir / "metrics" / "ledger-r0.jsonl").read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line torn by kill -9
-    return rows
+    return read_jsonl(run_dir / "metrics" / "ledger-r0.jsonl")
+
+
+def _spool(root):
+    """24 samples in 6 shards of 4 x 96 tokens (random hidden states)."""
+    return write_synthetic_spool(
+        root, hidden_size=256, layer_ids=[1, 2, 3, 4, 5], num_shards=6, samples_per_shard=4,
+        tokens_per_sample=96, vocab=4096,
+    )  # fmt: skip
 
 
 def test_kill9_during_background_upload_resumes_from_the_previous_checkpoint(tmp_path, tiny_target):
-    spool = write_synthetic_spool(
-        tmp_path / "spool",
-        hidden_size=256,
-        layer_ids=[1, 2, 3, 4, 5],
-        num_shards=6,
-        samples_per_shard=4,
-        tokens_per_sample=96,
-        vocab=4096,
-    )
+    spool = _spool(tmp_path / "spool")
     store, run_dir, marker = tmp_path / "ckpt", tmp_path / "run", tmp_path / "uploading"
     args = consume_cmd(spool.root, tiny_target)[1:] + [
         "--context-tokens", "192", "--save-every", "3", "--checkpoint", str(store), "--run", "bg",
@@ -132,15 +126,7 @@ def test_kill9_during_background_upload_resumes_from_the_previous_checkpoint(tmp
 
     # The re-run: producers re-produce every sample the checkpoint does not hold (here: a fresh spool of
     # all 24, as the first life acked shards it trained after step 3); the consumer resumes from step 3.
-    spool2 = write_synthetic_spool(
-        tmp_path / "spool2",
-        hidden_size=256,
-        layer_ids=[1, 2, 3, 4, 5],
-        num_shards=6,
-        samples_per_shard=4,
-        tokens_per_sample=96,
-        vocab=4096,
-    )
+    spool2 = _spool(tmp_path / "spool2")
     args2 = [str(spool2.root) if a == str(spool.root) else a for a in args]
     again = subprocess.run(
         [consume_cmd(spool.root, tiny_target)[0], *args2],

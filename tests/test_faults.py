@@ -30,6 +30,7 @@ import torch
 from conftest import FAKE_ACCESS_KEY_ID, FAKE_SECRET_ACCESS_KEY, wait_until
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from ledger_audit import read_jsonl
 from pipeline_helpers import BIN, REPO, consume_cmd, cpu_env
 
 from dflash.common.demo_assets import demo_dataset_path
@@ -69,18 +70,6 @@ def _tree_bytes(path: Path) -> int:
             except OSError:
                 pass
     return total
-
-
-def _read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def _heartbeat(spool: Path, producer_id: str = "n0p0.1") -> dict:  # .1: the spool's first launch
@@ -236,7 +225,7 @@ def test_spool_full_blocks_the_producer_drops_nothing_and_bounds_bytes_and_memor
     eligible = _eligible(data, tiny_target, tmp_path / "hf-audit", max_length=512)
     assert len(eligible) == counters["samples"]
     trained = Counter(
-        s for rec in _read_jsonl(run_dir / "metrics" / "ledger-r0.jsonl") for s in rec["samples"]
+        s for rec in read_jsonl(run_dir / "metrics" / "ledger-r0.jsonl") for s in rec["samples"]
     )
     assert set(trained) == eligible and set(trained.values()) == {1}, trained
     from dflash.consumer.checkpoint import load_checkpoint
@@ -524,7 +513,7 @@ def s3_scenario(s3_endpoint, _s3_admin_client, tiny_target, tmp_path_factory):
             return None
 
     def events(kind: str) -> list[dict]:
-        return [r for r in _read_jsonl(metrics_path) if r.get("event") == kind]
+        return [r for r in read_jsonl(metrics_path) if r.get("event") == kind]
 
     def consume(spool: Path, log: Path) -> subprocess.Popen:
         cmd = consume_cmd(
@@ -571,7 +560,7 @@ def s3_scenario(s3_endpoint, _s3_admin_client, tiny_target, tmp_path_factory):
         failed_step = events("checkpoint_failed")[-1]["step"]
         wait_until(
             lambda: (
-                any(r["step"] > failed_step for r in _read_jsonl(run_dir / "metrics" / "ledger-r0.jsonl"))
+                any(r["step"] > failed_step for r in read_jsonl(run_dir / "metrics" / "ledger-r0.jsonl"))
                 or procs[0].poll() is not None
             ),
             timeout_s=60,
@@ -579,7 +568,7 @@ def s3_scenario(s3_endpoint, _s3_admin_client, tiny_target, tmp_path_factory):
         )
         sc.latest_during_deny = latest()
         sc.failed_in_deny = [e["step"] for e in events("checkpoint_failed")]
-        sc.last_step_in_deny = max(r["step"] for r in _read_jsonl(run_dir / "metrics" / "ledger-r0.jsonl"))
+        sc.last_step_in_deny = max(r["step"] for r in read_jsonl(run_dir / "metrics" / "ledger-r0.jsonl"))
 
         # pass: drain and finish
         proxy.set("pass")
@@ -590,7 +579,7 @@ def s3_scenario(s3_endpoint, _s3_admin_client, tiny_target, tmp_path_factory):
         sc.latest_final = latest()
         sc.checkpoint_events = events("checkpoint")
         sc.failed_events = events("checkpoint_failed")
-        sc.ledger = _read_jsonl(run_dir / "metrics" / "ledger-r0.jsonl")
+        sc.ledger = read_jsonl(run_dir / "metrics" / "ledger-r0.jsonl")
         from dflash.consumer.checkpoint import load_checkpoint
 
         store = _store(sc)
