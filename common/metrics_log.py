@@ -165,6 +165,22 @@ def format_duration(s: float | None) -> str:
     return f"{s // 86400}d{(s % 86400) // 3600:02d}h"
 
 
+def average_tok_s(rec: Mapping[str, Any]) -> float | None:
+    """A producer's tokens/s averaged since it started: ``avg_tok_s``, else ``tokens / elapsed_s``.
+
+    Why not ``tok_s``: that is the rate since the previous heartbeat, which swings with every spool-budget
+    wait and shard write; a person (and a plot) wants the rate the producer actually sustains. None when
+    the record carries neither (never the instantaneous figure in its place).
+    """
+    avg = rec.get("avg_tok_s")
+    if _finite(avg):
+        return float(avg)
+    tokens, elapsed = rec.get("tokens"), rec.get("elapsed_s")
+    if _finite(tokens) and _finite(elapsed) and elapsed > 0:
+        return tokens / elapsed
+    return None
+
+
 def mean_acc(acc: Any) -> float | None:
     """``acc`` is logged per block position (a list); the console shows the mean."""
     if isinstance(acc, list | tuple):

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash.common.cli_help import DefaultsHelpFormatter
 from dflash.common.metrics_log import format_rate, read_run_metrics
 
 log = logging.getLogger(__name__)
@@ -219,12 +220,19 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dflash-plan",
         description="Choose the producer/consumer GPU split from measured or given per-GPU rates.",
+        formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument("run_dir", nargs="?", help="a run dir whose metrics give the rates (flags override)")
     p.add_argument("--gpus", type=int, required=True, help="GPUs per node to split")
     p.add_argument("--nodes", type=int, default=1, help="identical nodes (consumers form one DDP group)")
-    p.add_argument("--producer-tok-s", type=float, help="tokens/s of one producer GPU")
-    p.add_argument("--consumer-tok-s", type=float, help="tokens/s of one consumer GPU training alone")
+    p.add_argument(
+        "--producer-tok-s", type=float, help="tokens/s of one producer GPU (default: measured from RUN_DIR)"
+    )
+    p.add_argument(
+        "--consumer-tok-s",
+        type=float,
+        help="tokens/s of one consumer GPU training alone (default: measured from RUN_DIR)",
+    )
     p.add_argument(
         "--ddp-efficiency",
         type=float,

@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from dflash.common.metrics_log import mean_acc, read_run_metrics
+from dflash.common.metrics_log import average_tok_s, mean_acc, read_run_metrics
 
 log = logging.getLogger(__name__)
 
@@ -32,13 +32,25 @@ def _series(recs: list[dict[str, Any]], xkey: str, ykey: str) -> tuple[list[floa
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def _summed_rate(procs: list[list[dict[str, Any]]]) -> tuple[list[float], list[float]]:
-    """Sum of several processes' ``tok_s`` over time: each process holds its last logged value between its
+def _rate_points(recs: list[dict[str, Any]], *, average: bool) -> list[tuple[float, float]]:
+    """(time, tokens/s) of one process: its logged ``tok_s``, or with ``average`` its rate averaged since
+    it started (metrics_log.average_tok_s: the producers' heartbeat ``tok_s`` is instantaneous)."""
+    if not average:
+        return list(zip(*_series(recs, "time", "tok_s"), strict=True))
+    return [
+        (r["time"], a) for r in _steps(recs) if _num(r.get("time")) and (a := average_tok_s(r)) is not None
+    ]
+
+
+def _summed_rate(
+    procs: list[list[dict[str, Any]]], *, average: bool = False
+) -> tuple[list[float], list[float]]:
+    """Sum of several processes' rates over time: each process holds its last logged value between its
     first and last record (a process that finished or has not started contributes 0)."""
     series = []
     for recs in procs:
         # time order, not log order: a resumed process may append records after a clock step
-        pts = sorted(zip(*_series(recs, "time", "tok_s"), strict=True))
+        pts = sorted(_rate_points(recs, average=average))
         if pts:
             series.append(([t for t, _ in pts], [y for _, y in pts]))
     grid = sorted({t for ts, _ in series for t in ts})
@@ -122,12 +134,13 @@ def write_plots(run_dir: str | Path) -> list[Path]:
         fig = Figure(figsize=(8, 4.5))
         ax = fig.add_subplot()
         drawn = False
-        for role, procs in (("producers", producers), ("consumers", list(consumers.values()))):
-            ts, ys = _summed_rate(procs)
+        for label, procs, average in (
+            ("producers (sum of averages since start)", producers, True),
+            ("consumers (sum)", list(consumers.values()), False),
+        ):
+            ts, ys = _summed_rate(procs, average=average)
             if ts:
-                ax.step(
-                    [(t - t0) / 60 for t in ts], [y / 1e3 for y in ys], where="post", label=f"{role} (sum)"
-                )
+                ax.step([(t - t0) / 60 for t in ts], [y / 1e3 for y in ys], where="post", label=label)
                 drawn = True
         if drawn:
             ax.set_xlabel("minutes since start")

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dflash.common.cli_help import DefaultsHelpFormatter
 from dflash.common.spool import LOCK_PREFIX, Spool, SpoolError, describe_run
 
 PROG = "dflash-spool"
@@ -255,15 +256,25 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Look at a dflash spool or shard (read-only).")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
-    s = sub.add_parser("stats", help="shards/bytes per state and bucket, processes, rates")
+    p = _Parser(
+        prog=PROG,
+        description="Look at a dflash spool or shard (read-only), or prepare a spool for a launch.",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    sub = p.add_subparsers(
+        dest="cmd",
+        required=True,
+        parser_class=_Parser,
+        help="what to do (dflash-spool <command> --help for its options)",
+    )
+    fmt = {"formatter_class": DefaultsHelpFormatter}
+    s = sub.add_parser("stats", help="shards/bytes per state and bucket, processes, rates", **fmt)
     s.add_argument("dir", help="the spool directory (e.g. /dev/shm/dflash/<run>)")
     s.add_argument("--json", action="store_true", help="print Spool.stats() as JSON")
-    i = sub.add_parser("inspect", help="metadata, counts, codec and compression of one shard")
+    i = sub.add_parser("inspect", help="metadata, counts, codec and compression of one shard", **fmt)
     i.add_argument("shard", help="a shard directory (<name>.zarr)")
     i.add_argument("--json", action="store_true", help="print the result as JSON")
-    r = sub.add_parser("prepare", help="before a launch: check the spool's run, discard leftovers")
+    r = sub.add_parser("prepare", help="before a launch: check the spool's run, discard leftovers", **fmt)
     r.add_argument("dir", help="the spool directory (created if missing)")
     r.add_argument("--run", required=True, help="the run this launch belongs to")
     r.add_argument("--fresh", action="store_true", help="discard everything, whatever run it belonged to")

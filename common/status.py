@@ -20,21 +20,28 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dflash.common.cli_help import DefaultsHelpFormatter
 from dflash.common.metrics_log import (
+    average_tok_s,
     format_bytes,
     format_duration,
     format_rate,
     mean_acc,
     read_run_metrics,
 )
-from dflash.common.spool import Spool, SpoolError
+from dflash.common.spool import HOST, Spool, SpoolError, heartbeat_alive
 
 log = logging.getLogger(__name__)
 
 STATES = Spool.STATES  # ("tmp", "ready", "claimed", "quarantine")
-_COUNTERS = ("samples", "tokens", "tok_s", "planned_samples", "step", "world_size")
+_COUNTERS = (
+    "samples", "tokens", "tok_s", "avg_tok_s", "elapsed_s", "total", "dropped", "phase", "step", "world_size",
+    "shards_quarantined", "samples_quarantined",
+)  # fmt: skip
+ROLES = ("producer", "consumer")  # processes; other metrics files (ledger-r<rank>: trained samples) are not
 # The trainer names its consumer id r<rank>-<pid> (unique per incarnation); its metrics file is per rank.
 _CONSUMER_ID_RE = re.compile(r"^r(\d+)-\d+$")
+ETA_UNKNOWN = "ETA unknown: producers have not reported their dataset size yet"
 ETA_WINDOW_S = 300.0  # producer sample rate = slope of `samples` over this trailing window of metrics
 
 
@@ -64,7 +71,9 @@ def spool_stats(root: str | Path, *, heartbeat_timeout_s: float = 120.0) -> dict
         "processes": [],
     }
     try:
-        st = Spool(root, create=False).stats(heartbeat_timeout_s=heartbeat_timeout_s)
+        sp = Spool(root, create=False)
+        st = sp.stats(heartbeat_timeout_s=heartbeat_timeout_s)
+        pid_alive = {(str(hb["role"]), str(hb["id"])): _heartbeat_pid_alive(hb) for hb in sp.heartbeats()}
     except (SpoolError, OSError) as e:  # missing, not a spool, or removed mid-scan (run cleaned up)
         out["error"] = str(e)
         return out
@@ -81,14 +90,22 @@ def spool_stats(root: str | Path, *, heartbeat_timeout_s: float = 120.0) -> dict
     out["producers_registered"] = [str(p) for p in st["producers"]["registered"]]
     out["producers_done"] = sorted(str(p) for p in st["producers"]["done"])
     for hb in st["processes"]:
-        out["processes"].append({**hb, "time": st["time"] - hb["age_s"]})
+        key = (str(hb["role"]), str(hb["id"]))
+        out["processes"].append({**hb, "time": st["time"] - hb["age_s"], "pid_alive": pid_alive.get(key)})
     # samples lost to quarantine in this launch, as the consumers counted them (corrupt shards)
-    out["samples_quarantined"] = sum(
-        int(hb.get("counters", {}).get("samples_quarantined") or 0)
-        for hb in st["processes"]
-        if hb.get("role") == "consumer"
-    )
+    for k in ("samples_quarantined", "shards_quarantined"):
+        out[k] = sum(
+            int(hb.get("counters", {}).get(k) or 0) for hb in st["processes"] if hb.get("role") == "consumer"
+        )
     return out
+
+
+def _heartbeat_pid_alive(hb: dict[str, Any]) -> bool | None:
+    """Whether the heartbeat's process still runs, whatever the heartbeat's age: True/False on this host
+    (pid and start time, as the spool checks them), None for another host's process (cannot tell)."""
+    if hb.get("host") != HOST or "pid" not in hb:
+        return None
+    return heartbeat_alive(hb, timeout_s=float("inf"))
 
 
 # ---- run directory -----------------------------------------------------------------------------------
@@ -172,6 +189,13 @@ def _rank_key(row: dict[str, Any]) -> tuple:
     return (row["role"], 0 if i.isdigit() else 1, int(i) if i.isdigit() else 0, i)
 
 
+def _current_producers(spool: dict[str, Any] | None) -> set[str] | None:
+    """The producer ids of the current launch (state/producers.json), None when no launch registered any:
+    producer ids carry their launch (n0p0.<launch>), so earlier launches' files are told apart by id."""
+    reg = spool["producers_registered"] if spool and spool["exists"] else []
+    return set(map(str, reg)) or None
+
+
 def _process_rows(
     metrics: dict[str, list[dict[str, Any]]],
     spool: dict[str, Any] | None,
@@ -179,60 +203,78 @@ def _process_rows(
     *,
     now: float,
     stale_s: float,
-) -> list[dict[str, Any]]:
-    """One row per process, merged from its metrics file, spool heartbeat and launcher pid; the counters
-    of the newest source win. Sorted by role, then numeric id."""
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """One row per process of the current launch, merged from its metrics file, spool heartbeat and
+    launcher pid (the counters of the newest source win), sorted by role, then numeric id; and the ids of
+    earlier launches' producers, which are left out (their files stay in state/ and metrics/)."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     sources: dict[tuple[str, str], list[tuple[float, dict[str, Any]]]] = {}
-    hb_alive: dict[tuple[str, str], bool] = {}
+    verdict: dict[tuple[str, str], tuple[bool, bool | None]] = {}  # (heartbeat alive, pid alive)
+    current = _current_producers(spool)
+    older: set[str] = set()
 
-    def row(key: tuple[str, str]) -> dict[str, Any]:
+    def row(key: tuple[str, str]) -> dict[str, Any] | None:
+        if key[0] not in ROLES:
+            return None
+        if key[0] == "producer" and current is not None and key[1] not in current:
+            older.add(key[1])
+            return None
         return rows.setdefault(key, {"role": key[0], "id": key[1], "pid": None, "host": None})
 
     for stem, recs in metrics.items():
         role, _, id_ = stem.partition("-")
-        row((role, id_))
         steps = [r for r in recs if "event" not in r]
-        if steps:
+        if row((role, id_)) is not None and steps:
             sources.setdefault((role, id_), []).append((steps[-1].get("time") or 0.0, steps[-1]))
     # oldest first, so a rank's newest incarnation (after a restart) sets pid/host/alive last
     for hb in sorted(spool["processes"] if spool else [], key=lambda h: h["time"]):
         key = (str(hb["role"]), str(hb["id"]))
         if key[0] == "consumer" and (m := _CONSUMER_ID_RE.match(key[1])):
             key = ("consumer", m.group(1))
-        r = row(key)
+        if (r := row(key)) is None:
+            continue
         r["pid"], r["host"] = hb.get("pid"), hb.get("host")
-        hb_alive[key] = bool(hb["alive"])
+        verdict[key] = (bool(hb["alive"]), hb.get("pid_alive"))
         counters = {**hb.get("counters", {})}
-        if "tok_s" not in counters and _isnum(hb.get("rates", {}).get("tokens")):
+        if key[0] == "consumer" and "tok_s" not in counters and _isnum(hb.get("rates", {}).get("tokens")):
             counters["tok_s"] = hb["rates"]["tokens"]  # the spool's rate of the `tokens` counter
         sources.setdefault(key, []).append((hb["time"], counters))
     for name, pid in pids.items():
         role, _, id_ = name.partition("-")
-        r = row((role, id_))
-        r["pid"] = r["pid"] or pid
+        if not id_ and any(k[0] == role for k in rows):
+            continue  # `producer <pid>`: the launcher of the workers already listed, not one more process
+        if (r := row((role, id_))) is not None:
+            r["pid"] = r["pid"] or pid
 
     done = set(spool["producers_done"]) if spool else set()
     for key, r in rows.items():
-        srcs = sorted(sources.get(key, []), key=lambda s: s[0])
-        for _, src in srcs:
+        for _, src in sorted(sources.get(key, []), key=lambda s: s[0]):
             r.update({k: src[k] for k in _COUNTERS if src.get(k) is not None})
-        last = srcs[-1][0] if srcs else None
+        last = max((t for t, _ in sources.get(key, [])), default=None)
         r["age_s"] = now - last if last else None
-        fresh = r["age_s"] is not None and r["age_s"] <= stale_s
-        alive = hb_alive.get(key)  # the spool's verdict: pid (and its start time) on this host, heartbeat age
-        if r["role"] == "producer" and r["id"] in done:
-            r["state"] = "done"
-        elif alive is True:
-            r["state"] = "alive"
-        elif alive is False:
-            r["state"] = "exited" if fresh else "stale"
-        elif (alive := pid_alive(r["pid"], r["host"])) is not None:  # no heartbeat: launcher pid, if any
-            r["state"] = ("alive" if fresh else "silent") if alive else "exited"
-        else:
-            r["state"] = "active" if fresh else "stale"
+        r["state"] = _state(
+            r, verdict.get(key), done=r["role"] == "producer" and r["id"] in done, stale_s=stale_s
+        )
         r["active"] = r["state"] in ("alive", "active")
-    return sorted(rows.values(), key=_rank_key)
+        if r["role"] == "producer":
+            r["tok_s"] = average_tok_s(r)  # the sustained rate, never the last heartbeat's
+    return sorted(rows.values(), key=_rank_key), sorted(older)
+
+
+def _state(r: dict[str, Any], verdict: tuple[bool, bool | None] | None, *, done: bool, stale_s: float) -> str:
+    """done | alive | exited | stale (no news, process may still run) | active (fresh, liveness unknown)."""
+    fresh = r["age_s"] is not None and r["age_s"] <= stale_s
+    if done:
+        return "done"
+    if verdict is not None:  # the spool's verdict (pid, start time, heartbeat age), then the pid alone
+        hb_alive, proc_alive = verdict
+        if hb_alive:
+            return "alive"
+        return "exited" if proc_alive is False else "stale"
+    alive = pid_alive(r["pid"], r["host"])  # no heartbeat: the launcher's pid, if any
+    if alive is not None:
+        return ("alive" if fresh else "stale") if alive else "exited"
+    return "active" if fresh else "stale"
 
 
 def _total_rate(procs: list[dict[str, Any]], role: str) -> float:
@@ -243,21 +285,34 @@ def _total_rate(procs: list[dict[str, Any]], role: str) -> float:
     return group[0]["tok_s"] if group else sum(p["tok_s"] for p in active)
 
 
+def _planned(p: dict[str, Any]) -> int | None:
+    """A producer's planned sample count: its ``total`` counter (the samples of its slice still to
+    produce this launch, drops included), once it has tokenized its slice; None before that."""
+    if p.get("phase") == "tokenize" or not _isnum(p.get("total")):
+        return None
+    return int(p["total"]) if p.get("phase") is not None or p["total"] > 0 else None
+
+
 def _progress(procs: list[dict[str, Any]], metrics: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
-    """Producers' planned vs done samples and the ETA at their current sample rate. In steady state spool
-    backpressure ties the producers' pace to the consumers', so this tracks end-to-end progress; after
-    it the consumers still drain what is left in the spool."""
-    planned = [p for p in procs if p["role"] == "producer" and _isnum(p.get("planned_samples"))]
+    """The current launch's producers' planned vs done samples and the ETA at their current sample rate.
+    In steady state spool backpressure ties the producers' pace to the consumers', so this tracks
+    end-to-end progress; after it the consumers still drain what is left in the spool. None until a
+    producer has reported its planned count."""
+    planned = [(p, n) for p in procs if p["role"] == "producer" and (n := _planned(p)) is not None]
     if not planned:
         return None
-    n_planned = sum(p["planned_samples"] for p in planned)
-    n_done = sum(min(p.get("samples") or 0, p["planned_samples"]) for p in planned)
-    rate = sum(_sample_rate(metrics.get(f"producer-{p['id']}", []), p) or 0.0 for p in planned if p["active"])
+    n_planned = sum(n for _, n in planned)
+    # dropped samples (too short, unparseable) are settled too: total - samples - dropped is what is left
+    n_done = sum(min(int((p.get("samples") or 0) + (p.get("dropped") or 0)), n) for p, n in planned)
+    rate = sum(
+        _sample_rate(metrics.get(f"producer-{p['id']}", []), p) or 0.0 for p, _ in planned if p["active"]
+    )
     remaining = max(0, n_planned - n_done)
     return {
         "planned_samples": n_planned,
         "samples": n_done,
-        "fraction": n_done / n_planned if n_planned else None,
+        "producers_reporting": len(planned),
+        "fraction": n_done / n_planned if n_planned else 1.0,
         "samples_per_s": rate,
         "eta_s": 0.0 if remaining == 0 else (remaining / rate if rate > 0 else None),
     }
@@ -269,7 +324,10 @@ def _training(procs: list[dict[str, Any]], metrics: dict[str, list[dict[str, Any
         steps = [r for r in metrics.get(f"consumer-{c['id']}", []) if "event" not in r]
         if steps:
             last = steps[-1]
-            t = {"rank": c["id"], **{k: last.get(k) for k in ("step", "loss", "tau", "lr", "grad_norm")}}
+            t = {
+                "rank": c["id"],
+                **{k: last.get(k) for k in ("step", "loss", "tau", "lr", "grad_norm", "fill")},
+            }
             t["acc"] = mean_acc(last.get("acc"))
             t["age_s"] = now - last["time"] if _isnum(last.get("time")) else None
             return t
@@ -308,7 +366,7 @@ def collect(
     spool_root = find_spool_dir(run_dir, spool_dir)
     spool = spool_stats(spool_root, heartbeat_timeout_s=stale_s) if spool_root else None
     metrics = read_run_metrics(run_dir / "metrics")
-    procs = _process_rows(metrics, spool, read_pids(run_dir), now=now, stale_s=stale_s)
+    procs, older = _process_rows(metrics, spool, read_pids(run_dir), now=now, stale_s=stale_s)
     prod_tok_s, cons_tok_s = _total_rate(procs, "producer"), _total_rate(procs, "consumer")
     bottleneck = None
     if prod_tok_s > 0 and cons_tok_s > 0:
@@ -319,6 +377,7 @@ def collect(
         "run": read_run_json(run_dir),
         "time": now,
         "processes": procs,
+        "older_producers": older,
         "spool": spool,
         "training": _training(procs, metrics, now),
         "rates": {"producer_tok_s": prod_tok_s, "consumer_tok_s": cons_tok_s, "bottleneck": bottleneck},
@@ -336,6 +395,21 @@ def _fmt(x: Any, spec: str) -> str:
     return format(x, spec) if _isnum(x) else "-"
 
 
+def _consumer_lines(snap: dict[str, Any]) -> list[str]:
+    """What the consumers report beyond the process table: how full their packed streams are (the share
+    of context slots holding real tokens, from the latest step) and the samples lost to quarantine."""
+    t, spool = snap["training"], snap["spool"]
+    parts = []
+    if t and _isnum(t.get("fill")):
+        parts.append(f"stream fill {100 * t['fill']:.0f}% (context slots holding tokens)")
+    if spool and spool["exists"]:
+        parts.append(
+            f"lost to quarantine: {spool.get('samples_quarantined') or 0} samples "
+            f"in {spool.get('shards_quarantined') or 0} shard(s)"
+        )
+    return ["consumers: " + "  ".join(parts)] if parts else []
+
+
 def render(snap: dict[str, Any]) -> str:
     """The one-screen text view of a ``collect`` snapshot."""
     out = [f"dflash-status  {snap['run_dir']}  {time.strftime('%H:%M:%S', time.localtime(snap['time']))}"]
@@ -349,6 +423,11 @@ def render(snap: dict[str, Any]) -> str:
         )
     if not snap["processes"]:
         out.append("(no processes seen yet)")
+    else:
+        out.append("tok/s: producers' average since they started, consumers' last logging interval")
+    if snap.get("older_producers"):
+        old = snap["older_producers"]
+        out.append(f"earlier launches: {len(old)} producer(s) not shown ({', '.join(old)})")
     out.append("")
     spool = snap["spool"]
     if spool is None:
@@ -383,6 +462,7 @@ def render(snap: dict[str, Any]) -> str:
             out.append(
                 f"  producers done: {len(set(spool['producers_done']) & set(map(str, reg)))}/{len(reg)}"
             )
+    out.extend(_consumer_lines(snap))
     t = snap["training"]
     if t:
         out.append(
@@ -392,7 +472,8 @@ def render(snap: dict[str, Any]) -> str:
         )
     r = snap["rates"]
     line = (
-        f"rates: prod={format_rate(r['producer_tok_s'])} tok/s  cons={format_rate(r['consumer_tok_s'])} tok/s"
+        f"rates: prod={format_rate(r['producer_tok_s'])} tok/s (average)  "
+        f"cons={format_rate(r['consumer_tok_s'])} tok/s"
     )
     if r["bottleneck"]:
         line += f"  (bottleneck: {r['bottleneck']})"
@@ -400,13 +481,13 @@ def render(snap: dict[str, Any]) -> str:
     pr = snap["progress"]
     if pr:
         pct = f" ({100 * pr['fraction']:.1f}%)" if pr["fraction"] is not None else ""
-        eta = format_duration(pr["eta_s"]) if pr["eta_s"] is not None else "n/a"
+        eta = format_duration(pr["eta_s"]) if pr["eta_s"] is not None else "unknown (no producer running)"
         if pr["eta_s"] == 0 and spool and spool["exists"]:
             left = spool["states"]["ready"]["shards"] + spool["states"]["claimed"]["shards"]
             eta = f"0s (producers finished; consumers draining {left} shard(s))" if left else "0s (done)"
         out.append(f"progress: {pr['samples']}/{pr['planned_samples']} samples{pct}  ETA {eta}")
     else:
-        out.append("progress: ETA n/a (producers report no planned_samples)")
+        out.append(f"progress: {ETA_UNKNOWN}")
     c = snap["checkpoint"]
     if c:
         age = f" ({format_duration(c['age_s'])} ago)" if c.get("age_s") is not None else ""
@@ -424,7 +505,11 @@ def render(snap: dict[str, Any]) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="dflash-status", description="One screen on a dflash run.")
+    p = argparse.ArgumentParser(
+        prog="dflash-status",
+        description="One screen on a live or finished dflash run: processes, spool, training, rates, ETA.",
+        formatter_class=DefaultsHelpFormatter,
+    )
     p.add_argument("run_dir", help="the run directory (logs/, metrics/, run.json)")
     p.add_argument("--spool", default=None, help="spool directory (default: run.json 'spool')")
     p.add_argument(
@@ -434,7 +519,7 @@ def _parser() -> argparse.ArgumentParser:
         const=5.0,
         default=None,
         metavar="SECS",
-        help="refresh every SECS seconds (default 5) until Ctrl-C",
+        help="refresh every SECS seconds (5 when SECS is left out) until Ctrl-C (default: print once)",
     )
     p.add_argument("--json", action="store_true", help="print the snapshot as JSON")
     p.add_argument("--plots", action="store_true", help="write PNG plots into RUN_DIR/plots/ and list them")
@@ -442,7 +527,7 @@ def _parser() -> argparse.ArgumentParser:
         "--stale-s",
         type=float,
         default=120.0,
-        help="a process whose last heartbeat/metrics line is older than this is not counted as running",
+        help="seconds: a process whose last heartbeat/metrics line is older than this is not counted as running",
     )
     return p
 

@@ -18,6 +18,8 @@ import os
 import sys
 import time
 
+from dflash.common.cli_help import DefaultsHelpFormatter, plain_text
+
 PROG = "dflash-consume"
 EXIT_USAGE, EXIT_FAILURE, EXIT_INTERRUPTED = 2, 1, 130
 
@@ -28,7 +30,9 @@ def _fail(msg: str, code: int = EXIT_USAGE):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog=PROG, description=plain_text(__doc__), formatter_class=DefaultsHelpFormatter
+    )
     p.add_argument("--gpu", required=True, help="GPU index (e.g. 5), or 'cpu'")
     p.add_argument("--spool", required=True, help="spool directory the producers write into")
     p.add_argument(
@@ -39,12 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="run name (checkpoint folder and trained-sample set key; default: the spool's run, else 'default')",
     )
-    p.add_argument("--run-dir", default=None, help="folder for metrics JSONL, plots and logs")
     p.add_argument(
-        "--checkpoint", default=None, help="checkpoint store: s3://bucket/prefix or a local folder"
+        "--run-dir", default=None, help="folder for metrics JSONL, plots and logs (default: none written)"
     )
     p.add_argument(
-        "--resume", default="auto", choices=["auto", "none"], help="resume from the latest good checkpoint"
+        "--checkpoint",
+        default=None,
+        help="checkpoint store: s3://bucket/prefix or a local folder (default: no checkpoints)",
+    )
+    p.add_argument(
+        "--resume",
+        default="auto",
+        choices=["auto", "none"],
+        help="auto: resume from the latest good checkpoint of the run; none: start from scratch",
     )
     p.add_argument(
         "--save-every",
@@ -52,7 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=500,
         help="checkpoint every N steps (and at the end, and on SIGTERM)",
     )
-    p.add_argument("--keep-last", type=int, default=3, help="checkpoints to keep")
+    p.add_argument(
+        "--keep-last", type=int, default=3, help="checkpoints to keep in the store (older ones are deleted)"
+    )
     p.add_argument(
         "--max-steps", type=int, default=None, help="stop after N steps (default: when the spool is drained)"
     )
@@ -63,27 +76,56 @@ def build_parser() -> argparse.ArgumentParser:
         help="cosine schedule length (default: max-steps, else 10000)",
     )
     p.add_argument("--num-layers", type=int, default=5, help="draft decoder layers")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=16,
+        help="tokens per draft block: the anchor token plus block-size - 1 predicted positions",
+    )
     p.add_argument(
         "--context-tokens", type=int, default=4096, help="packed context tokens per step (fixed shape)"
     )
     p.add_argument("--num-anchors", type=int, default=256, help="anchor blocks per step (fixed shape)")
-    p.add_argument("--max-anchors-per-doc", type=int, default=256)
+    p.add_argument(
+        "--max-anchors-per-doc",
+        type=int,
+        default=256,
+        help="at most this many of a step's anchor blocks from one document (so long documents do not dominate)",
+    )
     p.add_argument("--gamma", type=float, default=7.0, help="loss weight decay over block positions")
-    p.add_argument("--lr", type=float, default=6e-4)
-    p.add_argument("--warmup-ratio", type=float, default=0.04)
-    p.add_argument("--grad-clip", type=float, default=1.0)
+    p.add_argument(
+        "--lr", type=float, default=6e-4, help="peak AdamW learning rate (after warmup, then cosine decay)"
+    )
+    p.add_argument(
+        "--warmup-ratio",
+        type=float,
+        default=0.04,
+        help="fraction of the schedule's steps spent in linear learning-rate warmup, in [0, 1)",
+    )
+    p.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient's global L2 norm to this")
     p.add_argument("--loss-chunk-tokens", type=int, default=2048, help="query tokens per lm_head+CE chunk")
     p.add_argument(
-        "--mask-token-id", type=int, default=None, help="default: chosen from the tokenizer (docs)"
+        "--mask-token-id",
+        type=int,
+        default=None,
+        help="token id of the draft mask (default: chosen from the tokenizer, docs/training.md)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="random seed of the drafter init and anchor sampling (each rank offsets it by its rank)",
+    )
     p.add_argument("--log-every", type=int, default=10, help="console/metrics line every N steps")
-    p.add_argument("--wandb-project", default=None, help="log to wandb (offline unless configured)")
+    p.add_argument(
+        "--wandb-project",
+        default=None,
+        help="log to this wandb project (offline unless WANDB_API_KEY is set; default: no wandb)",
+    )
     p.add_argument(
         "--bucket",
         default="random",
-        help="claim policy: random (default), oldest, fullest, or a bucket number",
+        help="claim policy: random, oldest, fullest, or a bucket number",
     )
     p.add_argument(
         "--heartbeat-timeout",
@@ -98,38 +140,43 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["inductor", "aot_eager", "eager"],
         help="torch.compile backend (aot_eager: CPU tests)",
     )
-    p.add_argument("--cpu-threads", type=int, default=None, help="torch threads per CPU consumer")
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch threads per CPU consumer (default: torch's own choice)",
+    )
     p.add_argument(
         "--precision",
         default="auto",
         choices=["auto", "bf16", "amp", "fp32"],
         help="parameters and Adam state: amp (fp32 + bf16 autocast), bf16 (fastest, but measured to learn "
-        "worse), fp32; auto = amp on CUDA, fp32 on the CPU (default: auto; docs/training.md)",
+        "worse), fp32; auto = amp on CUDA, fp32 on the CPU (docs/training.md)",
     )
     p.add_argument(
         "--pool-streams",
         type=int,
         default=4,
-        help="samples held for packing, in streams' worth of tokens (default: 4)",
+        help="samples held for packing, in streams' worth of tokens",
     )
     p.add_argument(
         "--min-split-tokens",
         type=int,
         default=256,
         help="fill a stream with at least this many empty slots with the head of a longer document, its "
-        "tail going into a later stream; 0 = never split (default: 256)",
+        "tail going into a later stream; 0 = never split",
     )
     p.add_argument(
         "--fill-wait-s",
         type=float,
         default=2.0,
-        help="seconds to wait for enough samples to fill a stream before packing a short one (default: 2)",
+        help="seconds to wait for enough samples to fill a stream before packing a short one",
     )
     p.add_argument(
         "--prefetch-steps",
         type=int,
         default=2,
-        help="steps packed and copied to the GPU ahead of the one training (default: 2)",
+        help="steps packed and copied to the GPU ahead of the one training",
     )
     p.add_argument(
         "--target-layer-ids",
@@ -140,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--summary-json",
         default=None,
-        help="write a JSON summary of the run here at the end ({rank} is replaced by the rank)",
+        help="write a JSON summary of the run here at the end ({rank} is replaced by the rank; default: none)",
     )
     return p
 

@@ -38,9 +38,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-log = logging.getLogger(__name__)
+# The command line lives in eval_cli (no torch before parsing); main/build_parser stay importable here.
+from dflash.consumer.eval_cli import PROG, build_parser, main  # noqa: F401
 
-PROG = "dflash-eval"
+log = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------- target
@@ -506,36 +507,8 @@ def evaluate(
     return summarize(gens, block, base)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG, description="Greedy DFlash speculative decoding: acceptance and speed."
-    )
-    p.add_argument("--target", required=True, help="target model folder or hub id (with tokenizer)")
-    p.add_argument("--drafter", required=True, help="dflash-export folder")
-    p.add_argument(
-        "--dataset", required=True, help="prompts: .jsonl/.json/.parquet file or folder, or hub name"
-    )
-    p.add_argument("--num-prompts", type=int, default=16, help="first K usable rows (default 16)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--max-prompt-tokens", type=int, default=4096, help="skip longer prompts")
-    p.add_argument("--block-size", type=int, default=None, help="draft block size (default: the drafter's)")
-    p.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu, cuda, cuda:N"
-    )
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "bfloat16", "float16", "float32"],
-        help="auto: bfloat16 on CUDA, float32 on CPU",
-    )
-    p.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
-    p.add_argument("--baseline", action="store_true", help="also run plain greedy: speedup + lossless check")
-    p.add_argument("--json", default=None, metavar="PATH", help="write the report as JSON ('-' = stdout)")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run_cli(args: argparse.Namespace) -> int:
+    """The evaluation of ``dflash-eval``'s parsed flags (eval_cli.build_parser); exit 2 on a user error."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s eval %(levelname)s %(message)s", datefmt="%H:%M:%S"
     )
@@ -549,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.block_size is not None and args.block_size < 2:
             raise ValueError(f"--block-size must be >= 2, got {args.block_size}")
         read_export_config(args.drafter)  # a wrong folder fails before the target is loaded
+        if args.device == "auto":
+            args.device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(args.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("--device cuda: no CUDA device available")

@@ -28,9 +28,11 @@ import torch
 
 from dflash.consumer.drafter import DFlashDrafter, DrafterConfig, RotaryEmbedding, load_target_head
 
+# The command line lives in export_cli (no torch before parsing); main/build_parser stay importable here.
+from dflash.consumer.export_cli import PROG, build_parser, main  # noqa: F401
+
 log = logging.getLogger(__name__)
 
-PROG = "dflash-export"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -312,26 +314,8 @@ def export_checkpoint(
 # ----------------------------------------------------------------------------------------------------- CLI
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG,
-        description="Export a dflash-consume checkpoint as a HF-style DFlash drafter folder.",
-        epilog="CHECKPOINT: <store>/<run> (its latest step), <store>/<run>/step-<n>, or <store> with --run; "
-        "<store> is s3://bucket/prefix or a local folder, as given to dflash-consume --checkpoint.",
-    )
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint url (see below)")
-    p.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (config.json + model.safetensors)")
-    p.add_argument("--run", default=None, help="run name; CHECKPOINT is then the store url")
-    p.add_argument("--step", type=int, default=None, help="step to export (default: the run's latest)")
-    p.add_argument(
-        "--dtype", default="bfloat16", choices=sorted(DTYPES), help="weight dtype (default bfloat16)"
-    )
-    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run_cli(args: argparse.Namespace) -> int:
+    """The export of ``dflash-export``'s parsed flags (export_cli.build_parser); exit 2 on a user error."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s export %(levelname)s %(message)s", datefmt="%H:%M:%S"
     )

@@ -24,6 +24,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from dflash.common.cli_help import DefaultsHelpFormatter
+
 log = logging.getLogger(__name__)
 
 PROG = "dflash-produce"
@@ -73,19 +75,19 @@ def parse_layer_ids(spec: str | None) -> list[int] | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description="Run a frozen target over a chat dataset and spool K layers' hidden states.")  # fmt: skip
-    p.add_argument("--gpus", default="0", help="GPUs, one producer each: 0-3 | 0,1 | cpu:N (default 0)")
+    p = argparse.ArgumentParser(prog=PROG, description="Run a frozen target over a chat dataset and spool K layers' hidden states.", formatter_class=DefaultsHelpFormatter)  # fmt: skip
+    p.add_argument("--gpus", default="0", help="GPUs, one producer each: 0-3 | 0,1 | cpu:N")
     p.add_argument("--model", required=True, help="target model path or hub id")
     p.add_argument("--dataset", required=True, help="hub name, .json/.jsonl/.parquet/.arrow file or folder, or save_to_disk folder")  # fmt: skip
-    p.add_argument("--split", default="train", help="dataset split (default train)")
+    p.add_argument("--split", default="train", help="dataset split")
     p.add_argument(
         "--format", default="auto", choices=["auto", "openai", "sharegpt"], help="conversation format"
     )
     p.add_argument("--spool", help="spool directory (default /dev/shm/dflash/<run>)")
     p.add_argument("--run", help="run name (checkpoint prefix; default spool folder name)")
-    p.add_argument("--run-dir", help="write metrics/producer-<id>.jsonl here")
+    p.add_argument("--run-dir", help="write metrics/producer-<id>.jsonl here (default: no metrics files)")
     p.add_argument(
-        "--checkpoint", help="checkpoint store URL (s3://... or a path): skip samples already trained"
+        "--checkpoint", help="checkpoint store URL (s3://... or a path): skip samples already trained (default: skip none)"
     )
     p.add_argument("--max-length", type=int, default=4096, help="truncate samples to this many tokens")
     p.add_argument("--batch-tokens", type=int, default=32768, help="padded tokens per target forward")
@@ -97,15 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--codec", help="hidden-state codec: none | zstd:<level>[:shuffle] (default: shard default)"
     )
     p.add_argument(
-        "--writer-threads", type=int, default=2, help="shard writer threads per producer (default 2)"
+        "--writer-threads", type=int, default=2, help="shard writer threads per producer"
     )
     p.add_argument("--budget-gb", type=float, help="spool budget in GB (default: half the free space)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's index (multi-node)")
     p.add_argument("--num-nodes", type=int, default=1, help="nodes running producers")
-    p.add_argument("--limit", type=int, help="use only the first N rows of the dataset")
+    p.add_argument("--limit", type=int, help="use only the first N rows of the dataset (default: all rows)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="target dtype (auto: bf16 on GPU, fp32 on CPU)")  # fmt: skip
-    p.add_argument("--num-proc", type=int, help="tokenization processes per producer")
-    p.add_argument("--cache-dir", help="datasets cache directory")
+    p.add_argument("--num-proc", type=int, help="tokenization processes per producer (default: one)")
+    p.add_argument("--cache-dir", help="datasets cache directory (default: the datasets library's)")
     p.add_argument("--progress-s", type=float, default=10.0, help="seconds between progress lines")
     p.add_argument("--log-level", default="INFO", help="logging level")
     return p

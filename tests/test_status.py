@@ -28,8 +28,9 @@ def _shard(d, name, nbytes):
 
 
 def make_run(tmp_path):
-    """A synthetic run: 2 producers (one running, one done), 3 consumers (two alive, one exited),
-    one remote stale producer, a spool with shards in every state."""
+    """A synthetic run: 2 producers of this launch (one running, one done) and their launcher's pid, one
+    remote producer of an earlier launch, 3 consumers (two alive, one exited), the trainer's sample ledger,
+    a spool with shards in every state."""
     now = time.time()
     run, spool = tmp_path / "run", tmp_path / "spool"
     run.mkdir()
@@ -48,6 +49,10 @@ def make_run(tmp_path):
         ],
     )
     _jsonl(run / "metrics" / "consumer-1.jsonl", [step(1200, now - 5, loss=2.5, tok_s=18_900)])
+    _jsonl(
+        run / "metrics" / "ledger-r0.jsonl", [{"step": 1200, "pid": 1, "samples": [1, 2], "time": now - 5}]
+    )
+    (run / "pids").write_text(f"producer {_dead_pid()}\n")  # the dflash-produce launcher, not a worker
     # producer-0: samples grow 10/s over the last 290 s
     _jsonl(
         run / "metrics" / "producer-0.jsonl",
@@ -64,8 +69,18 @@ def make_run(tmp_path):
     _shard(spool / "tmp", "b000512-0-s00000004.zarr", 500)
     _shard(spool / "claimed" / "c0", "b001024-1-s00000009.zarr", 2000)
     # live processes: this test process, through the real heartbeat writer
+    # tok_s is the heartbeat's instantaneous rate; status shows the average (avg_tok_s)
     sp.heartbeat(
-        "producer", "0", {"samples": 3000, "tokens": 2_700_000, "tok_s": 9000, "planned_samples": 10_000}
+        "producer",
+        "0",
+        {
+            "samples": 3000,
+            "tokens": 2_700_000,
+            "tok_s": 9000,
+            "avg_tok_s": 8000,
+            "total": 10_000,
+            "phase": "produce",
+        },
     )
     sp.heartbeat("consumer", "0", {"samples": 40_000, "tok_s": 20_000})
     sp.heartbeat("consumer", "1", {"samples": 39_000, "tokens": 1})
@@ -78,7 +93,7 @@ def make_run(tmp_path):
         (
             "producer",
             "1",
-            {"pid": dead, "counters": {"samples": 5000, "tok_s": 8000, "planned_samples": 5000}},
+            {"pid": dead, "counters": {"samples": 4990, "dropped": 10, "total": 5000, "phase": "done"}},
         ),
         (
             "producer",
@@ -105,10 +120,10 @@ def test_json_snapshot(tmp_path, capsys):
         ("consumer", "2"): "exited",
         ("producer", "0"): "alive",
         ("producer", "1"): "done",
-        ("producer", "2"): "stale",
-    }
+    }  # no ledger row, no launcher row, producer 2 is of an earlier launch
+    assert snap["older_producers"] == ["2"]
     assert procs[("producer", "0")]["samples"] == 3000  # the heartbeat is newer than the metrics line
-    assert snap["rates"] == {"producer_tok_s": 9000, "consumer_tok_s": 38_900, "bottleneck": "producers"}
+    assert snap["rates"] == {"producer_tok_s": 8000, "consumer_tok_s": 38_900, "bottleneck": "producers"}
     st = snap["spool"]["states"]
     assert st == {
         "tmp": {"shards": 1, "bytes": 500},
@@ -136,7 +151,9 @@ def test_text_screen(tmp_path, capsys):
     out = capsys.readouterr().out
     for want in (
         "step=1200 loss=2.31 acc=0.61 τ=3.42 lr=5.8e-04",
-        "prod=9.0K tok/s  cons=38.9K tok/s  (bottleneck: producers)",
+        "prod=8.0K tok/s (average)  cons=38.9K tok/s  (bottleneck: producers)",
+        "earlier launches: 1 producer(s) not shown (2)",
+        "consumers: lost to quarantine: 0 samples in 0 shard(s)",
         "tmp=1/500 B  ready=3/3.0 KB  claimed=1/2.0 KB  quarantine=0/0 B",
         "ready by bucket: 512:2 1024:1",
         "claimed by: c0:1",
@@ -149,7 +166,12 @@ def test_text_screen(tmp_path, capsys):
         assert want in out, want
     lines = out.splitlines()
     p0 = next(ln for ln in lines if ln.startswith("producer  0 "))
-    assert str(os.getpid()) in p0 and "alive" in p0 and "3000" in p0 and "9.0K" in p0
+    assert str(os.getpid()) in p0 and "alive" in p0 and "3000" in p0 and "8.0K" in p0
+    assert [ln.split()[:2] for ln in lines if ln.startswith("producer ")] == [
+        ["producer", "0"],
+        ["producer", "1"],
+    ]
+    assert "ledger" not in out
 
 
 def test_spool_flag_overrides_and_missing_spool(tmp_path, capsys):
@@ -244,10 +266,97 @@ def test_eta_when_producers_finished(tmp_path, capsys):
     run, spool = make_run(tmp_path)
     sp = Spool(spool, create=False)
     sp.heartbeat(
-        "producer", "0", {"samples": 10_000, "tokens": 9_000_000, "tok_s": 0, "planned_samples": 10_000}
+        "producer",
+        "0",
+        {"samples": 10_000, "tokens": 9_000_000, "tok_s": 0, "total": 10_000, "phase": "done"},
     )
     sp.mark_done("0")
     status.main([str(run)])
     out = capsys.readouterr().out
     assert "15000/15000 samples (100.0%)  ETA 0s (producers finished; consumers draining 4 shard(s))" in out
     assert "producers done: 2/2" in out
+
+
+def _launch_run(tmp_path, producer_counters: dict, *, alive: bool = False):
+    """A run of launch 2 whose one producer n0p0.2 heartbeated ``producer_counters`` 500 s ago (by this
+    process when ``alive``, else by a dead pid), launched by a dead dflash-produce; launch 1's producer
+    files are still in state/ and metrics/."""
+    now = time.time()
+    run, spool = tmp_path / "run", tmp_path / "spool"
+    _jsonl(run / "metrics" / "ledger-r0.jsonl", [{"step": 1, "pid": 1, "samples": [0], "time": now - 600}])
+    _jsonl(run / "metrics" / "producer-n0p0.1.jsonl", [{"time": now - 9000, "samples": 5, "avg_tok_s": 1.0}])
+    (run / "run.json").write_text(json.dumps({"spool": str(spool)}))
+    (run / "pids").write_text(f"producer {_dead_pid()}\nconsumer-0 {_dead_pid()}\n")
+    sp = Spool(spool)
+    sp.register_producers(["n0p0.2"])
+    for pid_, t in (("n0p0.1", now - 9000), ("n0p0.2", now - 500)):
+        hb = {"role": "producer", "id": pid_, "pid": os.getpid() if alive else _dead_pid(),
+              "host": socket.gethostname(), "time": t, "counters": producer_counters, "rates": {}}  # fmt: skip
+        (spool / "state" / f"producer-{pid_}.json").write_text(json.dumps(hb))
+    return run
+
+
+def test_exited_producer_is_one_exited_row(tmp_path, capsys):
+    run = _launch_run(
+        tmp_path, {"samples": 40, "dropped": 2, "total": 100, "avg_tok_s": 700.0, "phase": "produce"}
+    )
+    status.main([str(run)])
+    out = capsys.readouterr().out
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith(("producer ", "consumer ", "ledger "))]
+    assert [r[:2] for r in rows] == [["consumer", "0"], ["producer", "n0p0.2"]]
+    assert rows[1][3] == "exited" and rows[0][3] == "exited"
+    assert "earlier launches: 1 producer(s) not shown (n0p0.1)" in out
+    assert "progress: 42/100 samples (42.0%)  ETA unknown (no producer running)" in out
+
+
+def test_eta_unknown_until_producers_report(tmp_path, capsys):
+    run = _launch_run(tmp_path, {"samples": 0, "total": 0, "phase": "tokenize"}, alive=True)
+    status.main([str(run)])
+    out = capsys.readouterr().out
+    assert "progress: ETA unknown: producers have not reported their dataset size yet" in out
+    status.main([str(run), "--json"])
+    assert json.loads(capsys.readouterr().out)["progress"] is None
+
+
+def test_eta_from_the_producers_planned_total(tmp_path, capsys):
+    run = _launch_run(
+        tmp_path, {"samples": 300, "dropped": 100, "total": 1000, "phase": "produce"}, alive=True
+    )
+    now = time.time()  # samples grow 2/s in the metrics (older than the heartbeat): 600 left -> 300 s
+    _jsonl(
+        run / "metrics" / "producer-n0p0.2.jsonl",
+        [{"time": now - 700 + k, "samples": 2 * k} for k in range(0, 100, 10)],
+    )
+    status.main([str(run), "--json", "--stale-s", "1000"])
+    pr = json.loads(capsys.readouterr().out)["progress"]
+    assert (pr["planned_samples"], pr["samples"]) == (1000, 400)
+    assert pr["eta_s"] == pytest.approx(300.0)
+
+
+@pytest.mark.parametrize(
+    "counters, want",
+    [
+        ({"tok_s": 50_000.0, "avg_tok_s": 8000.0, "tokens": 1_000_000, "elapsed_s": 100.0}, 8000.0),
+        ({"tok_s": 50_000.0, "tokens": 1_000_000, "elapsed_s": 200.0}, 5000.0),  # tokens / elapsed
+        ({"tok_s": 50_000.0}, None),  # no average known: never the instantaneous figure
+    ],
+)
+def test_producer_throughput_is_the_metrics_average(tmp_path, capsys, counters, want):
+    run = _launch_run(tmp_path, {**counters, "total": 10, "phase": "produce"}, alive=True)
+    status.main([str(run), "--json"])
+    snap = json.loads(capsys.readouterr().out)
+    (p,) = [p for p in snap["processes"] if p["role"] == "producer"]
+    assert p["state"] == "stale" and p["tok_s"] == want  # alive pid, heartbeat older than --stale-s
+    status.main([str(run), "--json", "--stale-s", "1000"])
+    snap = json.loads(capsys.readouterr().out)
+    assert snap["rates"]["producer_tok_s"] == (want or 0)
+
+
+def test_throughput_plot_is_the_producers_average():
+    from dflash.common.plots import _summed_rate
+
+    recs = [{"time": 10.0 * k, "tok_s": 50_000.0 * (k % 2), "avg_tok_s": 1000.0 + k} for k in range(5)]
+    assert _summed_rate([recs, recs], average=True) == (
+        [0.0, 10.0, 20.0, 30.0, 40.0],
+        [2000.0, 2002.0, 2004.0, 2006.0, 2008.0],
+    )

@@ -1,0 +1,135 @@
+"""Every console script's ``--help`` answers: each option has help and shows its default, plain text, no
+placeholders, and no torch/transformers import before parsing (so ``--help`` stays well under 1 s).
+
+The import check replaces a wall-time assertion: it does not depend on how loaded the box is, and it is
+what made ``--help`` slow (importing torch takes seconds)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+PLACEHOLDERS = ("currently the same", "TODO", "FIXME", "XXX")
+# dflash-demo (common/demo.py) has another owner: its help fixes land with their change, not here.
+NOT_YET = {"dflash-demo": "common/demo.py: --quick help placeholder and a backtick in the description"}
+
+# Runs in a fresh interpreter: spies on every parser main() parses with, calls main(["--help"]) and dumps
+# each parser (sub-commands included) as JSON, plus whether torch/transformers got imported.
+PROBE = r"""
+import argparse, contextlib, importlib, io, json, sys
+seen = []
+_parse = argparse.ArgumentParser.parse_known_args
+def _spy(self, *a, **kw):
+    seen.append(self)
+    return _parse(self, *a, **kw)
+argparse.ArgumentParser.parse_known_args = _spy
+def walk(p):
+    yield p
+    for a in p._actions:
+        if isinstance(a, argparse._SubParsersAction):
+            for sub in a.choices.values():
+                yield from walk(sub)
+mod, func = sys.argv[1].split(":")
+code = "no exit"
+with contextlib.redirect_stdout(io.StringIO()):
+    try:
+        getattr(importlib.import_module(mod), func)(["--help"])
+    except SystemExit as e:
+        code = e.code
+parsers = []
+for p in walk(seen[0]) if seen else ():
+    fmt = p._get_formatter()
+    parsers.append({
+        "prog": p.prog,
+        "help": p.format_help(),
+        "actions": [
+            {"name": "/".join(a.option_strings) or a.dest, "help": a.help,
+             "shown": fmt._expand_help(a) if a.help else "",
+             "quiet_default": a.default is None or a.default is False or a.default == argparse.SUPPRESS,
+             "is_help": isinstance(a, argparse._HelpAction)}
+            for a in p._actions
+        ],
+    })
+print(json.dumps({"exit": code, "heavy": sorted(m for m in ("torch", "transformers") if m in sys.modules),
+                  "parsers": parsers}))
+"""
+
+
+@pytest.fixture(scope="module")
+def probes() -> dict[str, dict]:
+    """One subprocess per console script (a fresh sys.modules each), run once for all tests."""
+    out = {}
+    for name, entry in SCRIPTS.items():
+        r = subprocess.run(
+            [sys.executable, "-c", PROBE, entry], capture_output=True, text=True, timeout=60, cwd=ROOT
+        )
+        assert r.returncode == 0, f"{name}: {r.stderr.strip()[-2000:]}"
+        out[name] = json.loads(r.stdout)
+    return out
+
+
+def _owned(name: str) -> None:
+    if name in NOT_YET:
+        pytest.xfail(NOT_YET[name])
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_help_exits_0_without_torch(probes, name):
+    p = probes[name]
+    assert p["exit"] == 0, f"{name} --help exited {p['exit']}"
+    assert p["parsers"], f"{name}: main() parsed no arguments"
+    assert p["heavy"] == [], f"{name} --help imported {p['heavy']} before parsing: move it into the function"
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_every_option_has_help_and_default(probes, name):
+    for parser in probes[name]["parsers"]:
+        for a in parser["actions"]:
+            if a["is_help"]:
+                continue
+            assert a["help"] and a["help"].strip(), f"{parser['prog']} {a['name']}: no help text"
+            if not a["quiet_default"] and a["name"].startswith("-"):
+                assert "default" in a["shown"], f"{parser['prog']} {a['name']}: default not shown"
+            assert "default: None" not in a["shown"], f"{parser['prog']} {a['name']}: 'default: None'"
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_help_is_plain_text(probes, name):
+    _owned(name)
+    for parser in probes[name]["parsers"]:
+        text = parser["help"]
+        assert "`" not in text, f"{parser['prog']}: markup in --help"
+        for word in PLACEHOLDERS:
+            assert word not in text, f"{parser['prog']}: placeholder {word!r} in --help"
+
+
+def test_export_dtype_choices_match_the_exporter():
+    """export_cli lists the dtype names without importing torch; they must be the exporter's."""
+    from dflash.consumer.export import DTYPES
+    from dflash.consumer.export_cli import DTYPE_NAMES
+
+    assert sorted(DTYPE_NAMES) == sorted(DTYPES)
+
+
+def test_formatter_skips_noise_defaults():
+    import argparse
+
+    from dflash.common.cli_help import DefaultsHelpFormatter, plain_text
+
+    p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--n", type=int, default=3, help="count")
+    p.add_argument("--flag", action="store_true", help="a flag")
+    p.add_argument("--opt", default=None, help="optional")
+    p.add_argument("--m", default=2, help="m (default: two)")
+    text = " ".join(p.format_help().split())
+    assert "count (default: 3)" in text
+    assert "a flag (default" not in text and "optional (default" not in text
+    assert "m (default: two)" in text and "two) (default" not in text
+    assert plain_text("``dflash-x``: does `y`.\n\nmore") == "dflash-x: does y."
