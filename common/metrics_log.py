@@ -198,7 +198,7 @@ def _num(x: Any, spec: str) -> str:
 def format_console_line(rec: Mapping[str, Any], *, elapsed_s: float, eta_s: float | None = None) -> str:
     """The consumer's console line for one metrics record, e.g.
 
-    ``[14m] step=1200 loss=2.31 acc=0.61 τ=3.42 lr=5.8e-04 | prod=41.2K tok/s cons=38.9K tok/s |
+    ``[14m] step=1200/9000 epoch=2/6 loss=2.31 acc=0.61 τ=3.42 lr=5.8e-04 | prod=41.2K tok/s cons=38.9K tok/s |
     spool=12 shards/3.1 GB | ETA 1h12m``
 
     Fields absent from ``rec`` are left out. ``tok_s`` is the consumer rate; ``prod_tok_s`` (optional)
@@ -206,7 +206,9 @@ def format_console_line(rec: Mapping[str, Any], *, elapsed_s: float, eta_s: floa
     """
     parts = [f"[{format_duration(elapsed_s)}]"]
     if "step" in rec:
-        parts.append(f"step={rec['step']}")
+        parts.append(f"step={rec['step']}" + (f"/{rec['total_steps']}" if rec.get("total_steps") else ""))
+    if rec.get("epoch") is not None and rec.get("epochs") is not None:
+        parts.append(f"epoch={rec['epoch']}/{rec['epochs']}")
     if "loss" in rec:
         parts.append(f"loss={_num(rec['loss'], '.3g')}")
     if "acc" in rec:

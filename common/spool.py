@@ -519,6 +519,18 @@ class Spool:
             log.info("registering producers %s (was %s)", ids, old)
         _atomic_write_text(self.state_dir / "producers.json", json.dumps({"producers": ids}) + "\n")
 
+    def write_campaign(self, node_rank: int, record: dict) -> None:
+        """state/campaign-n<node>.json: what this node's producers' slices give per epoch (samples, tokens,
+        loss_tokens, epochs, num_nodes); the same on every launch of the run (see dflash.common.epochs)."""
+        _atomic_write_text(self.state_dir / f"campaign-n{int(node_rank)}.json", json.dumps(record) + "\n")
+
+    def read_campaign(self) -> list[dict] | None:
+        """Every node's campaign record, or None until all ``num_nodes`` nodes have written theirs."""
+        recs = [r for p in sorted(self.state_dir.glob("campaign-n*.json")) if (r := self._read_json(p))]
+        if not recs or len({int(r["node_rank"]) for r in recs}) < int(recs[0].get("num_nodes", 1)):
+            return None
+        return recs
+
     def registered_producers(self) -> list[str]:
         try:
             return list(json.loads((self.state_dir / "producers.json").read_text())["producers"])

@@ -15,7 +15,6 @@ and upload it from a background thread (``async_checkpoint.py``).
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
 import time
@@ -33,6 +32,7 @@ from dflash.consumer import distributed as D
 from dflash.consumer.async_checkpoint import AsyncCheckpointer
 from dflash.consumer.attention import recompile_count
 from dflash.consumer.batching import DraftBatch, build_draft_batch, empty_packed
+from dflash.consumer.campaign import CampaignPlan, WarmupCosine, eta_s, read_plan
 from dflash.consumer.checkpoint import (
     capture_rng_state,
     load_latest_good,
@@ -48,18 +48,6 @@ from dflash.consumer.loss import DraftLossOutput, draft_loss
 log = logging.getLogger(__name__)
 
 WARMUP_STEPS_FOR_RECOMPILES = 2
-
-
-def lr_lambda_factory(warmup_steps: int, total_steps: int):
-    """Linear warmup then cosine decay to 0 (ARCHITECTURE §5: 4 % warmup, cosine)."""
-
-    def lr_lambda(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return lr_lambda
 
 
 @dataclass
@@ -139,13 +127,14 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
-    """AdamW (fused on CUDA) + linear warmup / cosine schedule over ``cfg.schedule_steps``."""
+    """AdamW (fused on CUDA) + linear warm-up / cosine schedule over ``cfg.schedule_steps`` (resized to the
+    campaign's length at the first step when no length was given: consumer/campaign.py)."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(
         params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda"
     )
     warmup = max(1, int(cfg.warmup_ratio * cfg.schedule_steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda_factory(warmup, cfg.schedule_steps))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup, cfg.schedule_steps))
     return optimizer, scheduler
 
 
@@ -159,6 +148,17 @@ def compile_drafter(model: DFlashDrafter, backend: str) -> None:
         return
     for layer in model.layers:
         layer.compile(backend=backend, dynamic=False)
+
+
+def initial_drafter(config: DrafterConfig, head, *, seed: int) -> DFlashDrafter:
+    """The drafter a fresh run starts from: weights drawn from `seed` (the consumer's ``--seed`` + rank).
+
+    One function for the trainer and for whoever needs the untrained drafter (the demo's "τ before
+    training"), so the two cannot drift apart. Seeding here repeats the trainer's own seeding, with nothing
+    random in between, so the weights are those of a fresh launch.
+    """
+    torch.manual_seed(seed)
+    return DFlashDrafter(config, head)
 
 
 class Trainer:
@@ -194,7 +194,8 @@ class Trainer:
             tokenizer=tokenizer,
         )
         head = load_target_head(cfg.target, dtype=self.compute_dtype, device=self.device)
-        self.model = DFlashDrafter(self.drafter_config, head).to(self.device)
+        seed = cfg.seed + self.dist.rank
+        self.model = initial_drafter(self.drafter_config, head, seed=seed).to(self.device)
         cast_parameters(self.model, cfg.param_dtype(self.device.type))
         if cfg.compile:
             compile_drafter(self.model, cfg.compile_backend)
@@ -253,6 +254,7 @@ class Trainer:
         self._recompiles_after_warmup = 0
         self._recompiles_at_warmup: int | None = None
         self.first_step_s: float | None = None
+        self.plan: CampaignPlan | None = None
         self._saved_step: int | None = None
         self._t_process = time.monotonic()
         self.history: list[dict] = []
@@ -307,6 +309,7 @@ class Trainer:
         for blob in D.all_gather_bytes(self.trained.to_bytes(), self.dist):
             self.trained.update(SampleSet.from_bytes(blob))  # in place: the feed skips from this set
         trained = SampleSet.from_bytes(self.trained.to_bytes())  # frozen at this step; the live set grows on
+        trained.epoch = self._epoch()  # recorded in the checkpoint (the merged set: equal on every rank)
         rng_states = D.all_gather_object(capture_rng_state(), self.dist)
         self._saved_step = self.step
         if not self.dist.is_main:
@@ -385,6 +388,8 @@ class Trainer:
                     continue
                 if item is None:  # others have data: take part in the collective step with padding only
                     item = self._padding()
+                if self.first_step_s is None:
+                    self._plan_campaign()
                 self._train_step(item, stats)
                 if self.first_step_s is None:
                     self.first_step_s = time.monotonic() - t_start
@@ -484,6 +489,44 @@ class Trainer:
             self.ledger.write({"step": self.step, "pid": os.getpid(), "samples": trained})
         stats.add(result, weight=item.weight, grad_norm=grad_norm, tokens=item.tokens, samples=len(trained))
 
+    def _plan_campaign(self) -> None:
+        """Read what the data gives (rank 0's reading for every rank), size the schedule from it unless a
+        length was given, and say the plan in one line. Called at the first step: producers write the
+        campaign before their first shard."""
+        cfg = self.cfg
+        mine = read_plan(self.spool, context_tokens=cfg.context_tokens, world_size=self.dist.world_size)
+        self.plan = D.broadcast_object(mine, self.dist)
+        schedule: WarmupCosine = self.scheduler.lr_lambdas[0]
+        override = None
+        if cfg.total_steps or cfg.max_steps:
+            override = f"--total-steps {cfg.total_steps}" if cfg.total_steps else f"--max-steps {cfg.max_steps}"
+        elif self.plan is not None:
+            schedule.resize(self.plan.total_steps, cfg.warmup_ratio)
+            for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
+                group["lr"] = base * schedule(self.scheduler.last_epoch)  # this step's factor, resized
+            self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        if self.plan is None:
+            log.warning("no campaign in spool %s (producers have not counted the data): schedule of %d steps", self.spool.root, schedule.total_steps)  # fmt: skip
+            return
+        if self.dist.is_main:
+            log.info(self.plan.describe(schedule.warmup_steps, override=override))
+
+    def _epoch(self) -> int:
+        """The epoch in progress (0-based), by how much has been trained: epochs overlap (a producer starts
+        the next one when its slice of this one is done), so this counts samples, not ids."""
+        if self.plan is None:
+            return 0
+        return min(self.plan.epochs.epochs - 1, len(self.trained) // max(1, self.plan.campaign.samples))
+
+    def _campaign_fields(self, step_s: float) -> dict:
+        """epoch k/N, the planned steps and the ETA at this interval's step time (metrics and console)."""
+        if self.plan is None:
+            return {}
+        total = self.scheduler.lr_lambdas[0].total_steps
+        out = {"epoch": self._epoch() + 1, "epochs": self.plan.epochs.epochs, "total_steps": total}
+        eta = eta_s(self.step, total, step_s)
+        return {**out, "eta_s": eta} if eta is not None else out
+
     def _check_recompiles(self) -> None:
         if self.step == WARMUP_STEPS_FOR_RECOMPILES:
             self._recompiles_at_warmup = recompile_count()
@@ -541,6 +584,10 @@ class Trainer:
             "fill": tokens / max(1.0, stats.steps * self.dist.world_size * self.cfg.context_tokens),
             "samples": len(self.trained),
             "interval_samples": samples,
+            # the interval's raw sums: averages over a run are sum(tokens) / sum(seconds), not mean(tok_s)
+            "interval_tokens": int(tokens),
+            "interval_s": elapsed,
+            **self._campaign_fields(elapsed / stats.steps),
             "world_size": self.dist.world_size,
             **spool_stats,
         }
@@ -556,7 +603,7 @@ class Trainer:
             self.metrics.write(rec)
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in rec.items() if k not in ("acc_per_pos", "time")}, step=self.step)
-        log.info(format_console_line(rec, elapsed_s=time.monotonic() - self._t_process))
+        log.info(format_console_line(rec, elapsed_s=time.monotonic() - self._t_process, eta_s=rec.get("eta_s")))
 
     def _spool_summary(self) -> dict:
         """Spool depth and the producers' summed rate, as the feed's heartbeat thread last saw them."""

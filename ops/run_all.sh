@@ -24,6 +24,8 @@ Options:
   --spool DIR           spool directory (default: /dev/shm/dflash/NAME)
   --checkpoint URL      s3://bucket/prefix or a local folder (default: RUN_DIR/checkpoints)
   --max-steps N         consumers stop after N steps
+  --epochs N            passes over the dataset, each in its own shuffled order (default 1; recorded
+                        in the spool's run record: a later launch of the run must say the same)
   --producer-args "..." extra flags for dflash-produce
   --consumer-args "..." extra flags for dflash-consume
   --fresh-spool         discard the spool's contents first, even if it belongs to another run
@@ -39,16 +41,16 @@ USAGE
 }
 
 producers="0-4"; consumers="5-7"; model=""; dataset=""; run=""; run_dir=""; spool=""; checkpoint=""
-max_steps=""; producer_args=""; consumer_args=""; fresh_spool=0; restarts=0
+max_steps=""; epochs=1; producer_args=""; consumer_args=""; fresh_spool=0; restarts=0
 while [ $# -gt 0 ]; do
   case "$1" in
-    --producers|--consumers|--model|--dataset|--run|--run-dir|--spool|--checkpoint|--max-steps|--producer-args|--consumer-args|--restarts)
+    --producers|--consumers|--model|--dataset|--run|--run-dir|--spool|--checkpoint|--max-steps|--epochs|--producer-args|--consumer-args|--restarts)
       [ $# -ge 2 ] || die "$1 needs a value"
       v="$2"
       case "$1" in
         --producers) producers="$v";; --consumers) consumers="$v";; --model) model="$v";;
         --dataset) dataset="$v";; --run) run="$v";; --run-dir) run_dir="$v";; --spool) spool="$v";;
-        --checkpoint) checkpoint="$v";; --max-steps) max_steps="$v";;
+        --checkpoint) checkpoint="$v";; --max-steps) max_steps="$v";; --epochs) epochs="$v";;
         --producer-args) producer_args="$v";; --consumer-args) consumer_args="$v";;
         --restarts) restarts="$v";;
       esac
@@ -61,6 +63,7 @@ done
 [ -n "$model" ] || die "--model is required (a model folder or hub id)"
 [ -n "$dataset" ] || die "--dataset is required (a dataset folder, file or hub id)"
 [ -z "$max_steps" ] || [[ "$max_steps" =~ ^[1-9][0-9]*$ ]] || die "--max-steps must be a positive integer, got '$max_steps'"
+[[ "$epochs" =~ ^[1-9][0-9]*$ ]] || die "--epochs must be a positive integer, got '$epochs'"
 [[ "$restarts" =~ ^[0-9]+$ ]] || die "--restarts must be a non-negative integer, got '$restarts'"
 
 # expand "0-4" / "0,2,3" / "cpu:N" into a list of device words ("0" ... or "cpu" ...)
@@ -161,7 +164,7 @@ launch_all() {
   # producers: one dflash-produce, which spawns one worker per listed device
   # shellcheck disable=SC2086
   start producer "$run_dir/logs/producer.log" dflash-produce --gpus "$producers" --model "$model" \
-    --dataset "$dataset" --spool "$spool" --run "$run" --run-dir "$run_dir" --checkpoint "$checkpoint" $producer_args
+    --dataset "$dataset" --spool "$spool" --run "$run" --run-dir "$run_dir" --checkpoint "$checkpoint" --epochs "$epochs" $producer_args
   # consumers: one torch.distributed group over env://
   local port world rank dev extra
   port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')

@@ -105,6 +105,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", type=int, default=0, help="this node's index (multi-node)")
     p.add_argument("--num-nodes", type=int, default=1, help="nodes running producers")
     p.add_argument("--limit", type=int, help="use only the first N rows of the dataset (default: all rows)")
+    p.add_argument(
+        "--epochs", type=int, default=1,
+        help="passes over the dataset; recorded in the spool's run record, so consumers and later launches agree",
+    )  # fmt: skip
+    p.add_argument(
+        "--shuffle-seed", type=int, default=0,
+        help="each epoch walks the dataset in an order drawn from (this seed, epoch)",
+    )  # fmt: skip
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"], help="target dtype (auto: bf16 on GPU, fp32 on CPU)")  # fmt: skip
     p.add_argument("--num-proc", type=int, help="tokenization processes per producer (default: one)")
     p.add_argument("--cache-dir", help="datasets cache directory (default: the datasets library's)")
@@ -347,6 +355,8 @@ def _main(args) -> int:
 
     if args.num_nodes < 1 or not 0 <= args.node_rank < args.num_nodes:
         raise UsageError(f"--node-rank {args.node_rank}: must be in [0, --num-nodes {args.num_nodes})")
+    if args.epochs < 1:
+        raise UsageError(f"--epochs {args.epochs}: must be >= 1")
     if args.spool is None and args.run is None:
         raise UsageError("give --spool DIR or --run NAME (spool then defaults to /dev/shm/dflash/<run>)")
     spool_dir = args.spool or f"/dev/shm/dflash/{args.run}"
@@ -375,8 +385,9 @@ def _main(args) -> int:
     try:
         spool = Spool(spool_dir)
         model = os.path.abspath(args.model) if os.path.exists(args.model) else args.model
-        plan = {"epochs": 1, "rows": num_rows, "max_length": args.max_length,
-                "min_loss_tokens": data_cfg.min_loss_tokens, "format": args.format}  # fmt: skip
+        plan = {"epochs": args.epochs, "shuffle_seed": args.shuffle_seed, "rows": num_rows,
+                "max_length": args.max_length, "min_loss_tokens": data_cfg.min_loss_tokens,
+                "format": args.format}  # fmt: skip
         identity = {
             "run": run,
             "model": model,
@@ -441,6 +452,8 @@ def _main(args) -> int:
                 codec=args.codec,
                 budget_bytes=budget,
                 skip=skip,
+                epochs=args.epochs,
+                shuffle_seed=args.shuffle_seed,
                 run_dir=args.run_dir,
                 writer_threads=args.writer_threads,
                 num_threads=cpu_threads if w.device == "cpu" else None,
@@ -451,8 +464,8 @@ def _main(args) -> int:
         raise UsageError(str(err)) from None
     spool.register_producers([w.producer_id for w in workers])
     log.info(
-        "%d producer(s) %s over %d rows (world %d), spool %s, budget %.1f GB",
-        len(workers), [w.producer_id for w in workers], num_rows, world, spool.root, budget / 1e9,
+        "%d producer(s) %s over %d rows x %d epoch(s) (world %d), spool %s, budget %.1f GB",
+        len(workers), [w.producer_id for w in workers], num_rows, args.epochs, world, spool.root, budget / 1e9,
     )  # fmt: skip
     return _supervise(cfgs, workers, spool, args)
 
@@ -522,14 +535,15 @@ def _supervise(cfgs, workers: list[Worker], spool, args) -> int:
         nonlocal no_data
         summary = _merge_summaries(list(tokenized.values()))
         print(f"{PROG}: {summary['ok']} trainable rows; {format_drops(summary)}", file=sys.stderr, flush=True)
-        if (
-            summary["ok"] == 0
-            and summary["skipped"] == 0
-            and args.num_nodes == 1
-            and len(tokenized) == len(procs)
-        ):
+        if summary["ok"] == 0 and args.num_nodes == 1 and len(tokenized) == len(procs):
             no_data = f"no trainable sample in dataset {args.dataset}: {format_drops(summary)}"
             abort.set()
+        elif len(tokenized) == len(procs):  # what this node's slices give, for the consumers' plan
+            campaign = {k: sum(int(t["campaign"][k]) for t in tokenized.values()) for k in ("samples", "tokens", "loss_tokens")}  # fmt: skip
+            spool.write_campaign(
+                args.node_rank,
+                {**campaign, "epochs": args.epochs, "node_rank": args.node_rank, "num_nodes": args.num_nodes},
+            )
         go.set()
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}

@@ -558,6 +558,24 @@ def drop_summary(
     return {"rows": len(tok_ds), "ok": ok, "dropped": len(tok_ds) - ok, "reasons": reasons, "first": first}
 
 
+def campaign_counts(tok_ds) -> dict:
+    """What one epoch of the tokenized slice gives: ``{"samples", "tokens", "loss_tokens"}`` of its kept
+    rows (counted with pyarrow; see dflash.common.epochs.Campaign)."""
+    import pyarrow.compute as pc
+
+    if len(tok_ds) == 0 or "status" not in tok_ds.column_names:
+        return {"samples": 0, "tokens": 0, "loss_tokens": 0}
+    table = tok_ds.with_format("arrow")[:]
+    ok = pc.equal(table["status"], "ok")
+    lengths = pc.filter(pc.list_value_length(table["input_ids"]), ok)
+    loss = pc.filter(table["num_loss_tokens"], ok)
+    return {
+        "samples": int(pc.sum(ok.cast("int64")).as_py() or 0),
+        "tokens": int(pc.sum(lengths).as_py() or 0),
+        "loss_tokens": int(pc.sum(loss).as_py() or 0),
+    }
+
+
 def format_drops(summary: dict) -> str:
     """``dropped 3 of 80 rows: unparseable 2 (first: row 5: '{oops'), no assistant turn 1 (first: row 3)``."""
     if not summary.get("dropped"):

@@ -26,6 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash.common.epochs import Epochs
+from dflash.common.sample_set import SampleSet
 from dflash.producer.buckets import Batch, BucketConfig, Bucketer, Sample
 from dflash.producer.capture import LayerCapture, find_decoder
 from dflash.producer.data import DataConfig, check_tokenizer, load_raw_dataset, slice_indices, tokenize_slice
@@ -60,7 +62,11 @@ class ProducerConfig:
     budget_bytes: int = 1 << 62
     """Spool budget: block before writing while the spool holds more bytes than this."""
     skip: bytes | None = None
-    """SampleSet.to_bytes() of already trained indices (from the latest checkpoint)."""
+    """SampleSet.to_bytes() of already trained sample ids (from the latest checkpoint)."""
+    epochs: int = 1
+    """Passes over the dataset (sample ids: dflash.common.epochs)."""
+    shuffle_seed: int = 0
+    """Each epoch walks the rows in an order drawn from (shuffle_seed, epoch)."""
     run_dir: str | None = None
     """If set, append heartbeat counters to <run_dir>/metrics/producer-<id>.jsonl."""
     target_name: str | None = None
@@ -92,6 +98,8 @@ class ProducerConfig:
             raise ValueError(f"ProducerConfig.chunk_bytes={self.chunk_bytes}: must be >= 1")
         if self.heartbeat_s <= 0:
             raise ValueError(f"ProducerConfig.heartbeat_s={self.heartbeat_s}: must be > 0")
+        if self.epochs < 1:
+            raise ValueError(f"ProducerConfig.epochs={self.epochs}: must be >= 1")
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
@@ -130,20 +138,43 @@ class Counters:
             return dict(self.values)
 
 
-def _samples(tok_ds, counters: Counters) -> Iterator[Sample]:
-    """Rows of the tokenized slice as Samples; bad and short rows are counted and skipped."""
-    for rows in tok_ds.with_format("numpy").iter(batch_size=512):
-        for i, status in enumerate(rows["status"]):
-            if status == "ok":
-                yield Sample(
-                    sample_index=int(rows["sample_index"][i]),
-                    input_ids=np.asarray(rows["input_ids"][i], dtype=np.int32),
-                    loss_mask=np.asarray(rows["loss_mask"][i], dtype=bool),
-                )
-            elif status == "short":
-                counters.add(dropped=1, short=1)
-            else:
-                counters.add(dropped=1, bad=1)
+def _samples(tok_ds, positions: np.ndarray, ids: np.ndarray) -> Iterator[Sample]:
+    """The rows ``positions`` of the tokenized slice, in that order, as Samples with sample ids ``ids``."""
+    for start in range(0, len(positions), 512):
+        pos, sid = positions[start : start + 512], ids[start : start + 512]
+        rows = tok_ds.select(pos).with_format("numpy")[:]
+        for i in range(len(pos)):
+            yield Sample(
+                sample_index=int(sid[i]),
+                input_ids=np.asarray(rows["input_ids"][i], dtype=np.int32),
+                loss_mask=np.asarray(rows["loss_mask"][i], dtype=bool),
+            )
+
+
+def plan_epochs(
+    tok_ds, mine: np.ndarray, epochs: Epochs, skip: SampleSet | None
+) -> tuple[np.ndarray, np.ndarray, dict]:
+    """What this producer still has to produce, in order: (positions into ``tok_ds``, sample ids, counts).
+
+    Epoch by epoch, the slice's rows in the epoch's order, minus the rows tokenization dropped (counted
+    once, not per epoch) and the ids already trained (``skip``, from the checkpoint).
+    """
+    status = np.asarray(tok_ds.with_format("arrow")["status"].to_numpy(zero_copy_only=False))
+    ok = status == "ok"
+    positions, ids, skipped = [], [], 0
+    for epoch in range(epochs.epochs):
+        pos = epochs.slice_order(epoch, mine)
+        pos = pos[ok[pos]]
+        sid = epochs.ids(epoch, mine[pos])
+        if skip is not None and len(sid):
+            trained = skip.contains_mask(sid).numpy()
+            skipped += int(trained.sum())
+            pos, sid = pos[~trained], sid[~trained]
+        positions.append(pos)
+        ids.append(sid)
+    counts = {"dropped": int((~ok).sum()), "short": int((status == "short").sum()), "skipped": skipped}
+    counts["bad"] = counts["dropped"] - counts["short"]
+    return np.concatenate(positions), np.concatenate(ids), counts
 
 
 class _Writers:
@@ -392,19 +423,21 @@ def run_producer(
     ds = load_raw_dataset(cfg.data, quiet=True)
     num_rows = min(len(ds), cfg.data.limit) if cfg.data.limit else len(ds)
     mine = slice_indices(num_rows, rank=cfg.rank, world=cfg.world)
-    if cfg.skip:
-        from dflash.common.sample_set import SampleSet
-
-        mine = mine[~SampleSet.from_bytes(cfg.skip).contains_mask(mine).numpy()]
-    counters.add(skipped=len(range(cfg.rank, num_rows, cfg.world)) - len(mine), total=len(mine))
-    tok_ds = tokenize_slice(ds, tokenizer, cfg.data, mine)
+    tok_ds = tokenize_slice(ds, tokenizer, cfg.data, mine)  # the whole slice: cached across launches
+    epochs = Epochs(rows=num_rows, epochs=cfg.epochs, seed=cfg.shuffle_seed)
+    skip = SampleSet.from_bytes(cfg.skip) if cfg.skip else None
+    positions, ids, counts = plan_epochs(tok_ds, mine, epochs, skip)
+    # total - samples - dropped = what is left to produce
+    counters.add(**counts, total=len(ids) + counts["dropped"])
     if on_tokenized is not None:
-        from dflash.producer.data import conversation_column, drop_summary
+        from dflash.producer.data import campaign_counts, conversation_column, drop_summary
 
         summary = drop_summary(
             tok_ds, ds, conversation_column(ds, cfg.data.format), min_loss_tokens=cfg.data.min_loss_tokens
         )
-        summary["skipped"] = int(counters.values["skipped"])
+        summary["skipped"] = counts["skipped"]
+        summary["remaining"] = len(ids)
+        summary["campaign"] = campaign_counts(tok_ds)
         if not on_tokenized(summary):
             heartbeat(force=True, phase="aborted", done=False)
             heartbeat.close()
@@ -413,13 +446,13 @@ def run_producer(
     heartbeat(force=True, phase="load model")
     capture = _load_target(cfg)
     log.info(
-        "producer %s: %d samples (rank %d/%d, %d skipped), layers %s of %d, %s on %s",
-        cfg.producer_id, len(mine), cfg.rank, cfg.world, counters.values["skipped"], capture.layer_ids,
+        "producer %s: %d samples over %d epoch(s) (rank %d/%d, %d skipped), layers %s of %d, %s on %s",
+        cfg.producer_id, len(ids), cfg.epochs, cfg.rank, cfg.world, counts["skipped"], capture.layer_ids,
         capture.num_layers, cfg.torch_dtype(), cfg.device,
     )  # fmt: skip
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     try:
-        return produce(cfg, capture, _samples(tok_ds, counters), pad_id=pad_id, stop=stop, counters=counters, heartbeat=heartbeat)  # fmt: skip
+        return produce(cfg, capture, _samples(tok_ds, positions, ids), pad_id=pad_id, stop=stop, counters=counters, heartbeat=heartbeat)  # fmt: skip
     finally:
         capture.close()
         heartbeat.close()

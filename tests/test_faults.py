@@ -764,8 +764,9 @@ def test_fuzzed_rows_never_crash_tokenization_and_bad_rows_are_counted(tiny_toke
     status; bad and short rows carry no tokens, are counted and never reach a shard."""
     import datasets
 
+    from dflash.common.epochs import Epochs
     from dflash.producer.data import _RAW, _Tokenize
-    from dflash.producer.worker import Counters, _samples
+    from dflash.producer.worker import _samples, plan_epochs
 
     max_length, min_loss = 64, 8
     indices = np.arange(len(rows), dtype=np.int64) + 1000
@@ -782,12 +783,13 @@ def test_fuzzed_rows_never_crash_tokenization_and_bad_rows_are_counted(tiny_toke
             assert ids == [] and n_loss == 0
         else:
             assert (status == "ok") == (n_loss >= min_loss) and all(0 <= t < len(tiny_tokenizer) for t in ids)
-    # the worker's iterator: only "ok" rows become samples, the others are counted as dropped
-    counters = Counters()
-    kept = [s.sample_index for s in _samples(datasets.Dataset.from_dict(out), counters)]
+    # the worker's plan and iterator: only "ok" rows become samples, the others are counted as dropped
+    tok_ds = datasets.Dataset.from_dict(out)
+    plan = Epochs(rows=1000 + len(rows))
+    positions, ids, c = plan_epochs(tok_ds, indices, plan, None)
+    kept = [s.sample_index for s in _samples(tok_ds, positions, ids)]
     status = Counter("bad" if s.startswith("bad:") else s for s in out["status"])
-    assert kept == [i for i, s in zip(out["sample_index"], out["status"], strict=True) if s == "ok"]
-    c = counters.snapshot()
+    assert sorted(kept) == [i for i, s in zip(out["sample_index"], out["status"], strict=True) if s == "ok"]
     assert (c["bad"], c["short"], c["dropped"]) == (
         status["bad"],
         status["short"],

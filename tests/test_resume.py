@@ -19,8 +19,8 @@ import time
 from pipeline_helpers import REPO, cpu_env
 
 from dflash.common.shard import read_shard
+from dflash.consumer.campaign import WarmupCosine
 from dflash.consumer.checkpoint import list_steps, load_checkpoint
-from dflash.consumer.trainer import lr_lambda_factory
 
 RUN = "resume"
 TOTAL_STEPS = 150
@@ -145,6 +145,6 @@ def test_kill9_whole_pipeline_then_resume_from_latest(tmp_path, tiny_target, s3_
         if x.strip() and '"loss"' in x
     ]
     after = next(r for r in recs if r["step"] == c + 1 and r["time"] > killed_at)
-    lam = lr_lambda_factory(max(1, int(0.04 * TOTAL_STEPS)), TOTAL_STEPS)
+    lam = WarmupCosine(max(1, int(0.04 * TOTAL_STEPS)), TOTAL_STEPS)
     assert math.isclose(after["lr"], LR * lam(c + 1), rel_tol=1e-6), (after["lr"], LR * lam(c + 1))
     assert ckpt.optimizer_state["state"], "optimizer moments were checkpointed"

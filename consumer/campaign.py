@@ -1,0 +1,95 @@
+"""The learning-rate schedule and the campaign plan a consumer prints, sized from the data.
+
+Why: the cosine schedule's length should be what the data gives (samples x epochs packed into streams of
+``context_tokens`` on every rank), not a number the user guesses. The producers count it while they
+tokenize (``state/campaign-n<node>.json``, see dflash.common.epochs); a consumer reads it when its first
+batch is ready (the file is written before any shard), every rank takes rank 0's reading so the group's
+schedules cannot differ, and ``--total-steps`` (or ``--max-steps``) still overrides it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from dflash.common.epochs import Campaign, Epochs
+from dflash.common.metrics_log import format_duration
+
+log = logging.getLogger(__name__)
+
+
+class WarmupCosine:
+    """LR factor: linear warm-up, then cosine decay to 0 (ARCHITECTURE §5: 4 % warm-up, cosine).
+
+    A callable object rather than a closure: LambdaLR saves its attributes in the scheduler's state, and
+    the length can be set once the campaign is known (``resize``).
+    """
+
+    def __init__(self, warmup_steps: int, total_steps: int):
+        self.warmup_steps, self.total_steps = max(1, warmup_steps), max(1, total_steps)
+
+    def resize(self, total_steps: int, warmup_ratio: float) -> None:
+        self.total_steps = max(1, total_steps)
+        self.warmup_steps = max(1, int(warmup_ratio * self.total_steps))
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+@dataclass(frozen=True)
+class CampaignPlan:
+    """What a consumer group will train: the data's size, its epochs and the steps they make."""
+
+    campaign: Campaign
+    epochs: Epochs
+    context_tokens: int
+    world_size: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.campaign.steps_per_epoch(self.context_tokens, self.world_size)
+
+    @property
+    def total_steps(self) -> int:
+        return self.campaign.total_steps(self.context_tokens, self.world_size)
+
+    def describe(self, warmup_steps: int, *, override: str | None = None) -> str:
+        c = self.campaign
+        line = (
+            f"campaign: {c.samples} samples x {c.epochs} epoch(s), {c.tokens} tokens/epoch ({c.loss_tokens} "
+            f"supervised); {self.steps_per_epoch} steps/epoch at {self.context_tokens} tokens x "
+            f"{self.world_size} rank(s) = {self.total_steps} steps, warm-up {warmup_steps}"
+        )
+        return line + (f"; schedule length {override} (override)" if override else "")
+
+
+def read_plan(spool, *, context_tokens: int, world_size: int) -> CampaignPlan | None:
+    """The plan from the spool's run record and campaign files (None while producers have not written
+    them: a spool bound by consumers only, or producers of an older version)."""
+    run = spool.read_run() or {}
+    states = spool.read_campaign()
+    if "plan" not in run or not states:
+        return None
+    epochs = Epochs.from_plan(run["plan"])
+    return CampaignPlan(
+        campaign=Campaign.from_states(states, epochs.epochs),
+        epochs=epochs,
+        context_tokens=context_tokens,
+        world_size=world_size,
+    )
+
+
+def eta_s(step: int, total_steps: int, step_s: float) -> float | None:
+    """Seconds left at ``step_s`` per step (None past the planned end or without a rate)."""
+    if step_s <= 0 or step >= total_steps:
+        return None
+    return (total_steps - step) * step_s
+
+
+def format_eta(step: int, total_steps: int, step_s: float) -> str:
+    eta = eta_s(step, total_steps, step_s)
+    return "n/a" if eta is None else format_duration(eta)

@@ -1,0 +1,99 @@
+"""Epochs: sample ids per (epoch, row), per-epoch orders from the seed, the producer's plan, the campaign's
+step count and the schedule sized from it."""
+
+from __future__ import annotations
+
+import datasets
+import numpy as np
+import pytest
+
+from dflash.common.epochs import Campaign, Epochs
+from dflash.common.sample_set import SampleSet
+from dflash.consumer.campaign import WarmupCosine
+from dflash.producer.data import campaign_counts, slice_indices
+from dflash.producer.worker import plan_epochs
+
+
+def test_ids_name_each_epoch_apart_and_map_back():
+    e = Epochs(rows=10, epochs=3, seed=7)
+    rows = np.array([0, 4, 9])
+    for k in range(3):
+        ids = e.ids(k, rows)
+        assert (e.epoch_of(ids) == k).all() and (e.row_of(ids) == rows).all()
+    assert e.ids(0, rows).tolist() == rows.tolist()  # one epoch: id == row
+    with pytest.raises(ValueError):
+        e.ids(3, rows)
+    with pytest.raises(ValueError):
+        Epochs(rows=10, epochs=0)
+
+
+def test_epoch_orders_differ_and_are_reproducible_from_the_seed():
+    a, b = Epochs(rows=50, epochs=3, seed=1), Epochs(rows=50, epochs=3, seed=1)
+    orders = [a.order(k) for k in range(3)]
+    assert all(sorted(o.tolist()) == list(range(50)) for o in orders)
+    assert not np.array_equal(orders[0], orders[1]) and not np.array_equal(orders[1], orders[2])
+    assert all(np.array_equal(a.order(k), b.order(k)) for k in range(3))
+    assert not np.array_equal(a.order(0), Epochs(rows=50, epochs=3, seed=2).order(0))
+
+
+def _tok_ds(rows: np.ndarray, bad: set[int]) -> datasets.Dataset:
+    return datasets.Dataset.from_dict(
+        {
+            "sample_index": rows.tolist(),
+            "input_ids": [[1] * (10 + int(r)) if r not in bad else [] for r in rows],
+            "loss_mask": [[True] * (10 + int(r)) if r not in bad else [] for r in rows],
+            "num_loss_tokens": [10 + int(r) if r not in bad else 0 for r in rows],
+            "status": ["ok" if r not in bad else "bad:no assistant turn" for r in rows],
+        }
+    )
+
+
+def test_producers_cover_every_epoch_exactly_once_in_its_order_and_skip_what_was_trained():
+    epochs, world, bad = Epochs(rows=23, epochs=2, seed=3), 3, {5, 11}
+    produced: list[int] = []
+    for rank in range(world):
+        mine = slice_indices(epochs.rows, rank=rank, world=world)
+        positions, ids, counts = plan_epochs(_tok_ds(mine, bad), mine, epochs, None)
+        assert (mine[positions] == epochs.row_of(ids)).all()  # position and id name the same row
+        per_epoch = [epochs.row_of(ids[epochs.epoch_of(ids) == k]).tolist() for k in range(2)]
+        for k in range(2):  # this producer walks its rows in the epoch's global order
+            rank_in_order = {int(r): i for i, r in enumerate(epochs.order(k))}
+            assert per_epoch[k] == sorted(per_epoch[k], key=rank_in_order.__getitem__)
+        assert counts["dropped"] == len(bad & set(mine.tolist())) and counts["skipped"] == 0
+        produced += ids.tolist()
+    eligible = [r for r in range(23) if r not in bad]
+    assert sorted(produced) == sorted(eligible + [23 + r for r in eligible])  # once per epoch
+    # resume mid-epoch 2: the checkpoint trained epoch 0 and part of epoch 1
+    trained = SampleSet.from_indices(eligible + [23 + r for r in eligible[:7]])
+    left = []
+    for rank in range(world):
+        mine = slice_indices(epochs.rows, rank=rank, world=world)
+        _, ids, counts = plan_epochs(_tok_ds(mine, bad), mine, epochs, trained)
+        left += ids.tolist()
+    assert sorted(left) == [23 + r for r in eligible[7:]]
+
+
+def test_campaign_counts_and_steps():
+    rows = np.arange(6)
+    c = campaign_counts(_tok_ds(rows, {2}))
+    assert c == {"samples": 5, "tokens": sum(10 + r for r in (0, 1, 3, 4, 5)), "loss_tokens": c["tokens"]}
+    camp = Campaign.from_states([{**c}, {**c}], epochs=3)
+    assert (camp.samples, camp.tokens) == (10, 2 * c["tokens"])
+    per_epoch = -(-camp.tokens // (16 * 2))
+    assert camp.steps_per_epoch(16, 2) == per_epoch and camp.total_steps(16, 2) == 3 * per_epoch
+
+
+def test_schedule_resizes_and_survives_the_scheduler_state():
+    import torch
+
+    p = torch.nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([p], lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, WarmupCosine(1, 10_000))
+    sched.lr_lambdas[0].resize(100, 0.04)
+    assert (sched.lr_lambdas[0].warmup_steps, sched.lr_lambdas[0].total_steps) == (4, 100)
+    state = sched.state_dict()
+    other = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([p], lr=1.0), WarmupCosine(1, 10_000))
+    other.load_state_dict(state)
+    assert other.lr_lambdas[0].total_steps == 100
+    f = WarmupCosine(4, 100)
+    assert f(0) == 0.25 and f(3) == 1.0 and f(100) == pytest.approx(0.0) and 0 < f(50) < 1

@@ -1,0 +1,97 @@
+"""Issue 16: a two-epoch campaign on the user's path. ``ops/run_all.sh --epochs 2`` with 2 CPU producers and
+2 CPU consumers (one gloo group) is killed (-9, a consumer) once it trains epoch 2, then run again with the
+same command. Verdicts from the ledgers and checkpoints (tests/ledger_audit.py): every eligible row trained
+exactly once per epoch along the final timeline; the consumer's printed plan matches the steps taken.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+from ledger_audit import audit, eligible_samples, read_jsonl
+from test_rerun import CONSUMER_ARGS, MAX_LENGTH, Life, _dataset, _env, _wait_for
+
+from dflash.common.epochs import Epochs
+from dflash.consumer.checkpoint import load_checkpoint
+
+ROWS = 30
+EPOCHS = 2
+PLAN_LINE = re.compile(r"campaign: (\d+) samples x (\d+) epoch\(s\).* = (\d+) steps, warm-up (\d+)")
+
+
+def _checkpoint_in_epoch_2(ckpt, rows: int) -> int | None:
+    """The step of the latest checkpoint once it holds samples of epoch 2 (ids >= rows), else None."""
+    from dflash.common.sample_set import SampleSet
+    from dflash.consumer.checkpoint import TRAINED_FILE
+
+    try:
+        name = (ckpt / "epochs" / "latest").read_text().strip()
+        trained = SampleSet.from_bytes((ckpt / "epochs" / name / TRAINED_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
+    ids = trained.indices()
+    return int(name.rsplit("-", 1)[1]) if len(ids) and int(ids.max()) >= rows else None
+
+
+def _steps_of(run_dir, pid: int) -> int:
+    return sum(1 for rec in read_jsonl(run_dir / "metrics" / "ledger-r0.jsonl") if rec["pid"] == pid)
+
+
+@pytest.mark.slow
+def test_two_epochs_kill9_mid_epoch_2_then_the_same_command_trains_each_row_once_per_epoch(tmp_path, tiny_target):
+    from test_rerun import REPO
+
+    data = _dataset(tmp_path / "data.jsonl", ROWS)
+    run_dir, spool, ckpt = tmp_path / "run", tmp_path / "spool", tmp_path / "ckpt"
+    cmd = [
+        "bash", str(REPO / "ops" / "run_all.sh"), "--producers", "cpu:2", "--consumers", "cpu:2",
+        "--model", str(tiny_target), "--dataset", str(data), "--run", "epochs", "--run-dir", str(run_dir),
+        "--spool", str(spool), "--checkpoint", str(ckpt), "--epochs", str(EPOCHS),
+        "--producer-args", f"--max-length {MAX_LENGTH} --batch-tokens 2048",
+        "--consumer-args", CONSUMER_ARGS + " --min-split-tokens 32",
+    ]  # fmt: skip
+    env = _env(tmp_path)
+    lives: list[Life] = []
+    try:
+        lives.append(life := Life(cmd, env, tmp_path, 1))
+        _wait_for(lambda: "consumer-0" in life.launch(), life, "a consumer")
+        c1 = life.launch()["consumer-0"]
+        # mid-epoch 2: a checkpoint holds part of epoch 2, and a step more is trained (a lost tail)
+        _wait_for(lambda: _checkpoint_in_epoch_2(ckpt, ROWS) is not None, life, "a checkpoint in epoch 2")
+        at = _steps_of(run_dir, c1)
+        _wait_for(lambda: _steps_of(run_dir, c1) > at, life, "a step after it")
+        os.kill(c1, signal.SIGKILL)
+        assert life.wait() != 0
+        lives.append(life := Life(cmd, env, tmp_path, 2))
+        assert life.wait() == 0, life.text()[-4000:]
+    finally:
+        for life in lives:
+            life.kill_all()
+
+    launches = [life.launch() for life in lives]
+    final = load_checkpoint(str(ckpt), "epochs")
+    rows = eligible_samples(data, tiny_target, tmp_path / "hf-audit", max_length=MAX_LENGTH)
+    epochs = Epochs(rows=ROWS, epochs=EPOCHS)
+    eligible = {int(i) for k in range(EPOCHS) for i in epochs.ids(k, sorted(rows))}
+    got = audit(run_dir, launches, final.step, eligible, ranks=(0, 1))
+    print(f"epochs audit: {got}")
+    assert got["duplicates"] == 0 and got["missing"] == 0
+    resumed = got["resumed"][max(got["resumed"])]
+    assert resumed > 0, got  # the second launch resumed mid-campaign, not from scratch
+    assert set(final.trained.indices().tolist()) == eligible
+    assert final.epoch == EPOCHS - 1 and final.meta["epoch"] == EPOCHS - 1  # the checkpoint records the epoch
+
+    # the plan each launch printed: samples x epochs, and the steps it makes (the last stream of each rank
+    # may be partial, and a rank's share of the data may differ by a shard: a small tolerance)
+    log = (run_dir / "logs" / "consumer-0.log").read_text()
+    plans = PLAN_LINE.findall(log)
+    assert len(plans) == 2, log[-3000:]
+    samples, n_epochs, planned, warmup = map(int, plans[-1])
+    assert (samples, n_epochs) == (len(rows), EPOCHS)
+    print(f"planned {planned} steps, took {final.step}")
+    assert abs(final.step - planned) <= 2, (final.step, planned)
+    assert warmup == max(1, int(0.04 * planned))
+    assert f"epoch=2/{EPOCHS}" in log and f"step={final.step}/{planned}" in log
