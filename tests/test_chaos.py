@@ -2,8 +2,8 @@
 trains, restarting either by itself (``--restarts``) or by the user simply running the same command
 again, then audit every sample exactly.
 
-The pipeline (2 CPU producers, 2 CPU consumers in one gloo DDP group, the tiny target, ~80 chat rows with a
-few rows the producers must drop) runs under a killer thread that SIGKILLs a producer parent, a producer
+The pipeline (2 CPU producers, 2 CPU consumers in one gloo DDP group, the tiny target, ~43 chat rows with a
+few rows the producers must drop, two epochs: each sample id names one training of a row in one epoch) runs under a killer thread that SIGKILLs a producer parent, a producer
 worker or a consumer at random moments (during start-up, after some steps, right after a checkpoint), at
 least ``NUM_KILLS`` times, and once sends SIGINT to the whole process group (a terminal's Ctrl-C). Each
 invocation of run_all.sh gets a random ``--restarts`` budget (0-3): a kill -9 within the budget makes it
@@ -45,7 +45,8 @@ from dflash.common.demo_assets import demo_dataset_path
 
 RUN = "chaos"
 NUM_KILLS = 10
-GOOD_ROWS = 74
+GOOD_ROWS = 37
+EPOCHS = 2
 MAX_LENGTH = 512
 MIN_LOSS_TOKENS = 32  # dflash-produce: 2 x --block-size (16)
 # Rows the producers must drop (never train), inserted at these dataset positions. The non-list row makes
@@ -170,7 +171,7 @@ class Killer:
       after the workers know their slices);
     - "progress": right after 1-2 new committed steps (0-0.3 s later);
     - "checkpoint": right after the next checkpoint (0-0.3 s later);
-    - once the latest checkpoint holds ``reserve`` of the rows, every further kill lands before the launch
+    - once the latest checkpoint holds ``reserve`` of the samples, every further kill lands before the launch
       claims its first shard (it trains nothing), and a worker kill becomes a kill of its parent.
 
     A killed worker's sibling keeps producing until its slice is done (dflash-produce then fails), so that
@@ -179,10 +180,10 @@ class Killer:
     """
 
     def __init__(
-        self, proc, run_dir: Path, out_path: Path, spool: Path, ckpt: Path, num_rows: int, plan, rng
+        self, proc, run_dir: Path, out_path: Path, spool: Path, ckpt: Path, num_samples: int, plan, rng
     ):
         self.proc, self.run_dir, self.out_path, self.plan, self.rng = proc, run_dir, out_path, plan, rng
-        self.spool, self.ckpt, self.num_rows, self.reserve = spool, ckpt, num_rows, 0.6
+        self.spool, self.ckpt, self.num_samples, self.reserve = spool, ckpt, num_samples, 0.6
         self.kills: list[dict] = []
         self.notes: list[str] = []
         self.error: BaseException | None = None
@@ -219,7 +220,7 @@ class Killer:
             name = (self.ckpt / RUN / "latest").read_text().strip()
             return (
                 len(SampleSet.from_bytes((self.ckpt / RUN / name / "trained.bin").read_bytes()))
-                / self.num_rows
+                / self.num_samples
             )
         except (OSError, ValueError):
             return 0.0
@@ -402,7 +403,7 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
     cmd = [
         "bash", str(REPO / "ops" / "run_all.sh"), "--producers", "cpu:2", "--consumers", "cpu:2",
         "--model", str(tiny_target), "--dataset", str(data), "--run", RUN, "--run-dir", str(run_dir),
-        "--spool", str(spool), "--checkpoint", str(ckpt), "--producer-args", PRODUCER_ARGS,
+        "--spool", str(spool), "--checkpoint", str(ckpt), "--epochs", str(EPOCHS), "--producer-args", PRODUCER_ARGS,
         "--consumer-args", CONSUMER_ARGS,
     ]  # fmt: skip
     t0 = time.monotonic()
@@ -420,7 +421,7 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
             )  # fmt: skip
 
     proc = invoke()
-    killer = Killer(proc, run_dir, out_path, spool, ckpt, len(rows), plan, rng)
+    killer = Killer(proc, run_dir, out_path, spool, ckpt, len(rows) * EPOCHS, plan, rng)
     killer.thread.start()
     try:
         deadline = time.monotonic() + 480  # a hang guard over every invocation
@@ -495,10 +496,11 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
             assert int(pid) == kill["pid"], diag()
 
     # ---- the samples producers keep: a clean tokenization pass, cross-checked with the last producers
-    eligible = _eligible(data, tiny_target, tmp_path / "hf-audit")
-    assert not eligible & set(BAD_ROWS) and len(eligible) >= GOOD_ROWS - 4, sorted(
-        set(range(len(rows))) - eligible
+    eligible_rows = _eligible(data, tiny_target, tmp_path / "hf-audit")
+    assert not eligible_rows & set(BAD_ROWS) and len(eligible_rows) >= GOOD_ROWS - 4, sorted(
+        set(range(len(rows))) - eligible_rows
     )
+    eligible = {k * len(rows) + r for k in range(EPOCHS) for r in eligible_rows}  # sample ids, every epoch
     last_producers = json.loads((spool / "state" / "producers.json").read_text())["producers"]
     suffixes = {p.rpartition(".")[2] for p in last_producers}  # ids are unique per launch: n0p0.<launch>
     assert len(last_producers) == 2 and len(suffixes) == 1 and int(suffixes.pop()) <= len(launches), (
@@ -507,7 +509,7 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
     final_counters = [
         json.loads((spool / "state" / f"producer-{p}.json").read_text())["counters"] for p in last_producers
     ]
-    assert sum(c["dropped"] for c in final_counters) == len(rows) - len(eligible)
+    assert sum(c["dropped"] for c in final_counters) == len(rows) - len(eligible_rows)  # once, not per epoch
 
     # ---- ledgers: one line per committed step and rank, tagged with the process id
     launch_of: dict[int, int] = {}
