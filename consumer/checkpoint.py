@@ -9,11 +9,18 @@ Layout (docs/checkpoints.md)::
                                trained.bin          SampleSet bytes: samples trained this epoch
                                meta.json            step, epoch, redacted config, time, sizes + sha256
     <store>/<run>/latest                            "step-<n:08d>", written LAST
+    <store>/<run>/evals/step-<n:08d>.json           dflash-eval --watch: one record per evaluated checkpoint
+    <store>/<run>/best.json                         {step, step_dir, tau, evaluated_at, ...} of the best one
+    <store>/<run>/best                              "step-<n:08d>": the highest real τ, written after best.json
 
 Why this order: ``latest`` only changes after every file of the step directory was uploaded, so a crash
 or failed upload leaves the previous checkpoint as latest. Every file is checked against the sha256 in
 ``meta.json`` on load; ``load_latest_good`` falls back to older step directories when one is corrupt.
 Every ``.pt`` file loads with ``torch.load(weights_only=True)``: save refuses objects that would not.
+
+``best`` and ``evals/`` are written only by ``dflash-eval --watch`` (consumer/eval_watch.py), never by
+the trainer; the trainer only reads ``best``: pruning keeps the step it names (docs/checkpoints.md).
+A checkpoint is complete, for every reader, once its ``meta.json`` exists (it is uploaded after the data).
 """
 
 from __future__ import annotations
@@ -56,6 +63,9 @@ RNG_FILE = "rng.pt"
 TRAINED_FILE = "trained.bin"
 META_FILE = "meta.json"
 LATEST_FILE = "latest"
+BEST_FILE = "best"
+BEST_RECORD_FILE = "best.json"
+EVALS_DIR = "evals"
 DATA_FILES = (MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE, TRAINED_FILE)
 _STEP_DIR = re.compile(r"^step-(\d{8,})$")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -298,13 +308,17 @@ def _prune(store: CheckpointStore, run: str, step: int, keep_last: int) -> None:
     Deleted: older dirs beyond that, older unfinished dirs (no meta.json: failed uploads, which would
     otherwise count towards k), and every dir ABOVE ``step``: those belong to a timeline this run abandoned
     when it resumed from an older checkpoint, and no fallback must ever land on them.
+    The step that ``best`` names (dflash-eval --watch) is kept too, unless it is above ``step``.
     """
     try:
         steps, finished = _scan_steps(store, run)
     except CheckpointStoreError as err:  # `latest` already names the new checkpoint: pruning can wait
         log.warning("could not list checkpoints to delete old ones: %s", err)
         return
-    kept = sorted(s for s in finished if s <= step)[-keep_last:]
+    best = _best_steps_to_keep(store, run, step)
+    if best is None:
+        return
+    kept = set(sorted(s for s in finished if s <= step)[-keep_last:]) | best
     doomed = [s for s in steps if s not in kept and s != step]
     for s in doomed:
         try:
@@ -313,6 +327,41 @@ def _prune(store: CheckpointStore, run: str, step: int, keep_last: int) -> None:
             log.warning("could not delete old checkpoint %s: %s", step_dir_name(s), err)
     if doomed:
         log.info("deleted checkpoints %s", ", ".join(step_dir_name(s) for s in doomed))
+
+
+def _best_steps_to_keep(store: CheckpointStore, run: str, step: int) -> set[int] | None:
+    """{the step ``best`` names} for pruning; empty without one, or for one above ``step`` (the abandoned
+    timeline). None when ``best`` cannot be read (a store failure): prune nothing rather than the best."""
+    try:
+        name = read_best_name(store, run)
+    except CheckpointCorruptError as err:
+        log.warning("%s; pruning ignores it", redact(str(err)))
+        return set()
+    except CheckpointStoreError as err:
+        log.warning("could not read %s/%s, not pruning this time: %s", run, BEST_FILE, err)
+        return None
+    best = None if name is None else int(_STEP_DIR.match(name).group(1))
+    return {best} if best is not None and best <= step else set()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Best (written by dflash-eval --watch)
+
+
+def read_best_name(store: CheckpointStore | str, run: str) -> str | None:
+    """The step dir ``<run>/best`` names, None if there is none; CheckpointCorruptError if garbage."""
+    return _read_pointer(_as_store(store), run, BEST_FILE)
+
+
+def write_best(store: CheckpointStore | str, run: str, step: int, record: dict) -> None:
+    """Point ``best`` at ``step``: ``best.json`` (``record`` plus step and step_dir) first, then ``best``,
+    the name pruning reads, last (each is one atomic put, as ``latest``)."""
+    store = _as_store(store)
+    _check_run(run)
+    name = step_dir_name(step)
+    body = {**record, "step": step, "step_dir": name}
+    store.put_bytes(f"{run}/{BEST_RECORD_FILE}", json.dumps(body, indent=2, sort_keys=True).encode())
+    store.put_bytes(f"{run}/{BEST_FILE}", (name + "\n").encode())
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -339,18 +388,30 @@ def list_steps(store: CheckpointStore | str, run: str) -> list[int]:
     return _scan_steps(store, run)[0]
 
 
-def _read_latest_name(store: CheckpointStore, run: str) -> str | None:
-    """The step dir ``latest`` names, None if there is no ``latest``; CheckpointCorruptError if garbage."""
+def finished_steps(store: CheckpointStore | str, run: str) -> list[int]:
+    """Steps whose directory has a ``meta.json`` (uploaded after every data file: complete), ascending."""
+    store = _as_store(store)
+    _check_run(run)
+    return sorted(_scan_steps(store, run)[1])
+
+
+def _read_pointer(store: CheckpointStore, run: str, fname: str) -> str | None:
+    """The step dir ``<run>/<fname>`` names, None if absent; CheckpointCorruptError if garbage."""
     try:
-        raw = store.get_bytes(f"{run}/{LATEST_FILE}")
+        raw = store.get_bytes(f"{run}/{fname}")
     except StoreKeyNotFoundError:
         return None
     name = raw.decode("utf-8", errors="replace").strip()
     if not _STEP_DIR.match(name):
         raise CheckpointCorruptError(
-            f"{store.url_for(run + '/' + LATEST_FILE)}: does not name a step dir: {name[:40]!r}"
+            f"{store.url_for(run + '/' + fname)}: does not name a step dir: {name[:40]!r}"
         )
     return name
+
+
+def _read_latest_name(store: CheckpointStore, run: str) -> str | None:
+    """The step dir ``latest`` names, None if there is no ``latest``; CheckpointCorruptError if garbage."""
+    return _read_pointer(store, run, LATEST_FILE)
 
 
 def _read_meta(store: CheckpointStore, run: str, name: str) -> dict:
@@ -374,6 +435,14 @@ def _read_meta(store: CheckpointStore, run: str, name: str) -> dict:
     if missing:
         raise CheckpointCorruptError(f"checkpoint {url}: {META_FILE} lists no {', '.join(missing)}")
     return meta
+
+
+def read_checkpoint_meta(store: CheckpointStore | str, run: str, step: int) -> dict:
+    """The checked meta.json of one step (CheckpointCorruptError when missing or not ours): small, so
+    watchers can poll it (the model file's sha256 in it identifies the checkpoint's weights)."""
+    store = _as_store(store)
+    _check_run(run)
+    return _read_meta(store, run, step_dir_name(step))
 
 
 def _fetch_verified(store: CheckpointStore, run: str, name: str, fname: str, meta: dict, dest: Path) -> Path:

@@ -14,11 +14,12 @@ PROG = "dflash-eval"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
-        description="Greedy DFlash speculative decoding: acceptance and speed.",
+        description="Greedy DFlash speculative decoding: acceptance and speed. With --watch: every checkpoint "
+        "of a training run as it lands, marking the best in the store.",
         formatter_class=DefaultsHelpFormatter,
     )
     p.add_argument("--target", required=True, help="target model folder or hub id (with tokenizer)")
-    p.add_argument("--drafter", required=True, help="dflash-export folder")
+    p.add_argument("--drafter", default=None, help="dflash-export folder (or --watch a checkpoint store)")
     p.add_argument(
         "--dataset", required=True, help="prompts: .jsonl/.json/.parquet file or folder, or hub name"
     )
@@ -42,11 +43,47 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--json", default=None, metavar="PATH", help="write the report as JSON ('-' = stdout; default: none)"
     )
+    _add_watch_flags(p)
     return p
 
 
+def _add_watch_flags(p: argparse.ArgumentParser) -> None:
+    """--watch: evaluate every checkpoint of a training run as it lands (consumer/eval_watch.py)."""
+    g = p.add_argument_group("watch a checkpoint store (instead of --drafter)")
+    g.add_argument(
+        "--watch", default=None, metavar="STORE", help="checkpoint store (folder or s3://) to watch"
+    )
+    g.add_argument("--run", default=None, help="run name in the store (required with --watch)")
+    g.add_argument("--poll-s", type=float, default=30.0, help="seconds between looks for new checkpoints")
+    g.add_argument("--once", action="store_true", help="evaluate the checkpoints there now, then exit")
+    g.add_argument(
+        "--run-dir", default=None, help="append one line per evaluation to RUN_DIR/metrics/eval.jsonl"
+    )
+
+
+def check_mode(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Exactly one of --drafter / --watch; the watch flags only with --watch (argparse error: exit 2)."""
+    if (args.drafter is None) == (args.watch is None):
+        p.error("give exactly one of --drafter DIR or --watch STORE")
+    if args.watch is None:
+        extra = [f for f, v in (("--run", args.run), ("--run-dir", args.run_dir)) if v is not None]
+        if args.once:
+            extra.append("--once")
+        if extra:
+            p.error(f"{', '.join(extra)} only with --watch")
+        return
+    if args.run is None:
+        p.error("--watch needs --run RUN")
+    if args.json is not None:
+        p.error("--json is for one drafter; with --watch use --run-dir (metrics/eval.jsonl)")
+    if not args.poll_s > 0:
+        p.error(f"--poll-s must be > 0, got {args.poll_s}")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_mode(parser, args)
     from dflash.consumer.evaluate import run_cli  # torch: only once the flags parsed
 
     return run_cli(args)

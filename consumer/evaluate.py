@@ -507,52 +507,82 @@ def evaluate(
     return summarize(gens, block, base)
 
 
+def check_args(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    """Flag checks that need no model (ValueError, one line) -> the resolved (device, dtype)."""
+    for name in ("num_prompts", "max_new_tokens", "max_prompt_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.block_size is not None and args.block_size < 2:
+        raise ValueError(f"--block-size must be >= 2, got {args.block_size}")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device available")
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
+    return device, dtype
+
+
+def load_target(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> tuple[Any, nn.Module, list[torch.Tensor]]:
+    """(tokenizer, target in eval mode on `device`, the held-out prompts as token ids) from the flags."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
+    prompts = load_prompts(
+        args.dataset, tokenizer, num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens
+    )
+    return tokenizer, target, prompts
+
+
+def evaluate_args(
+    args: argparse.Namespace, target: nn.Module, tokenizer: Any, drafter: nn.Module, prompts: list
+) -> EvalReport:
+    """`evaluate` with the decoding flags: what every ``dflash-eval`` mode (one drafter, --watch) runs."""
+    return evaluate(
+        target,
+        drafter,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        stop_token_ids=[] if args.ignore_eos else stop_tokens(tokenizer, target),
+        block_size=args.block_size,
+        baseline=args.baseline,
+    )
+
+
+def user_error(err: BaseException) -> None:
+    """Print the one-line ``dflash-eval: error: ...`` and exit 2 (README, "Errors and exit codes")."""
+    from dflash.common.checkpoint_store import redact
+
+    text = redact(str(err)).strip()
+    print(f"{PROG}: error: {text.splitlines()[0] if text else type(err).__name__}", file=sys.stderr)
+    sys.exit(2)
+
+
 def run_cli(args: argparse.Namespace) -> int:
     """The evaluation of ``dflash-eval``'s parsed flags (eval_cli.build_parser); exit 2 on a user error."""
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s eval %(levelname)s %(message)s", datefmt="%H:%M:%S"
     )
+    if getattr(args, "watch", None):
+        from dflash.consumer.eval_watch import run_watch
+
+        return run_watch(args)
     from dflash.consumer.export import ExportError, load_exported_drafter, read_export_config
     from dflash.producer.data import DataError
 
     try:
-        for name in ("num_prompts", "max_new_tokens", "max_prompt_tokens"):
-            if getattr(args, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-        if args.block_size is not None and args.block_size < 2:
-            raise ValueError(f"--block-size must be >= 2, got {args.block_size}")
+        device, dtype = check_args(args)
         read_export_config(args.drafter)  # a wrong folder fails before the target is loaded
-        if args.device == "auto":
-            args.device = "cuda" if torch.cuda.is_available() else "cpu"
-        device = torch.device(args.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("--device cuda: no CUDA device available")
-        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
-            args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
-        )
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.target)
-        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
+        tokenizer, target, prompts = load_target(args, device, dtype)
         drafter = load_exported_drafter(args.drafter, target, device=device, dtype=dtype)
-        prompts = load_prompts(
-            args.dataset, tokenizer, num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens
-        )
-        report = evaluate(
-            target,
-            drafter,
-            prompts,
-            max_new_tokens=args.max_new_tokens,
-            stop_token_ids=[] if args.ignore_eos else stop_tokens(tokenizer, target),
-            block_size=args.block_size,
-            baseline=args.baseline,
-        )
+        report = evaluate_args(args, target, tokenizer, drafter, prompts)
     except (ExportError, DataError, ValueError, OSError) as err:
-        print(
-            f"{PROG}: error: {str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}",
-            file=sys.stderr,
-        )
-        sys.exit(2)  # a user or input error (README, "Errors and exit codes")
+        user_error(err)
     print(format_table(report))
     if args.json:
         text = json.dumps(

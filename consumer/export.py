@@ -218,7 +218,25 @@ def load_exported_drafter(
 
     root = Path(path)
     config = read_export_config(root)
-    state = _public_state(load_file(str(root / WEIGHTS_FILE)), config)
+    state = load_file(str(root / WEIGHTS_FILE))
+    return build_drafter(
+        state, config, target, device=device, dtype=dtype, attention_backend=attention_backend
+    )
+
+
+def build_drafter(
+    model_state: dict[str, torch.Tensor],
+    config: DrafterConfig,
+    target: Any,
+    *,
+    device: Any = None,
+    dtype: torch.dtype | None = None,
+    attention_backend: str = "auto",
+) -> DFlashDrafter:
+    """Weights (an export's or a checkpoint's, checked name by name) -> `DFlashDrafter` with the target's
+    head, in eval mode: the one path from weights to an inference drafter (`load_exported_drafter`,
+    ``dflash-eval --watch`` on checkpoints). `dtype`: default the stored dtype."""
+    state = _public_state(model_state, config)
     dtype = dtype or next(iter(state.values())).dtype
     head = load_target_head(target, dtype=dtype, device=device)
     if head.embed_weight.shape[1] != config.hidden_size:
@@ -284,6 +302,19 @@ def load_checkpoint_weights(store_url: str, run: str, step: int | None = None) -
         return load_file(str(path)), meta
 
 
+def checkpoint_drafter_config(meta: dict, run: str) -> DrafterConfig:
+    """The drafter's shape as a checkpoint's meta.json records it (``config.drafter``)."""
+    saved = meta.get("config") or {}
+    if not isinstance(saved.get("drafter"), dict):
+        raise ExportError(
+            f"checkpoint {run} step {meta.get('step')}: meta.json config has no 'drafter' entry"
+        )
+    try:
+        return DrafterConfig.from_dict(saved["drafter"])
+    except (TypeError, ValueError) as err:
+        raise ExportError(f"checkpoint {run} step {meta.get('step')}: bad drafter config: {err}") from None
+
+
 def export_checkpoint(
     store_url: str,
     run: str,
@@ -295,16 +326,8 @@ def export_checkpoint(
 ) -> Path:
     """Export one training checkpoint (the drafter config is the one recorded in its meta.json)."""
     model_state, meta = load_checkpoint_weights(store_url, run, step)
-    saved = meta.get("config") or {}
-    if not isinstance(saved.get("drafter"), dict):
-        raise ExportError(
-            f"checkpoint {run} step {meta.get('step')}: meta.json config has no 'drafter' entry"
-        )
-    try:
-        config = DrafterConfig.from_dict(saved["drafter"])
-    except (TypeError, ValueError) as err:
-        raise ExportError(f"checkpoint {run} step {meta.get('step')}: bad drafter config: {err}") from None
-    target = (saved.get("train") or {}).get("target")
+    config = checkpoint_drafter_config(meta, run)
+    target = ((meta.get("config") or {}).get("train") or {}).get("target")
     metadata = {"dflash_run": run, "dflash_step": str(meta.get("step"))}
     if target:
         metadata["dflash_target"] = str(target)
