@@ -10,6 +10,10 @@ record, different every epoch. Producers keep their slice of rows (row % world =
 its rows once) and walk it in the epoch's order; the next epoch starts when a producer's slice of this one
 is done, so production of epoch k+1 overlaps the end of epoch k.
 
+Held-out rows (``eval_samples``, drawn by the seed) are never trained in any epoch; producers spool their
+hidden states once per campaign into the spool's eval/ folder, which no trainer claims (consumers read them
+for the decode-order τ, consumer/decode_tau.py).
+
 The campaign (what the data gives: samples, tokens, supervised tokens per epoch) is counted by the
 producers while they tokenize and published in the spool (``state/campaign-n<node>.json``); consumers
 read it to print the plan and size the learning-rate schedule.
@@ -32,19 +36,31 @@ class Epochs:
     rows: int
     epochs: int = 1
     seed: int = 0
+    eval_samples: int = 0
+    """Rows held out for evaluation (drawn by ``seed``, never trained, spooled once per campaign)."""
 
     def __post_init__(self) -> None:
         if self.rows < 0:
             raise ValueError(f"rows must be >= 0, got {self.rows}")
         if self.epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {self.epochs}")
+        if not 0 <= self.eval_samples < max(self.rows, 1):
+            raise ValueError(f"eval samples must be in [0, {self.rows}) for {self.rows} rows, got {self.eval_samples}")
 
     @classmethod
     def from_plan(cls, plan: dict) -> Epochs:
-        """From the run record's plan (state/run.json ``plan``: rows, epochs, seed)."""
+        """From the run record's plan (state/run.json ``plan``: rows, epochs, shuffle_seed, eval_samples)."""
         return cls(
-            rows=int(plan["rows"]), epochs=int(plan.get("epochs", 1)), seed=int(plan.get("shuffle_seed", 0))
+            rows=int(plan["rows"]),
+            epochs=int(plan.get("epochs", 1)),
+            seed=int(plan.get("shuffle_seed", 0)),
+            eval_samples=int(plan.get("eval_samples", 0)),
         )
+
+    def held_out(self) -> np.ndarray:
+        """The held-out rows, sorted; their sample ids are the rows themselves (epoch 0's ids, never trained)."""
+        rng = np.random.default_rng([self.seed, 1 << 30])  # a stream no epoch order uses
+        return np.sort(rng.permutation(self.rows)[: self.eval_samples]).astype(np.int64)
 
     @property
     def num_ids(self) -> int:

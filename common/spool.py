@@ -519,6 +519,26 @@ class Spool:
             log.info("registering producers %s (was %s)", ids, old)
         _atomic_write_text(self.state_dir / "producers.json", json.dumps({"producers": ids}) + "\n")
 
+    @property
+    def eval_dir(self) -> Path:
+        """eval/: held-out shards, written once per campaign, read (never claimed) by consumers."""
+        path = self.root / "eval"
+        path.mkdir(mode=DIR_MODE, exist_ok=True)
+        return path
+
+    def eval_shards(self) -> list[Path]:
+        """The complete eval shards (a shard being written is hidden as .tmp-*)."""
+        return sorted(p for p in self.eval_dir.iterdir() if not p.name.startswith("."))
+
+    def eval_sample_ids(self):
+        """Sample ids in the eval shards (a numpy int64 array)."""
+        import numpy as np
+
+        from dflash.common.shard import read_sample_index
+
+        parts = [read_sample_index(p) for p in self.eval_shards()]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
     def write_campaign(self, node_rank: int, record: dict) -> None:
         """state/campaign-n<node>.json: what this node's producers' slices give per epoch (samples, tokens,
         loss_tokens, epochs, num_nodes); the same on every launch of the run (see dflash.common.epochs)."""

@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="fraction of the schedule's steps spent in linear learning-rate warmup, in [0, 1)",
     )
     p.add_argument("--grad-clip", type=float, default=1.0, help="clip the gradient's global L2 norm to this")
+    p.add_argument(
+        "--eval-every",
+        type=int,
+        default=500,
+        help="steps between decode-order acceptance-length evaluations on the held-out shards the producers "
+        "spool with --eval-samples (also before the first step and after the last; 0: never)",
+    )
     p.add_argument("--loss-chunk-tokens", type=int, default=2048, help="query tokens per lm_head+CE chunk")
     p.add_argument(
         "--mask-token-id",
@@ -267,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             gamma=args.gamma,
             lr=args.lr,
             warmup_ratio=args.warmup_ratio,
+            eval_every=args.eval_every,
             grad_clip=args.grad_clip,
             loss_chunk_tokens=args.loss_chunk_tokens,
             mask_token_id=args.mask_token_id,

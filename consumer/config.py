@@ -40,6 +40,9 @@ class TrainConfig:
     gamma: float = 7.0
     lr: float = 6e-4
     warmup_ratio: float = 0.04
+    eval_every: int = 500
+    """Steps between decode-order τ evaluations on the spool's held-out shards (0: never); also before the
+    first step of a fresh run and after the last (consumer/decode_tau.py)."""
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     loss_chunk_tokens: int = 2048
@@ -99,6 +102,8 @@ class TrainConfig:
             raise ValueError(f"max-steps must be >= 1, got {self.max_steps}")
         if self.total_steps is not None and self.total_steps < 1:
             raise ValueError(f"total-steps must be >= 1, got {self.total_steps}")
+        if self.eval_every < 0:
+            raise ValueError(f"eval-every must be >= 0, got {self.eval_every}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.lr <= 0:

@@ -27,6 +27,7 @@ import torch._dynamo  # noqa: F401  first import in the main thread: concurrent 
 from dflash.common.checkpoint_store import CheckpointStoreError, open_store, redact
 from dflash.common.metrics_log import MetricsLog, format_console_line
 from dflash.common.sample_set import SampleSet
+from dflash.common.shard import read_shard
 from dflash.common.spool import Spool
 from dflash.consumer import distributed as D
 from dflash.consumer.async_checkpoint import AsyncCheckpointer
@@ -40,6 +41,7 @@ from dflash.consumer.checkpoint import (
     save_checkpoint,
 )
 from dflash.consumer.config import TrainConfig
+from dflash.consumer.decode_tau import HeldOutDoc, decode_order_tau
 from dflash.consumer.drafter import DFlashDrafter, DrafterConfig, load_target_head
 from dflash.consumer.feed import ShardFeed
 from dflash.consumer.input_pipeline import InputPipeline, StepInput
@@ -255,6 +257,10 @@ class Trainer:
         self._recompiles_at_warmup: int | None = None
         self.first_step_s: float | None = None
         self.plan: CampaignPlan | None = None
+        self._held_out: list[HeldOutDoc] = []
+        self._held_out_shards = 0
+        self._eval_step: int | None = None  # the step last evaluated
+        self.eval_s = 0.0
         self._saved_step: int | None = None
         self._t_process = time.monotonic()
         self.history: list[dict] = []
@@ -399,10 +405,14 @@ class Trainer:
                 if self.step % cfg.log_every == 0:
                     self._log(stats)
                     stats = StepStats()
+                if cfg.eval_every and self.step % cfg.eval_every == 0:
+                    self._evaluate()
                 if self.store is not None and self.step % cfg.save_every == 0:
                     self.save()
             if stats.steps:
                 self._log(stats)
+            if cfg.eval_every and self._eval_step != self.step and self.first_step_s is not None:
+                self._evaluate()
             # always: when the last periodic save wrote this step, save() only waits for its background
             # write (exiting while it runs aborts the process and loses the checkpoint)
             self.save(final=True)
@@ -423,6 +433,7 @@ class Trainer:
             "recompiles_after_warmup": self._recompiles_after_warmup,
             "fill": self.feed.counters.tokens_packed / max(1, self.feed.counters.slots_packed),
             "last_save_stall_s": self.last_save_stall_s,
+            "eval_s": self.eval_s,
             "history": self.history,
         }
 
@@ -510,6 +521,60 @@ class Trainer:
             return
         if self.dist.is_main:
             log.info(self.plan.describe(schedule.warmup_steps, override=override))
+        if cfg.eval_every and self.step == 0:  # the untrained drafter: the "before" of every later figure
+            self._evaluate()
+
+    def _load_held_out(self) -> list[HeldOutDoc]:
+        """The held-out documents of the spool's eval/ shards (re-read when more shards have landed)."""
+        shards = self.spool.eval_shards()
+        if len(shards) != self._held_out_shards:
+            docs = []
+            for path in shards:
+                shard = read_shard(path)
+                cu = shard.cu_seqlens.tolist()
+                for i, sid in enumerate(shard.sample_index.tolist()):
+                    a, b = cu[i], cu[i + 1]
+                    docs.append(
+                        HeldOutDoc(
+                            sample_index=int(sid),
+                            input_ids=shard.input_ids[a:b].numpy(),
+                            loss_mask=shard.loss_mask[a:b].numpy(),
+                            hidden=shard.hidden[a:b],
+                        )
+                    )
+            self._held_out = sorted(docs, key=lambda d: d.sample_index)
+            self._held_out_shards = len(shards)
+        return self._held_out
+
+    def _evaluate(self) -> None:
+        """Decode-order τ of the drafter on the held-out documents (rank 0; the others wait at the next
+        collective). Nothing to do when the producers spool no held-out set (--eval-samples 0)."""
+        self._eval_step = self.step
+        if not self.dist.is_main:
+            return
+        docs = self._load_held_out()
+        if not docs:
+            return
+        t0 = time.monotonic()
+        report = decode_order_tau(self.model, docs)
+        took = time.monotonic() - t0
+        self.eval_s += took
+        in_loop = self.history[-1]["tau"] if self.history else None
+        rec = {
+            "event": "eval", "time": time.time(), "step": self.step, "decode_tau": report.tau,
+            "accept_rate": report.accept_rate, "eval_docs": report.prompts, "verify_steps": report.verify_steps,
+            "eval_s": took, "in_loop_tau": in_loop,
+        }  # fmt: skip
+        if self.metrics:
+            self.metrics.write(rec)
+        if self.wandb is not None:
+            self.wandb.log({"decode_tau": report.tau}, step=self.step)
+        loop = f", in-loop τ {in_loop:.2f}" if in_loop is not None else ""
+        share = self.eval_s / max(1e-9, time.monotonic() - self._t_process)
+        log.info(
+            "eval step %d: decode-order τ %.2f on %d held-out docs%s (%.1f s; evaluation %.1f%% of the run)",
+            self.step, report.tau, report.prompts, loop, took, 100 * share,
+        )  # fmt: skip
 
     def _epoch(self) -> int:
         """The epoch in progress (0-based), by how much has been trained: epochs overlap (a producer starts

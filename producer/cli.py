@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="passes over the dataset; recorded in the spool's run record, so consumers and later launches agree",
     )  # fmt: skip
     p.add_argument(
+        "--eval-samples", type=int, default=0,
+        help="rows held out for evaluation (drawn by --shuffle-seed, never trained): their hidden states go "
+        "to the spool's eval/ once, and consumers report the decode-order acceptance length on them",
+    )  # fmt: skip
+    p.add_argument(
         "--shuffle-seed", type=int, default=0,
         help="each epoch walks the dataset in an order drawn from (this seed, epoch)",
     )  # fmt: skip
@@ -385,7 +390,9 @@ def _main(args) -> int:
     try:
         spool = Spool(spool_dir)
         model = os.path.abspath(args.model) if os.path.exists(args.model) else args.model
-        plan = {"epochs": args.epochs, "shuffle_seed": args.shuffle_seed, "rows": num_rows,
+        if not 0 <= args.eval_samples < num_rows:
+            raise UsageError(f"--eval-samples {args.eval_samples}: must be in [0, {num_rows}) for dataset {args.dataset} ({num_rows} rows)")  # fmt: skip
+        plan = {"epochs": args.epochs, "shuffle_seed": args.shuffle_seed, "eval_samples": args.eval_samples, "rows": num_rows,
                 "max_length": args.max_length, "min_loss_tokens": data_cfg.min_loss_tokens,
                 "format": args.format}  # fmt: skip
         identity = {
@@ -454,6 +461,7 @@ def _main(args) -> int:
                 skip=skip,
                 epochs=args.epochs,
                 shuffle_seed=args.shuffle_seed,
+                eval_samples=args.eval_samples,
                 run_dir=args.run_dir,
                 writer_threads=args.writer_threads,
                 num_threads=cpu_threads if w.device == "cpu" else None,

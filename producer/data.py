@@ -558,15 +558,20 @@ def drop_summary(
     return {"rows": len(tok_ds), "ok": ok, "dropped": len(tok_ds) - ok, "reasons": reasons, "first": first}
 
 
-def campaign_counts(tok_ds) -> dict:
+def campaign_counts(tok_ds, exclude: np.ndarray | None = None) -> dict:
     """What one epoch of the tokenized slice gives: ``{"samples", "tokens", "loss_tokens"}`` of its kept
-    rows (counted with pyarrow; see dflash.common.epochs.Campaign)."""
+    rows, minus the positions ``exclude`` (held out); counted with pyarrow (dflash.common.epochs.Campaign)."""
+    import pyarrow as pa
     import pyarrow.compute as pc
 
     if len(tok_ds) == 0 or "status" not in tok_ds.column_names:
         return {"samples": 0, "tokens": 0, "loss_tokens": 0}
     table = tok_ds.with_format("arrow")[:]
     ok = pc.equal(table["status"], "ok")
+    if exclude is not None and len(exclude):
+        keep = np.ones(len(tok_ds), dtype=bool)
+        keep[np.asarray(exclude, dtype=np.int64)] = False
+        ok = pc.and_(ok, pa.array(keep))
     lengths = pc.filter(pc.list_value_length(table["input_ids"]), ok)
     loss = pc.filter(table["num_loss_tokens"], ok)
     return {

@@ -16,6 +16,7 @@ tmp/ leftovers are removed, and no DONE marker is written, so consumers keep wai
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -67,6 +68,8 @@ class ProducerConfig:
     """Passes over the dataset (sample ids: dflash.common.epochs)."""
     shuffle_seed: int = 0
     """Each epoch walks the rows in an order drawn from (shuffle_seed, epoch)."""
+    eval_samples: int = 0
+    """Rows held out for evaluation (dflash.common.epochs): never trained, spooled once into eval/."""
     run_dir: str | None = None
     """If set, append heartbeat counters to <run_dir>/metrics/producer-<id>.jsonl."""
     target_name: str | None = None
@@ -157,14 +160,16 @@ def plan_epochs(
     """What this producer still has to produce, in order: (positions into ``tok_ds``, sample ids, counts).
 
     Epoch by epoch, the slice's rows in the epoch's order, minus the rows tokenization dropped (counted
-    once, not per epoch) and the ids already trained (``skip``, from the checkpoint).
+    once, not per epoch), the held-out rows (``held_out_plan``) and the ids already trained (``skip``, from
+    the checkpoint).
     """
     status = np.asarray(tok_ds.with_format("arrow")["status"].to_numpy(zero_copy_only=False))
     ok = status == "ok"
+    train = ok & ~np.isin(mine, epochs.held_out())
     positions, ids, skipped = [], [], 0
     for epoch in range(epochs.epochs):
         pos = epochs.slice_order(epoch, mine)
-        pos = pos[ok[pos]]
+        pos = pos[train[pos]]
         sid = epochs.ids(epoch, mine[pos])
         if skip is not None and len(sid):
             trained = skip.contains_mask(sid).numpy()
@@ -175,6 +180,47 @@ def plan_epochs(
     counts = {"dropped": int((~ok).sum()), "short": int((status == "short").sum()), "skipped": skipped}
     counts["bad"] = counts["dropped"] - counts["short"]
     return np.concatenate(positions), np.concatenate(ids), counts
+
+
+def held_out_plan(tok_ds, mine: np.ndarray, epochs: Epochs) -> tuple[np.ndarray, np.ndarray]:
+    """(positions into ``tok_ds``, sample ids) of this slice's kept held-out rows (ids = rows)."""
+    status = np.asarray(tok_ds.with_format("arrow")["status"].to_numpy(zero_copy_only=False))
+    pos = np.flatnonzero(np.isin(mine, epochs.held_out()) & (status == "ok"))
+    return pos, mine[pos].astype(np.int64)
+
+
+def write_held_out(
+    cfg: ProducerConfig, capture: LayerCapture, samples: Iterable[Sample], spool, pad_id: int
+) -> int:
+    """Forward the held-out samples and write them as eval shards into the spool's eval/ folder (no
+    trainer claims them; consumers read them for the decode-order τ). Returns the samples written."""
+    from dflash.common.shard import Shard, ShardMeta, write_shard
+    from dflash.common.spool import shard_name
+
+    device = torch.device(cfg.device)
+    meta_kw = dict(target_model=cfg.target_name or cfg.model, layer_ids=capture.layer_ids,
+                   hidden_size=capture.hidden_size, producer_id=cfg.producer_id)  # fmt: skip
+    written = 0
+    with torch.inference_mode():
+        for seq, batch in enumerate(_all_batches(samples, Bucketer(cfg.buckets))):
+            hidden = _forward_batch(capture, batch, device, pad_id).cpu()
+            lengths = np.fromiter((len(x) for x in batch.samples), dtype=np.int64, count=len(batch.samples))
+            cu = np.zeros(len(lengths) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=cu[1:])
+            shard = Shard(
+                input_ids=torch.from_numpy(np.concatenate([x.input_ids for x in batch.samples])),
+                loss_mask=torch.from_numpy(np.concatenate([x.loss_mask for x in batch.samples])),
+                cu_seqlens=torch.from_numpy(cu),
+                sample_index=torch.tensor([x.sample_index for x in batch.samples], dtype=torch.int64),
+                hidden=hidden,
+                meta=ShardMeta(bucket=batch.bucket, **meta_kw),
+            )
+            name = shard_name(batch.bucket, cfg.producer_id, seq)
+            tmp = spool.eval_dir / f".tmp-{name}"
+            write_shard(tmp, shard)
+            os.rename(tmp, spool.eval_dir / name)  # whole shards only, like publish
+            written += len(batch.samples)
+    return written
 
 
 class _Writers:
@@ -424,9 +470,13 @@ def run_producer(
     num_rows = min(len(ds), cfg.data.limit) if cfg.data.limit else len(ds)
     mine = slice_indices(num_rows, rank=cfg.rank, world=cfg.world)
     tok_ds = tokenize_slice(ds, tokenizer, cfg.data, mine)  # the whole slice: cached across launches
-    epochs = Epochs(rows=num_rows, epochs=cfg.epochs, seed=cfg.shuffle_seed)
+    epochs = Epochs(rows=num_rows, epochs=cfg.epochs, seed=cfg.shuffle_seed, eval_samples=cfg.eval_samples)
     skip = SampleSet.from_bytes(cfg.skip) if cfg.skip else None
     positions, ids, counts = plan_epochs(tok_ds, mine, epochs, skip)
+    held_pos, held_ids = held_out_plan(tok_ds, mine, epochs)
+    if len(held_ids):  # spooled once per campaign: what an earlier launch wrote stays in eval/
+        keep = ~np.isin(held_ids, spool.eval_sample_ids())
+        held_pos, held_ids = held_pos[keep], held_ids[keep]
     # total - samples - dropped = what is left to produce
     counters.add(**counts, total=len(ids) + counts["dropped"])
     if on_tokenized is not None:
@@ -437,7 +487,7 @@ def run_producer(
         )
         summary["skipped"] = counts["skipped"]
         summary["remaining"] = len(ids)
-        summary["campaign"] = campaign_counts(tok_ds)
+        summary["campaign"] = campaign_counts(tok_ds, exclude=np.flatnonzero(np.isin(mine, epochs.held_out())))
         if not on_tokenized(summary):
             heartbeat(force=True, phase="aborted", done=False)
             heartbeat.close()
@@ -452,6 +502,9 @@ def run_producer(
     )  # fmt: skip
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     try:
+        if len(held_ids):
+            n = write_held_out(cfg, capture, _samples(tok_ds, held_pos, held_ids), spool, pad_id)
+            log.info("producer %s: %d held-out samples spooled for evaluation (eval/)", cfg.producer_id, n)
         return produce(cfg, capture, _samples(tok_ds, positions, ids), pad_id=pad_id, stop=stop, counters=counters, heartbeat=heartbeat)  # fmt: skip
     finally:
         capture.close()

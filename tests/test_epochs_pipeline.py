@@ -19,6 +19,7 @@ from dflash.consumer.checkpoint import load_checkpoint
 
 ROWS = 30
 EPOCHS = 2
+HELD_OUT = 3
 PLAN_LINE = re.compile(r"campaign: (\d+) samples x (\d+) epoch\(s\).* = (\d+) steps, warm-up (\d+)")
 
 
@@ -50,8 +51,8 @@ def test_two_epochs_kill9_mid_epoch_2_then_the_same_command_trains_each_row_once
         "bash", str(REPO / "ops" / "run_all.sh"), "--producers", "cpu:2", "--consumers", "cpu:2",
         "--model", str(tiny_target), "--dataset", str(data), "--run", "epochs", "--run-dir", str(run_dir),
         "--spool", str(spool), "--checkpoint", str(ckpt), "--epochs", str(EPOCHS),
-        "--producer-args", f"--max-length {MAX_LENGTH} --batch-tokens 2048",
-        "--consumer-args", CONSUMER_ARGS + " --min-split-tokens 32",
+        "--producer-args", f"--max-length {MAX_LENGTH} --batch-tokens 2048 --eval-samples {HELD_OUT}",
+        "--consumer-args", CONSUMER_ARGS + " --min-split-tokens 32 --eval-every 4",
     ]  # fmt: skip
     env = _env(tmp_path)
     lives: list[Life] = []
@@ -74,8 +75,11 @@ def test_two_epochs_kill9_mid_epoch_2_then_the_same_command_trains_each_row_once
     launches = [life.launch() for life in lives]
     final = load_checkpoint(str(ckpt), "epochs")
     rows = eligible_samples(data, tiny_target, tmp_path / "hf-audit", max_length=MAX_LENGTH)
-    epochs = Epochs(rows=ROWS, epochs=EPOCHS)
-    eligible = {int(i) for k in range(EPOCHS) for i in epochs.ids(k, sorted(rows))}
+    epochs = Epochs(rows=ROWS, epochs=EPOCHS, eval_samples=HELD_OUT)
+    held = set(epochs.held_out().tolist()) & rows
+    assert held, "no held-out row survived tokenization"
+    train_rows = sorted(rows - held)
+    eligible = {int(i) for k in range(EPOCHS) for i in epochs.ids(k, train_rows)}
     got = audit(run_dir, launches, final.step, eligible, ranks=(0, 1))
     print(f"epochs audit: {got}")
     assert got["duplicates"] == 0 and got["missing"] == 0
@@ -90,8 +94,19 @@ def test_two_epochs_kill9_mid_epoch_2_then_the_same_command_trains_each_row_once
     plans = PLAN_LINE.findall(log)
     assert len(plans) == 2, log[-3000:]
     samples, n_epochs, planned, warmup = map(int, plans[-1])
-    assert (samples, n_epochs) == (len(rows), EPOCHS)
+    assert (samples, n_epochs) == (len(train_rows), EPOCHS)
     print(f"planned {planned} steps, took {final.step}")
     assert abs(final.step - planned) <= 2, (final.step, planned)
     assert warmup == max(1, int(0.04 * planned))
     assert f"epoch=2/{EPOCHS}" in log and f"step={final.step}/{planned}" in log
+
+    # the held-out set: spooled once into eval/ (never claimed, never trained), evaluated before the first
+    # step, every --eval-every steps and after the last, with the real decode loop's rule
+    from dflash.common.spool import Spool
+
+    assert sorted(Spool(spool, create=False).eval_sample_ids().tolist()) == sorted(held)
+    evals = [r for r in read_jsonl(run_dir / "metrics" / "consumer-0.jsonl") if r.get("event") == "eval"]
+    steps = [r["step"] for r in evals]
+    assert steps[0] == 0 and steps[-1] == final.step and all(s % 4 == 0 for s in steps[1:-1]), steps
+    assert all(r["eval_docs"] == len(held) and r["decode_tau"] >= 1.0 for r in evals), evals
+    assert "decode-order τ" in log

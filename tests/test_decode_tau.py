@@ -1,0 +1,111 @@
+"""Decode-order τ (consumer/decode_tau.py) walks a document exactly as dflash-eval decodes when the document's
+response is the target's greedy output: the same verify steps, accepted counts, emitted tokens and context
+features, with no target forward."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_evaluate import OracleProposer, _manual_greedy
+
+from dflash.common.demo_assets import build_tiny_target, demo_dataset_path, tiny_target_dir
+from dflash.consumer.decode_tau import HeldOutDoc, decode_order_tau, first_response, teacher_forced_generate
+from dflash.consumer.drafter import DFlashDrafter, DrafterConfig, load_target_head
+from dflash.consumer.evaluate import (
+    DrafterProposer,
+    TargetRunner,
+    load_prompts,
+    speculative_generate,
+    summarize,
+)
+
+LAYERS = [1, 4, 7]
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def setup():
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)
+    target = build_tiny_target()
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir())
+    prompts = load_prompts(str(demo_dataset_path()), tok, num_prompts=2)
+    docs = []
+    for p in prompts:  # the document a producer would spool: prompt + the target's greedy response
+        ids = torch.tensor(p.tolist() + _manual_greedy(target, p, MAX_NEW))
+        with torch.no_grad():
+            out = target(ids[None], output_hidden_states=True)
+        hidden = torch.cat([out.hidden_states[i + 1][0] for i in LAYERS], dim=-1)
+        mask = np.zeros(len(ids), dtype=bool)
+        mask[len(p) :] = True
+        docs.append(HeldOutDoc(sample_index=len(docs), input_ids=ids.numpy(), loss_mask=mask, hidden=hidden))
+    return target, prompts, docs
+
+
+def _overfit(drafter: DFlashDrafter, docs: list[HeldOutDoc], steps: int = 30) -> None:
+    """A few training steps on the documents themselves (the trainer's building blocks)."""
+    from dflash.consumer.batching import build_draft_batch, pack_samples
+    from dflash.consumer.loss import draft_loss
+
+    packed = pack_samples(
+        [(torch.from_numpy(d.input_ids), torch.from_numpy(d.loss_mask), d.hidden, d.sample_index) for d in docs],
+        context_tokens=sum(len(d.input_ids) for d in docs),
+    )
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        batch = build_draft_batch(
+            packed, block_size=16, num_anchors=32, max_anchors_per_doc=16, mask_token_id=3, gamma=7.0,
+            generator=gen,
+        )  # fmt: skip
+        out = draft_loss(drafter(batch), batch, drafter.target_head.lm_head_weight)
+        opt.zero_grad()
+        out.loss().backward()
+        opt.step()
+    drafter.eval()
+
+
+def test_first_response_is_the_first_supervised_span():
+    assert first_response(np.array([0, 0, 1, 1, 0, 1], dtype=bool)) == (2, 4)
+    assert first_response(np.array([0, 1, 1], dtype=bool)) == (1, 3)
+    assert first_response(np.zeros(4, dtype=bool)) is None
+
+
+def test_the_walk_is_dflash_evals_loop_step_for_step(setup):
+    """An oracle drafter right for 15, 0, 3, 1, 7 positions per block: same steps, tokens and features."""
+    target, prompts, docs = setup
+    runner = TargetRunner(target, LAYERS)
+    for prompt, doc in zip(prompts, docs, strict=True):
+        ref = doc.input_ids.tolist()
+        live = OracleProposer(ref, 16, [15, 0, 3, 1, 7], target.config.vocab_size)
+        walk = OracleProposer(ref, 16, [15, 0, 3, 1, 7], target.config.vocab_size)
+        decoded = speculative_generate(runner, live, prompt, max_new_tokens=MAX_NEW)
+        walked = teacher_forced_generate(
+            walk, doc.input_ids, doc.hidden, start=len(prompt), max_new_tokens=MAX_NEW, block_size=16
+        )
+        assert walked.steps == decoded.steps and walked.tokens == decoded.tokens
+        assert walk.starts == live.starts
+        torch.testing.assert_close(torch.cat(walk.features), torch.cat(live.features), atol=2e-5, rtol=1e-4)
+
+
+def test_decode_order_tau_equals_dflash_eval_with_a_real_drafter(setup):
+    target, prompts, docs = setup
+    config = DrafterConfig.from_target_config(
+        target.config, num_layers=1, mask_token_id=3, target_layer_ids=LAYERS
+    )
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config, load_target_head(target, dtype=torch.float32))
+    _overfit(drafter, docs)  # a drafter that accepts some drafts, so the walk's branches all run
+    runner = TargetRunner(target, LAYERS)
+    gens = [
+        speculative_generate(runner, DrafterProposer(drafter), p, max_new_tokens=MAX_NEW) for p in prompts
+    ]
+    decoded = summarize(gens, config.block_size)
+    walked = decode_order_tau(drafter, docs)
+    print(f"decode-order tau {walked.tau:.3f}, dflash-eval tau {decoded.tau:.3f}")
+    assert decoded.tau > 1.5  # the drafter accepts drafts: every branch of the walk ran
+    assert walked.verify_steps == decoded.verify_steps
+    assert walked.tau == decoded.tau and walked.accept_rate == decoded.accept_rate
+    assert walked.outputs == decoded.outputs
