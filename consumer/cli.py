@@ -110,6 +110,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="steps between decode-order acceptance-length evaluations on the held-out shards the producers "
         "spool with --eval-samples (also before the first step and after the last; 0: never)",
     )
+    p.add_argument(
+        "--eval-budget",
+        type=float,
+        default=0.03,
+        help="largest share of the run's time periodic evaluations may take; one that would exceed it is "
+        "skipped and said in the log",
+    )
     p.add_argument("--loss-chunk-tokens", type=int, default=2048, help="query tokens per lm_head+CE chunk")
     p.add_argument(
         "--mask-token-id",
@@ -275,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
             lr=args.lr,
             warmup_ratio=args.warmup_ratio,
             eval_every=args.eval_every,
+            eval_budget=args.eval_budget,
             grad_clip=args.grad_clip,
             loss_chunk_tokens=args.loss_chunk_tokens,
             mask_token_id=args.mask_token_id,

@@ -43,6 +43,9 @@ class TrainConfig:
     eval_every: int = 500
     """Steps between decode-order τ evaluations on the spool's held-out shards (0: never); also before the
     first step of a fresh run and after the last (consumer/decode_tau.py)."""
+    eval_budget: float = 0.03
+    """Largest share of the run's wall time the periodic evaluations may take: one that would exceed it is
+    skipped (the first and the last always run; they are the before and after of the run)."""
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     loss_chunk_tokens: int = 2048
@@ -104,6 +107,8 @@ class TrainConfig:
             raise ValueError(f"total-steps must be >= 1, got {self.total_steps}")
         if self.eval_every < 0:
             raise ValueError(f"eval-every must be >= 0, got {self.eval_every}")
+        if not 0.0 < self.eval_budget <= 1.0:
+            raise ValueError(f"eval-budget must be in (0, 1], got {self.eval_budget}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.lr <= 0:

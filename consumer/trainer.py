@@ -261,6 +261,7 @@ class Trainer:
         self._held_out_shards = 0
         self._eval_step: int | None = None  # the step last evaluated
         self.eval_s = 0.0
+        self._last_eval_s: float | None = None
         self._saved_step: int | None = None
         self._t_process = time.monotonic()
         self.history: list[dict] = []
@@ -406,7 +407,7 @@ class Trainer:
                     self._log(stats)
                     stats = StepStats()
                 if cfg.eval_every and self.step % cfg.eval_every == 0:
-                    self._evaluate()
+                    self._evaluate(periodic=True)
                 if self.store is not None and self.step % cfg.save_every == 0:
                     self.save()
             if stats.steps:
@@ -546,19 +547,29 @@ class Trainer:
             self._held_out_shards = len(shards)
         return self._held_out
 
-    def _evaluate(self) -> None:
+    def _evaluate(self, *, periodic: bool = False) -> None:
         """Decode-order τ of the drafter on the held-out documents (rank 0; the others wait at the next
-        collective). Nothing to do when the producers spool no held-out set (--eval-samples 0)."""
+        collective). Nothing to do when the producers spool no held-out set (--eval-samples 0); a periodic
+        evaluation that would take the evaluations past ``eval_budget`` of the run's time is skipped."""
         self._eval_step = self.step
         if not self.dist.is_main:
             return
         docs = self._load_held_out()
         if not docs:
             return
+        elapsed = time.monotonic() - self._t_process
+        if periodic and self._last_eval_s is not None:
+            if self.eval_s + self._last_eval_s > self.cfg.eval_budget * elapsed:
+                log.info(
+                    "eval step %d skipped: evaluations would take more than %.0f%% of the run (--eval-budget)",
+                    self.step, 100 * self.cfg.eval_budget,
+                )  # fmt: skip
+                return
         t0 = time.monotonic()
         report = decode_order_tau(self.model, docs)
         took = time.monotonic() - t0
         self.eval_s += took
+        self._last_eval_s = took
         in_loop = self.history[-1]["tau"] if self.history else None
         rec = {
             "event": "eval", "time": time.time(), "step": self.step, "decode_tau": report.tau,

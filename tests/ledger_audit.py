@@ -94,6 +94,13 @@ def eligible_samples(
     data: Path, target: Path, cache: Path, *, max_length: int, min_loss_tokens: int = 32
 ) -> set[int]:
     """The samples producers keep, from a clean tokenization pass with the producers' settings."""
+    return set(eligible_lengths(data, target, cache, max_length=max_length, min_loss_tokens=min_loss_tokens))
+
+
+def eligible_lengths(
+    data: Path, target: Path, cache: Path, *, max_length: int, min_loss_tokens: int = 32
+) -> dict[int, int]:
+    """Row -> tokens of every sample the producers keep (a clean tokenization pass, the producers' settings)."""
     from transformers import AutoTokenizer
 
     from dflash.producer.data import DataConfig, load_raw_dataset, tokenize_slice
@@ -103,4 +110,8 @@ def eligible_samples(
     )
     ds = load_raw_dataset(cfg)
     out = tokenize_slice(ds, AutoTokenizer.from_pretrained(target), cfg, np.arange(len(ds)))
-    return {int(i) for i, s in zip(out["sample_index"], out["status"], strict=True) if s == "ok"}
+    return {
+        int(i): len(ids)
+        for i, ids, s in zip(out["sample_index"], out["input_ids"], out["status"], strict=True)
+        if s == "ok"
+    }
