@@ -76,18 +76,33 @@ def _save(fig: Any, path: Path) -> Path:
 
 
 def _per_rank_plot(
-    consumers: dict[str, list[dict[str, Any]]], ykey: str, ylabel: str, title: str, path: Path
+    consumers: dict[str, list[dict[str, Any]]],
+    ykey: str,
+    ylabel: str,
+    title: str,
+    path: Path,
+    *,
+    events: tuple[str, str, str] | None = None,
 ):
+    """One line per rank of ``ykey`` over steps; ``events`` = (event name, key, label) adds those events'
+    points (e.g. the held-out decode-order τ next to the in-loop τ)."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(8, 4.5))
     ax = fig.add_subplot()
     drawn = False
-    label = len(consumers) <= MAX_LABELLED_RANKS
+    label = len(consumers) <= MAX_LABELLED_RANKS or events is not None
     for rank, recs in consumers.items():
         xs, ys = _series(recs, "step", ykey)
         if xs:
-            ax.plot(xs, ys, lw=1.2, label=f"rank {rank}" if label else None)
+            ax.plot(xs, ys, lw=1.2, label=f"rank {rank} (in-loop)" if events else f"rank {rank}" if label else None)
+            drawn = True
+    if events is not None:
+        name, key, what = events
+        pts = [(r["step"], r[key]) for recs in consumers.values() for r in recs
+               if r.get("event") == name and _num(r.get(key)) and _num(r.get("step"))]  # fmt: skip
+        if pts:
+            ax.plot(*zip(*sorted(pts), strict=True), "o-", lw=1.6, label=what)
             drawn = True
     if not drawn:
         return None
@@ -120,11 +135,12 @@ def write_plots(run_dir: str | Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
 
-    for ykey, ylabel, title, name in (
-        ("loss", "loss", "training loss", "loss.png"),
-        ("tau", "τ (acceptance length)", "acceptance length τ", "tau.png"),
-    ):
-        p = _per_rank_plot(consumers, ykey, ylabel, title, out_dir / name)
+    for ykey, ylabel, title, name, events in (
+        ("loss", "loss", "training loss", "loss.png", None),
+        ("tau", "τ (acceptance length)", "acceptance length τ", "tau.png",
+         ("eval", "decode_tau", "held-out, decode order (what serving sees)")),
+    ):  # fmt: skip
+        p = _per_rank_plot(consumers, ykey, ylabel, title, out_dir / name, events=events)
         if p:
             written.append(p)
 

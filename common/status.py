@@ -326,8 +326,11 @@ def _training(procs: list[dict[str, Any]], metrics: dict[str, list[dict[str, Any
             last = steps[-1]
             t = {
                 "rank": c["id"],
-                **{k: last.get(k) for k in ("step", "loss", "tau", "lr", "grad_norm", "fill")},
+                **{k: last.get(k) for k in ("step", "loss", "tau", "lr", "grad_norm", "fill", "total_steps", "epoch", "epochs", "eta_s")},  # fmt: skip
             }
+            evals = [r for r in metrics.get(f"consumer-{c['id']}", []) if r.get("event") == "eval"]
+            t["decode_tau"] = evals[-1].get("decode_tau") if evals else None
+            t["decode_tau_step"] = evals[-1].get("step") if evals else None
             t["acc"] = mean_acc(last.get("acc"))
             t["age_s"] = now - last["time"] if _isnum(last.get("time")) else None
             return t
@@ -465,11 +468,18 @@ def render(snap: dict[str, Any]) -> str:
     out.extend(_consumer_lines(snap))
     t = snap["training"]
     if t:
+        step = f"{t['step']}/{t['total_steps']}" if t.get("total_steps") else f"{t['step']}"
+        epoch = f" epoch={t['epoch']}/{t['epochs']}" if t.get("epoch") and t.get("epochs") else ""
         out.append(
-            f"training (rank {t['rank']}): step={t['step']} loss={_fmt(t['loss'], '.3g')} "
+            f"training (rank {t['rank']}): step={step}{epoch} loss={_fmt(t['loss'], '.3g')} "
             f"acc={_fmt(t['acc'], '.2f')} τ={_fmt(t['tau'], '.2f')} lr={_fmt(t['lr'], '.1e')}  "
             f"({format_duration(t['age_s'])} ago)"
         )
+        if t.get("decode_tau") is not None:
+            out.append(
+                f"  held-out τ (decode order, what serving sees) {t['decode_tau']:.2f} at step "
+                f"{t['decode_tau_step']}; in-loop τ above is over uniform anchors (higher)"
+            )
     r = snap["rates"]
     line = (
         f"rates: prod={format_rate(r['producer_tok_s'])} tok/s (average)  "

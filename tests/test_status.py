@@ -360,3 +360,32 @@ def test_throughput_plot_is_the_producers_average():
         [0.0, 10.0, 20.0, 30.0, 40.0],
         [2000.0, 2002.0, 2004.0, 2006.0, 2008.0],
     )
+
+
+def test_campaign_epoch_and_held_out_tau_are_shown(tmp_path, capsys):
+    """The latest step's step/total and epoch k/N, and the held-out decode-order τ next to the in-loop τ."""
+    run, _ = make_run(tmp_path)
+    path = run / "metrics" / "consumer-0.jsonl"
+    now = time.time()
+    extra = [
+        {"event": "eval", "step": 1200, "decode_tau": 2.71, "time": now - 4, "eval_docs": 64},
+        {"time": now - 3, "step": 1201, "loss": 2.3, "acc": [0.7], "tau": 3.4, "lr": 5e-4, "total_steps": 9000,
+         "epoch": 2, "epochs": 6},
+    ]  # fmt: skip
+    path.write_text(path.read_text() + "".join(json.dumps(r) + "\n" for r in extra))
+    status.main([str(run)])
+    out = capsys.readouterr().out
+    assert "step=1201/9000 epoch=2/6 loss=2.3" in out
+    assert "held-out τ (decode order, what serving sees) 2.71 at step 1200" in out
+
+
+def test_tau_plot_shows_the_held_out_decode_tau(tmp_path):
+    from dflash.common.plots import write_plots
+
+    run = tmp_path / "run"
+    steps = [{"time": 1000.0 + i, "step": i, "loss": 3.0, "tok_s": 1.0} for i in range(1, 6)]  # no in-loop τ
+    _jsonl(run / "metrics" / "consumer-0.jsonl", steps)
+    assert "tau.png" not in {p.name for p in write_plots(run)}
+    evals = [{"event": "eval", "step": s, "decode_tau": 1.5 + 0.1 * s, "time": 1000.0 + s} for s in (0, 5)]
+    _jsonl(run / "metrics" / "consumer-0.jsonl", steps + evals)
+    assert "tau.png" in {p.name for p in write_plots(run)}  # drawn from the held-out points alone
