@@ -3,28 +3,35 @@
 Why this exists: tests and the demo need a target model, a tokenizer with a chat template and a chat
 dataset of REAL text, without internet. Everything here is derived from what every Python install
 carries: the chat dataset is built from the standard library's own docstrings (PSF-licensed prose),
-and a small byte-level BPE tokenizer is trained on that dataset. The target model config is tiny and its
-weights are created from the config with a fixed seed (dflash.common.demo_assets.build_tiny_target), so
-no weights are shipped.
+and a small byte-level BPE tokenizer is trained on that dataset. The target model config is tiny;
+`--train-target` trains its weights for a few CPU minutes on the same text plus the stdlib's source
+files (a random target answers in junk loops, and a drafter trained on those learns nothing useful),
+ships them as bf16 safetensors, and ships the trained target's greedy answers to the bundled prompts
+(what the demo trains its drafter on).
 
 The script is deterministic for a given Python version (docstrings change between versions; the version
 used is recorded in assets/README.md).
 
-    .venv/bin/python ops/make_demo_assets.py            # rewrite common/assets/
-    .venv/bin/python ops/make_demo_assets.py --check    # rebuild into a temp dir and diff
+    .venv/bin/python ops/make_demo_assets.py                  # rewrite common/assets/ (not the weights)
+    .venv/bin/python ops/make_demo_assets.py --train-target   # and retrain the target (~10-20 min, 2 cores)
+    .venv/bin/python ops/make_demo_assets.py --check          # rebuild into a temp dir and diff
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import filecmp
 import importlib
 import inspect
 import json
+import os
 import random
 import re
 import sys
 import tempfile
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 ASSETS = Path(__file__).resolve().parents[1] / "common" / "assets"
@@ -238,26 +245,224 @@ def build(out: Path) -> None:
     with open(tdir / "config.json", "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
         f.write("\n")
-    n_chars = sum(len(t) for t in texts)
-    (out / "README.md").write_text(
+    write_readme(out, n_chars=sum(len(t) for t in texts), n_convs=len(convs), n_tokens=len(tok))
+
+
+# --------------------------------------------------------------------------- stage 2: a trained target
+# Why: a target with random weights answers every prompt with a junk loop ("ventventvent..."), so a
+# drafter trained on it learns a degenerate task and its tau swings wildly. A few minutes of CPU training
+# on text every Python install carries gives a target whose greedy answers read like documentation.
+
+TRAINED_OUTPUTS = ("tiny-qwen3/model.safetensors", "tiny-qwen3/training.json", "demo_chat_distilled.jsonl")
+"""Outputs of ``--train-target`` (minutes of training): written once and committed; ``--check`` skips them."""
+
+
+@dataclass(frozen=True)
+class TargetTrainConfig:
+    """The recipe of the shipped target weights (recorded in assets/README.md and training.json)."""
+
+    steps: int = 600
+    batch: int = 16
+    seq_len: int = 256
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup: int = 40
+    weight_decay: float = 0.1
+    chat_fraction: float = 0.6
+    """Rows drawn from the chat-formatted bundled conversations; the rest from the stdlib's .py files."""
+    seed: int = 0
+    threads: int = 2
+    distill_new_tokens: int = 128
+
+
+def stdlib_source_files() -> list[Path]:
+    """The top-level modules of the running Python's standard library, read as text (never imported)."""
+    root = Path(os.__file__).resolve().parent
+    return sorted(p for p in root.glob("*.py") if not p.name.startswith("_"))
+
+
+def stdlib_docstrings(files: list[Path]) -> list[str]:
+    """Module, class and function docstrings of `files` (via ast: no module is imported or run)."""
+    docs: list[str] = []
+    for path in files:
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) >= 80:
+                    docs.append(doc)
+    return docs
+
+
+def _token_stream(tok, texts: list[str]):
+    """All `texts` tokenized and joined, each followed by the pad token (a document separator)."""
+    import torch
+
+    ids: list[int] = []
+    for enc in tok(texts, add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        ids.append(tok.pad_token_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def training_streams(out: Path, tok) -> tuple:
+    """(chat stream, stdlib stream): the bundled conversations in the chat template, so the target learns
+    to answer and end its turn; and the stdlib's source files plus their docstrings as plain text."""
+    convs = [json.loads(line) for line in open(out / "demo_chat.jsonl", encoding="utf-8")]
+    chats = [tok.apply_chat_template(c["messages"], tokenize=False) for c in convs]
+    files = stdlib_source_files()
+    texts = [p.read_text(encoding="utf-8", errors="replace") for p in files] + stdlib_docstrings(files)
+    return _token_stream(tok, chats), _token_stream(tok, texts)
+
+
+def _batch(streams: tuple, cfg: TargetTrainConfig, gen):
+    """One [batch, seq_len + 1] batch of random windows; rows from the chat stream w.p. chat_fraction."""
+    import torch
+
+    rows = []
+    for _ in range(cfg.batch):
+        stream = streams[0] if torch.rand((), generator=gen) < cfg.chat_fraction else streams[1]
+        start = int(torch.randint(0, stream.numel() - cfg.seq_len - 1, (), generator=gen))
+        rows.append(stream[start : start + cfg.seq_len + 1])
+    return torch.stack(rows)
+
+
+def _lr(step: int, cfg: TargetTrainConfig) -> float:
+    import math
+
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * frac))
+
+
+def train_target(out: Path, cfg: TargetTrainConfig) -> dict:
+    """Train the tiny target from its seed-0 init (fp32 on CPU: bf16 matmuls are 4-5x slower there);
+    save bf16 safetensors; return the record (recipe, final loss, time)."""
+    import torch
+    import torch.nn.functional as F
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(cfg.threads)
+    tdir = out / "tiny-qwen3"
+    tok = AutoTokenizer.from_pretrained(tdir)
+    streams = training_streams(out, tok)
+    torch.manual_seed(cfg.seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tdir), dtype=torch.float32).train()
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2 and "norm" not in n]
+    other = [p for n, p in model.named_parameters() if not (p.ndim >= 2 and "norm" not in n)]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(0.9, 0.95),
+    )
+    gen = torch.Generator().manual_seed(cfg.seed)
+    losses: list[float] = []
+    t0 = time.monotonic()
+    for step in range(cfg.steps):
+        for group in opt.param_groups:
+            group["lr"] = _lr(step, cfg)
+        batch = _batch(streams, cfg, gen)
+        logits = model(input_ids=batch[:, :-1]).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        if step % 25 == 0 or step == cfg.steps - 1:
+            print(
+                f"[target] step {step:4d}/{cfg.steps} loss {loss:.3f} ({time.monotonic() - t0:.0f} s)",
+                flush=True,
+            )
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(tdir / "model.safetensors"), metadata={"format": "pt"})
+    tail = losses[-50:]
+    return {
+        "recipe": asdict(cfg),
+        "tokens": {"chat": int(streams[0].numel()), "stdlib": int(streams[1].numel())},
+        "final_loss": round(sum(tail) / len(tail), 4),
+        "first_loss": round(losses[0], 4),
+        "train_s": round(time.monotonic() - t0, 1),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+    }
+
+
+def distill_answers(out: Path, cfg: TargetTrainConfig) -> int:
+    """The trained target's greedy answers to every bundled prompt -> demo_chat_distilled.jsonl; rows kept."""
+    from dflash.common.demo_assets import self_distill
+
+    dst = self_distill(
+        out / "tiny-qwen3",
+        out / "demo_chat.jsonl",
+        out / "demo_chat_distilled.jsonl",
+        limit=NUM_CONVERSATIONS,
+        max_new_tokens=cfg.distill_new_tokens,
+    )
+    return sum(1 for _ in open(dst, encoding="utf-8"))
+
+
+def build_trained_target(out: Path, cfg: TargetTrainConfig) -> None:
+    record = train_target(out, cfg)
+    record["distilled_rows"] = distill_answers(out, cfg)
+    with open(out / "tiny-qwen3" / "training.json", "w") as f:
+        json.dump(record, f, indent=2, sort_keys=True)
+        f.write("\n")
+    build(out)  # the README now records the training
+
+
+def _training_record(out: Path) -> dict | None:
+    path = out / "tiny-qwen3" / "training.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_readme(out: Path, *, n_chars: int, n_convs: int, n_tokens: int, record: dict | None = None) -> None:
+    record = record if record is not None else _training_record(out)
+    text = (
         "# Demo assets (generated by ops/make_demo_assets.py; do not edit by hand)\n\n"
-        f"- `demo_chat.jsonl`: {len(convs)} conversations (OpenAI `messages` form, {n_chars} characters of\n"
+        f"- `demo_chat.jsonl`: {n_convs} conversations (OpenAI `messages` form, {n_chars} characters of\n"
         "  message text) built from the docstrings of the Python standard library (PSF license).\n"
         f"  Built with Python {sys.version.split()[0]}; other versions may produce different text.\n"
-        f"- `tiny-qwen3/`: a tiny Qwen3ForCausalLM config (no weights: `build_tiny_target` creates them\n"
-        f"  from the config with a fixed seed) and a byte-level BPE tokenizer ({len(tok)} tokens) trained\n"
-        "  on that text, with a ChatML chat template whose `{% generation %}` block marks assistant\n"
-        "  content + `<|im_end|>` (the loss mask). Special tokens: "
+        "- `tiny-qwen3/`: a tiny Qwen3ForCausalLM config and a byte-level BPE tokenizer\n"
+        f"  ({n_tokens} tokens) trained on that text, with a ChatML chat template whose `{{% generation %}}`\n"
+        "  block marks assistant content + `<|im_end|>` (the loss mask). Special tokens: "
         + ", ".join(f"`{t}`" for t in SPECIAL_TOKENS)
         + " (`<|endoftext|>` = pad, `<|im_end|>` = eos, `<|mask|>` = the drafter's mask token).\n"
     )
+    if record is not None:
+        r = record["recipe"]
+        text += (
+            "- `tiny-qwen3/model.safetensors`: the target's weights (bf16), trained by\n"
+            "  `ops/make_demo_assets.py --train-target` from the seed-"
+            f"{r['seed']} init: {r['steps']} AdamW steps of\n"
+            f"  {r['batch']} x {r['seq_len']} tokens (lr {r['lr']} cosine to {r['min_lr']}, {r['warmup']} warm-up steps,"
+            f" weight decay {r['weight_decay']},\n"
+            f"  fp32 on CPU, {r['threads']} threads); rows drawn {r['chat_fraction']:.0%} from the chat-formatted\n"
+            f"  conversations ({record['tokens']['chat']} tokens) and the rest from the top-level stdlib `.py`\n"
+            f"  files plus their docstrings ({record['tokens']['stdlib']} tokens; Python {record['python']}).\n"
+            f"  Loss {record['first_loss']} -> {record['final_loss']} (mean of the last 50 steps) in"
+            f" {record['train_s']:.0f} s on a shared 2-core CPU box (torch {record['torch']}).\n"
+            '  Recipe and numbers: `tiny-qwen3/training.json`. `build_tiny_target(weights="random")` still\n'
+            "  gives the untrained seed weights.\n"
+            f"- `demo_chat_distilled.jsonl`: the trained target's greedy answers (at most {r['distill_new_tokens']}\n"
+            f"  new tokens) to the prompts of `demo_chat.jsonl` ({record['distilled_rows']} rows): what the demo\n"
+            "  trains its drafter on (drafters learn to predict *the target's* tokens).\n"
+        )
+    (out / "README.md").write_text(text)
 
 
-def _diff(a: Path, b: Path) -> list[str]:
+def _diff(a: Path, b: Path, root: Path | None = None) -> list[str]:
+    root = root or a
     cmp = filecmp.dircmp(a, b)
     bad = [str(Path(a) / n) for n in cmp.diff_files + cmp.left_only + cmp.right_only]
+    bad = [p for p in bad if str(Path(p).relative_to(root)) not in TRAINED_OUTPUTS]
     for sub in cmp.common_dirs:
-        bad += _diff(a / sub, b / sub)
+        bad += _diff(a / sub, b / sub, root)
     return bad
 
 
@@ -265,9 +470,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=ASSETS, help="where to write (default: common/assets)")
     ap.add_argument("--check", action="store_true", help="rebuild into a temp dir and compare with --out")
+    ap.add_argument(
+        "--train-target",
+        action="store_true",
+        help="also train the target and regenerate its answers (~10 min on 2 cores)",
+    )
     args = ap.parse_args()
-    if args.check:
+    if args.check:  # the cheap stage only; the trained outputs are checked by their recorded recipe
         with tempfile.TemporaryDirectory() as tmp:
+            record = _training_record(args.out)
+            if record is not None:
+                (Path(tmp) / "tiny-qwen3").mkdir(parents=True)
+                (Path(tmp) / "tiny-qwen3" / "training.json").write_text(
+                    (args.out / "tiny-qwen3" / "training.json").read_text()
+                )
             build(Path(tmp))
             bad = _diff(args.out, Path(tmp))
         if bad:
@@ -275,6 +491,8 @@ def main() -> None:
         print("demo assets are up to date")
         return
     build(args.out)
+    if args.train_target:
+        build_trained_target(args.out, TargetTrainConfig())
     print(f"wrote {args.out}")
 
 

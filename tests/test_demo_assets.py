@@ -16,6 +16,7 @@ from dflash.common.demo_assets import (
     MASK_TOKEN,
     build_tiny_target,
     demo_dataset_path,
+    distilled_dataset_path,
     materialize_tiny_target,
     tiny_target_dir,
 )
@@ -84,18 +85,52 @@ def test_assistant_mask_marks_content_and_end_of_turn(tok, rows):
 def test_build_tiny_target_deterministic_and_rng_neutral():
     torch.manual_seed(123)
     before = torch.random.get_rng_state()
-    a = build_tiny_target(seed=0)
+    a = build_tiny_target(seed=0, weights="random")
     assert torch.equal(torch.random.get_rng_state(), before)
-    b = build_tiny_target(seed=0)
-    c = build_tiny_target(seed=1)
+    b = build_tiny_target(seed=0, weights="random")
+    c = build_tiny_target(seed=1, weights="random")
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not torch.equal(
         sa["model.layers.0.self_attn.q_proj.weight"], sc["model.layers.0.self_attn.q_proj.weight"]
     )
-    bf = build_tiny_target(dtype=torch.bfloat16, seed=0)
+    bf = build_tiny_target(dtype=torch.bfloat16, seed=0, weights="random")
     assert bf.dtype == torch.bfloat16
     assert torch.equal(bf.state_dict()["lm_head.weight"], sa["lm_head.weight"].bfloat16())
+
+
+def test_the_default_target_is_the_shipped_trained_one():
+    trained = build_tiny_target().state_dict()
+    random = build_tiny_target(weights="random").state_dict()
+    assert trained.keys() == random.keys()
+    assert not torch.equal(trained["lm_head.weight"], random["lm_head.weight"])
+    # stored in bf16: fp32 holds the weights exactly, so every dtype is a rounding of the same numbers
+    assert all(torch.equal(v, v.bfloat16().float()) for v in trained.values())
+    assert (tiny_target_dir() / "model.safetensors").stat().st_size < 16_000_000
+    with pytest.raises(ValueError, match="weights must be"):
+        build_tiny_target(weights="pretrained")
+
+
+def test_shipped_greedy_answers_are_text_not_loops(tok, rows):
+    """The trained target's answers (what the demo trains on) to the bundled prompts: prose, not the
+    junk loops of a random target ("ventventvent...")."""
+    with open(distilled_dataset_path(), encoding="utf-8") as f:
+        distilled = [json.loads(line) for line in f]
+    prompts = {r["id"]: [m for m in r["messages"][: _first_answer(r)]] for r in rows}
+    assert len(distilled) >= 0.8 * len(rows)  # answers with a clean prefix of >= 40 tokens
+    distinct = []
+    for r in distilled:
+        i = _first_answer(r)
+        assert r["messages"][:i] == prompts[r["id"]] and r["messages"][i:][0]["role"] == "assistant"
+        ids = tok.encode(r["messages"][i]["content"], add_special_tokens=False)
+        distinct.append(len(set(ids)) / len(ids))
+    assert sum(distinct) / len(distinct) > 0.4, sorted(distinct)[:10]
+    words = " ".join(r["messages"][-1]["content"] for r in distilled)
+    assert len(re.findall(r"\b(the|a|of|is|to)\b", words)) > 1000
+
+
+def _first_answer(row: dict) -> int:
+    return next(i for i, m in enumerate(row["messages"]) if m["role"] == "assistant")
 
 
 def test_materialize_roundtrip(tmp_path):
