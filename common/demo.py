@@ -1,13 +1,16 @@
 """``dflash-demo``: the whole pipeline on the CPU from an embedded default, no downloads.
 
-It materialises the tiny Qwen3 target (config + project-built tokenizer, weights from a fixed seed),
-starts a local S3 server (moto) for checkpoints, runs ``ops/run_all.sh`` with CPU producers and
-consumers over the bundled chat dataset, then prints what was trained and where everything is.
+It materialises the tiny Qwen3 target (config + project-built tokenizer + shipped weights trained on the
+standard library's text), starts a local S3 server (moto) for checkpoints, runs ``ops/run_all.sh`` with
+CPU producers and consumers over the bundled chat prompts answered by the target itself, prints a
+progress line every few seconds, then decodes held-out prompts with the untrained and the trained
+drafter (``dflash-eval``'s loop) and prints what was trained, how much it helps and where everything is.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -17,24 +20,57 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 PROG = "dflash-demo"
 REPO = Path(__file__).resolve().parents[1]
+RUN = "demo"
+HOLDOUT_ROWS = 32
+"""The last rows of the bundled data: never trained on, the prompts of the before/after evaluation."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoSize:
+    """How much the demo does. Sizes measured on a shared 2-core CPU box (README, docs/benchmarks.md)."""
+
+    train_rows: int | None
+    """Training conversations (None = all but the held-out ones)."""
+    epochs: int
+    """Passes over the training rows (dflash-produce --epochs): a few hundred conversations once are too
+    few steps for a drafter to learn anything."""
+    eval_prompts: int
+    eval_new_tokens: int
+    num_layers: int = 2
+    """Draft layers: 2 learned as much per step as 5 in the demo's few hundred steps, and faster."""
+    context_tokens: int = 512
+    num_anchors: int = 64
+    max_anchors_per_doc: int = 16
+    save_every: int = 100
+    lr: float = 3e-3
+
+
+FULL = DemoSize(train_rows=None, epochs=6, eval_prompts=HOLDOUT_ROWS, eval_new_tokens=96)
+QUICK = DemoSize(train_rows=96, epochs=3, eval_prompts=16, eval_new_tokens=64)
 
 
 @dataclass(kw_only=True)
 class DemoConfig:
     run_dir: Path
     quick: bool = False
-    """Kept for CI's command line; the embedded default is already short (about a minute)."""
+    """The CI variant: fewer training rows and held-out prompts (QUICK instead of FULL)."""
     s3: bool = True
     """Checkpoints to a local moto S3 server (else a local folder)."""
     producers: int = 1
     consumers: int = 1
     real_responses: bool = False
     """Train on the bundled human-written answers instead of the target's own (learns far slower)."""
+    progress_every_s: float = 5.0
+
+    @property
+    def size(self) -> DemoSize:
+        return QUICK if self.quick else FULL
 
 
 def _free_port() -> int:
@@ -83,137 +119,57 @@ class LocalS3:
         self._log.close()
 
 
-def _quick_dataset(src: Path, dst: Path, n: int) -> Path:
-    with open(src) as f, open(dst, "w") as out:
-        for i, line in enumerate(f):
-            if i >= n:
-                break
-            out.write(line)
-    return dst
+def split_dataset(src: Path, out_dir: Path, *, holdout: int, train_rows: int | None) -> tuple[Path, Path]:
+    """(train.jsonl, heldout.jsonl): the last `holdout` rows are held out and never written to the
+    training file; `train_rows` caps the rows before them (the quick run)."""
+    rows = src.read_text(encoding="utf-8").splitlines()
+    if len(rows) <= holdout:
+        raise ValueError(f"{src}: {len(rows)} rows, need more than the {holdout} held out")
+    train, held = rows[:-holdout], rows[-holdout:]
+    if train_rows is not None:
+        train = train[:train_rows]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "train.jsonl").write_text("\n".join(train) + "\n", encoding="utf-8")
+    (out_dir / "heldout.jsonl").write_text("\n".join(held) + "\n", encoding="utf-8")
+    return out_dir / "train.jsonl", out_dir / "heldout.jsonl"
 
 
-def self_distill(
-    target: Path,
-    src: Path,
-    dst: Path,
-    *,
-    limit: int,
-    max_new_tokens: int = 96,
-    batch: int = 64,
-    passes: int = 1,
-) -> Path:
-    """Real-text prompts from the bundled dataset, assistant turns regenerated greedily by the target.
-
-    This is how drafters are trained in practice (DFlash, EAGLE): the drafter must predict *the target's*
-    next tokens, so the responses come from the target. It matters doubly here: the demo target has random
-    weights, so its hidden states say nothing about the bundled human-written answers, while its own
-    greedy continuations are exactly what its hidden states encode.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(target)
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(target).eval()
-    rows = []
-    with open(src) as f:
-        for line in f:
-            row = json.loads(line)
-            prompt = []
-            for m in row["messages"]:
-                if m["role"] == "assistant":
-                    break
-                prompt.append(m)
-            rows.append((row.get("id"), prompt))
-            if len(rows) >= limit:
-                break
-    kept: list[str] = []
-    # One torch thread: decoding a tiny model gains little from a second one, and on a busy 2-core box the
-    # two spin against each other (measured: 128 prompts in 5 s with 1 thread, 32 s with 2; same output).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with open(dst, "w") as out:
-        for i in range(0, len(rows), batch):
-            chunk = rows[i : i + batch]
-            texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for _, p in chunk]
-            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            with torch.inference_mode():
-                gen = model.generate(
-                    **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id
-                )
-            special = set(tok.all_special_ids)
-            for (rid, prompt), ids in zip(chunk, gen[:, enc["input_ids"].shape[1] :].tolist(), strict=True):
-                answer = _round_trip_prefix(tok, [i for i in ids if i not in special])
-                if answer is not None:
-                    messages = [*prompt, {"role": "assistant", "content": answer}]
-                    kept.append(json.dumps({"id": rid, "messages": messages}))
-        # More passes = the same conversations again as new rows (new sample indices): a one-epoch
-        # pipeline then trains on each twice, and the summary compares like with like.
-        for _ in range(passes):
-            for line in kept:
-                out.write(line + "\n")
-    torch.set_num_threads(threads)
-    return dst
-
-
-def _round_trip_prefix(tok, ids: list[int], min_tokens: int = 40) -> str | None:
-    """The longest prefix of the generated ``ids`` whose text tokenizes back to exactly those ids.
-
-    Byte-level tokens can decode to text that re-tokenizes differently (split UTF-8 sequences), which
-    would train the drafter on tokens the target never produced; None when the clean prefix is too short.
-    """
-    text = tok.decode(ids)
-    back = tok(text, add_special_tokens=False)["input_ids"]
-    n = 0
-    while n < min(len(ids), len(back)) and ids[n] == back[n]:
-        n += 1
-    while n >= min_tokens:
-        text = tok.decode(ids[:n])
-        if tok(text, add_special_tokens=False)["input_ids"] == ids[:n]:
-            return text
-        n -= 1
-    return None
-
-
-def _quarter_mean(recs: list[dict], key: str, *, first: bool) -> float | None:
+def _quarter_mean(recs: list[dict], key: str) -> float | None:
+    """Mean of `key` over the last quarter of `recs` (one step says little: shards differ in difficulty)."""
     if not recs:
         return None
-    n = max(1, len(recs) // 4)
-    rows = recs[:n] if first else recs[-n:]
+    rows = recs[-max(1, len(recs) // 4) :]
     return sum(r[key] for r in rows) / len(rows)
 
 
 def summarize(run_dir: Path) -> dict:
+    """What the run's metrics say: counts, training loss/τ, and rates averaged over the run."""
+    from dflash.common.demo_progress import (
+        consumer_avg_tok_s,
+        consumer_steps,
+        producer_avg_tok_s,
+        producer_records,
+    )
     from dflash.common.metrics_log import read_metrics
 
     path = run_dir / "metrics" / "consumer-0.jsonl"
-    recs = [r for r in read_metrics(path) if "loss" in r] if path.exists() else []
+    recs = consumer_steps(run_dir)
     ckpts = [r for r in read_metrics(path) if r.get("event") == "checkpoint"] if path.exists() else []
-    prod = []
-    for p in sorted((run_dir / "metrics").glob("producer-*.jsonl")):
-        rows = read_metrics(p)
-        if rows:
-            prod.append(rows[-1])
-    out = {
+    prod = producer_records(run_dir)
+    return {
         "steps": recs[-1]["step"] if recs else 0,
         "samples_trained": recs[-1]["samples"] if recs else 0,
         "tokens_produced": sum(int(r.get("tokens", 0)) for r in prod),
         "samples_produced": sum(int(r.get("samples", 0)) for r in prod),
-        # first = the first step (the untrained drafter: it logs every step), last = the mean over the
-        # last quarter of the steps (shards differ far more in difficulty than one step trains). Quarter
-        # means at both ends moved with the order shards arrived in and once crossed.
         "loss_first": recs[0]["loss"] if recs else None,
-        "loss_last": _quarter_mean(recs, "loss", first=False),
-        "tau_first": recs[0]["tau"] if recs else None,
-        "tau_last": _quarter_mean(recs, "tau", first=False),
-        "consumer_tok_s": (sum(r["tok_s"] for r in recs[1:]) / max(1, len(recs) - 1)) if recs else None,
-        "producer_tok_s": sum(float(r.get("tok_s", 0.0)) for r in prod),
+        "loss_last": _quarter_mean(recs, "loss"),
+        "producer_tok_s": producer_avg_tok_s(prod),
+        "consumer_tok_s": consumer_avg_tok_s(recs),
         "checkpoint": ckpts[-1]["url"] if ckpts else None,
         "run_dir": str(run_dir),
         "logs": str(run_dir / "logs"),
         "plots": sorted(str(p) for p in (run_dir / "plots").glob("*.png")),
     }
-    return out
 
 
 def print_summary(s: dict) -> None:
@@ -223,109 +179,180 @@ def print_summary(s: dict) -> None:
     print("\n=== dflash-spool demo: what was trained ===")
     print(f"  samples produced   {s['samples_produced']}  ({s['tokens_produced']} tokens)")
     print(f"  samples trained    {s['samples_trained']}  in {s['steps']} steps")
+    print(f"  loss (training)    {f(s['loss_first'])} -> {f(s['loss_last'])}   (first step -> last quarter)")
     print(
-        f"  loss               {f(s['loss_first'])} -> {f(s['loss_last'])}   (first step -> last quarter of steps)"
+        f"  held-out tau       {f(s['tau_before'], '{:.2f}')} -> {f(s['tau_after'], '{:.2f}')}   "
+        f"(untrained -> trained drafter; {s['heldout_prompts']} prompts never trained on, decoded "
+        "draft -> verify against the target)"
     )
-    print(f"  tau (accept len)   {f(s['tau_first'])} -> {f(s['tau_last'])}")
     print(
         f"  throughput         producer {f(s['producer_tok_s'], '{:.0f}')} tok/s, "
-        f"consumer {f(s['consumer_tok_s'], '{:.0f}')} tok/s"
+        f"consumer {f(s['consumer_tok_s'], '{:.0f}')} tok/s   (run averages)"
     )
     print(f"  checkpoint         {s['checkpoint']}")
+    print(f"  drafters           {s['drafter_before']} (untrained), {s['drafter_after']} (trained)")
     print(f"  logs               {s['logs']}")
     print(f"  plots              {', '.join(s['plots']) or 'none'}")
+    print(f"  wall time          {s['wall_s']:.0f} s")
     print(f"  status             dflash-status {s['run_dir']}")
+    print(
+        f"  try                dflash-eval --target {s['target']} --drafter {s['drafter_after']} "
+        f"--dataset {s['heldout']} --baseline"
+    )
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Iterator[None]:
+    """`env` set in this process for the block (the checkpoint store reads the standard AWS variables)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _pipeline_cmd(cfg: DemoConfig, target: Path, dataset: Path, spool: Path, checkpoint: str) -> list[str]:
+    z = cfg.size
+    return [
+        "bash",
+        str(REPO / "ops" / "run_all.sh"),
+        "--producers",
+        f"cpu:{cfg.producers}",
+        "--consumers",
+        f"cpu:{cfg.consumers}",
+        "--model",
+        str(target),
+        "--dataset",
+        str(dataset),
+        "--run",
+        RUN,
+        "--run-dir",
+        str(cfg.run_dir),
+        "--spool",
+        str(spool),
+        "--checkpoint",
+        checkpoint,
+        "--producer-args",
+        f"--max-length {z.context_tokens} --batch-tokens 4096 --epochs {z.epochs}",
+        "--consumer-args",
+        f"--context-tokens {z.context_tokens} --num-anchors {z.num_anchors} --max-anchors-per-doc {z.max_anchors_per_doc} "
+        f"--num-layers {z.num_layers} "
+        f"--log-every 1 --save-every {z.save_every} --lr {z.lr}",
+    ]
+
+
+def _start_s3(run_dir: Path) -> tuple[LocalS3, str]:
+    import boto3
+
+    s3 = LocalS3(run_dir / "logs" / "moto_server.log")
+    boto3.client(
+        "s3",
+        endpoint_url=s3.url,
+        region_name="us-east-1",
+        aws_access_key_id="demo",
+        aws_secret_access_key="demo-secret",
+    ).create_bucket(Bucket="dflash-demo")
+    return s3, "s3://dflash-demo/checkpoints"
+
+
+def _train(cfg: DemoConfig, target: Path, dataset: Path, spool: Path, checkpoint: str, env: dict) -> None:
+    """The pipeline (run_all.sh), with a progress line from its metrics every few seconds."""
+    from dflash.common.demo_progress import ProgressPrinter
+
+    cmd = _pipeline_cmd(cfg, target, dataset, spool, checkpoint)
+    print("[demo] " + " ".join(cmd), flush=True)
+    progress = ProgressPrinter(cfg.run_dir, every_s=cfg.progress_every_s).start()
+    try:
+        rc = subprocess.call(cmd, env=env)
+    finally:
+        progress.stop()
+    if rc != 0:
+        raise RuntimeError(f"the pipeline failed (exit {rc}); logs in {cfg.run_dir / 'logs'}")
+
+
+def _evaluate(cfg: DemoConfig, target: Path, heldout: Path, checkpoint: str, env: dict) -> dict:
+    """Export the untrained and the final drafter, decode the held-out prompts with both."""
+    import torch
+
+    from dflash.common.demo_eval import HeldOutEval, evaluate_drafter, export_initial_drafter
+    from dflash.consumer.export import export_checkpoint, read_export_config
+
+    drafters = cfg.run_dir / "drafters"
+    before = export_initial_drafter(target, drafters / "untrained", num_layers=cfg.size.num_layers)
+    with _environ(env):
+        after = export_checkpoint(checkpoint, RUN, drafters / "trained", dtype=torch.float32, overwrite=True)
+    if asdict(read_export_config(before)) != asdict(read_export_config(after)):
+        raise RuntimeError(
+            "the untrained drafter's config differs from the trained one's: not a fair comparison"
+        )
+    ev = HeldOutEval(
+        target=target,
+        prompts=heldout,
+        num_prompts=cfg.size.eval_prompts,
+        max_new_tokens=cfg.size.eval_new_tokens,
+    )
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    b = evaluate_drafter(ev, before, say=say, label="untrained drafter")
+    a = evaluate_drafter(ev, after, say=say, label="trained drafter")
+    return {
+        "tau_before": b.tau,
+        "tau_after": a.tau,
+        "heldout_prompts": a.prompts,
+        "eval_new_tokens": ev.max_new_tokens,
+        "drafter_before": str(before),
+        "drafter_after": str(after),
+        "heldout": str(heldout),
+    }
 
 
 def run_demo(cfg: DemoConfig) -> dict:
-    from dflash.common.demo_assets import demo_dataset_path, materialize_tiny_target
+    from dflash.common.demo_assets import demo_dataset_path, distilled_dataset_path, materialize_tiny_target
 
-    run_dir = cfg.run_dir.resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "logs").mkdir(exist_ok=True)
-    print(f"[demo] run dir {run_dir}")
+    t0 = time.monotonic()
+    cfg = replace(cfg, run_dir=cfg.run_dir.resolve())
+    run_dir = cfg.run_dir
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    print(f"[demo] run dir {run_dir}", flush=True)
     target = materialize_tiny_target(run_dir / "target")
-    dataset = demo_dataset_path()
-    if cfg.real_responses:
-        if cfg.quick:
-            dataset = _quick_dataset(dataset, run_dir / "demo_chat_quick.jsonl", 160)
-    else:
-        print("[demo] regenerating the assistant turns with the target (self-distillation)")
-        # 96 new tokens: a random target's longer continuations wander into text its features barely
-        # determine, and the demo's curves would then show the data's mix more than the training.
-        dataset = self_distill(
-            target,
-            dataset,
-            run_dir / "demo_chat_distilled.jsonl",
-            limit=320,
-            max_new_tokens=96,
-        )
+    source = demo_dataset_path() if cfg.real_responses else distilled_dataset_path()
+    dataset, heldout = split_dataset(
+        source, run_dir / "data", holdout=HOLDOUT_ROWS, train_rows=cfg.size.train_rows
+    )
+    print(
+        f"[demo] training on {dataset} ({'human' if cfg.real_responses else 'the target'}'s answers), "
+        f"holding out {heldout} ({HOLDOUT_ROWS} prompts)",
+        flush=True,
+    )
     spool = Path(tempfile.mkdtemp(prefix="dflash-spool-"))
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     s3 = None
     try:
         if cfg.s3:
-            s3 = LocalS3(run_dir / "logs" / "moto_server.log")
+            s3, checkpoint = _start_s3(run_dir)
             env.update(s3.env())
-            import boto3
-
-            boto3.client(
-                "s3",
-                endpoint_url=s3.url,
-                region_name="us-east-1",
-                aws_access_key_id="demo",
-                aws_secret_access_key="demo-secret",
-            ).create_bucket(Bucket="dflash-demo")
-            checkpoint = "s3://dflash-demo/checkpoints"
-            print(f"[demo] local S3 server {s3.url} (moto), checkpoints -> {checkpoint}")
+            print(f"[demo] local S3 server {s3.url} (moto), checkpoints -> {checkpoint}", flush=True)
         else:
             checkpoint = str(run_dir / "checkpoints")
-        cmd = [
-            "bash",
-            str(REPO / "ops" / "run_all.sh"),
-            "--producers",
-            f"cpu:{cfg.producers}",
-            "--consumers",
-            f"cpu:{cfg.consumers}",
-            "--model",
-            str(target),
-            "--dataset",
-            str(dataset),
-            "--run",
-            "demo",
-            "--run-dir",
-            str(run_dir),
-            "--spool",
-            str(spool),
-            "--checkpoint",
-            checkpoint,
-            "--producer-args",
-            "--max-length 512 --batch-tokens 4096",
-            "--consumer-args",
-            "--context-tokens 512 --num-anchors 32 --max-anchors-per-doc 8 --log-every 1 --save-every 40 "
-            "--lr 1e-3 --total-steps 70",
-        ]
-        print("[demo] " + " ".join(cmd))
-        rc = subprocess.call(cmd, env=env)
-        if rc != 0:
-            raise RuntimeError(f"the pipeline failed (exit {rc}); logs in {run_dir / 'logs'}")
+        _train(cfg, target, dataset, spool, checkpoint, env)
         summary = summarize(run_dir)
         summary["s3_server_pid"] = s3.proc.pid if s3 is not None else None
+        s3_env = s3.env() if s3 is not None else {}
+        summary.update(_evaluate(cfg, target, heldout, checkpoint, s3_env))
         if s3 is not None and summary["checkpoint"]:
             from dflash.common.checkpoint_store import open_store
 
-            old = {k: os.environ.get(k) for k in s3.env()}
-            os.environ.update(s3.env())
-            try:
-                store = open_store(checkpoint)
-                summary["checkpoint_latest"] = store.get_bytes("demo/latest").decode().strip()
-            finally:
-                for k, v in old.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
+            with _environ(s3_env):
+                summary["checkpoint_latest"] = (
+                    open_store(checkpoint).get_bytes(f"{RUN}/latest").decode().strip()
+                )
+        summary["target"] = str(target)
+        summary["wall_s"] = time.monotonic() - t0
         return summary
     finally:
         if s3 is not None:
@@ -336,11 +363,14 @@ def run_demo(cfg: DemoConfig) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
     p.add_argument("--run-dir", default=None, help="default: runs/demo-YYYYmmdd-HHMMSS")
-    p.add_argument("--quick", action="store_true", help="the CI variant (currently the same run)")
+    p.add_argument("--quick", action="store_true", help="the CI variant: fewer rows and prompts (~1 min)")
     p.add_argument(
         "--local-checkpoints", action="store_true", help="checkpoints to a local folder, no S3 server"
     )
     p.add_argument("--json", default=None, help="also write the summary as JSON here")
+    p.add_argument(
+        "--progress-every", type=float, default=5.0, metavar="S", help="seconds between progress lines"
+    )
     p.add_argument(
         "--real-responses",
         action="store_true",
@@ -356,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                 quick=args.quick,
                 s3=not args.local_checkpoints,
                 real_responses=args.real_responses,
+                progress_every_s=args.progress_every,
             )
         )
     except (RuntimeError, OSError, ValueError) as err:  # the pipeline failed, or could not start

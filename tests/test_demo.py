@@ -1,13 +1,23 @@
-"""Issue 6 acceptance: the README's first command runs end to end (shortened with --quick)."""
+"""Issue 6 + 17 acceptance: the README's first command runs end to end (shortened with --quick), talks
+while it works, and the drafter it trains decodes held-out prompts clearly better than its initialization."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
 from pipeline_helpers import cpu_env
+
+from dflash.common.demo import HOLDOUT_ROWS
+from dflash.common.metrics_log import read_metrics
+
+# Measured on a shared 2-core box (docs/benchmarks.md): quick runs give held-out τ 1.01 before and 1.10
+# after (68 steps; the full demo reaches ~1.2). 1.05x is half the measured gain: the run-to-run spread
+# (shard arrival order) must not fail it, an untrained or broken drafter (1.00-1.01) must.
+MIN_TAU_GAIN = 1.05
 
 
 def _alive(pid: int) -> bool:
@@ -22,7 +32,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_demo_trains_checkpoints_to_s3_and_leaves_nothing_running(tmp_path):
+def _metrics_averages(run_dir) -> tuple[float, float]:
+    """(producer, consumer) tok/s recomputed from the raw metrics: total tokens / total seconds."""
+    prod = [read_metrics(p)[-1] for p in sorted((run_dir / "metrics").glob("producer-*.jsonl"))]
+    producer = sum(r["tokens"] for r in prod) / max(r["elapsed_s"] for r in prod)
+    steps = [r for r in read_metrics(run_dir / "metrics" / "consumer-0.jsonl") if "loss" in r][1:]
+    consumer = sum(r["interval_tokens"] for r in steps) / sum(r["interval_s"] for r in steps)
+    return producer, consumer
+
+
+def test_demo_trains_a_better_drafter_talks_checkpoints_to_s3_and_leaves_nothing_running(tmp_path):
     run_dir, summary_path = tmp_path / "demo", tmp_path / "summary.json"
     env = cpu_env()
     env.pop("OMP_NUM_THREADS")  # run_all.sh splits the cores itself, as for a user
@@ -36,6 +55,8 @@ def test_demo_trains_checkpoints_to_s3_and_leaves_nothing_running(tmp_path):
             str(run_dir),
             "--json",
             str(summary_path),
+            "--progress-every",
+            "2",
         ],
         capture_output=True,
         text=True,
@@ -45,9 +66,20 @@ def test_demo_trains_checkpoints_to_s3_and_leaves_nothing_running(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "=== dflash-spool demo: what was trained ===" in proc.stdout
     s = json.loads(summary_path.read_text())
-    assert s["samples_trained"] == s["samples_produced"] > 100
-    assert s["loss_last"] < s["loss_first"], s
-    assert s["tau_last"] > s["tau_first"] >= 1.0, s
+    assert s["samples_trained"] == s["samples_produced"] > 50, s
+    # the verdict: real draft -> verify decoding of prompts never trained on
+    assert s["heldout_prompts"] >= 16 and s["tau_before"] >= 1.0, s
+    assert s["tau_after"] >= MIN_TAU_GAIN * s["tau_before"], s
+    held = {json.loads(line)["id"] for line in (run_dir / "data" / "heldout.jsonl").read_text().splitlines()}
+    trained = {json.loads(line)["id"] for line in (run_dir / "data" / "train.jsonl").read_text().splitlines()}
+    assert len(held) == HOLDOUT_ROWS and not held & trained
+    # the summary's rates are run averages from the metrics, not the last heartbeat
+    producer, consumer = _metrics_averages(run_dir)
+    assert abs(s["producer_tok_s"] - producer) <= 1e-6 * producer, (s["producer_tok_s"], producer)
+    assert abs(s["consumer_tok_s"] - consumer) <= 1e-6 * consumer, (s["consumer_tok_s"], consumer)
+    # it talks while it works: progress lines with the consumer's step and loss
+    progress = [line for line in proc.stdout.splitlines() if re.match(r"\[demo \d", line)]
+    assert len([p for p in progress if re.search(r"step \d+: .*loss \d", p)]) >= 2, proc.stdout[-3000:]
     # the checkpoint is in the (moto) S3 store and `latest` names the last step
     assert s["checkpoint"].startswith("s3://dflash-demo/checkpoints/demo/step-")
     assert s["checkpoint_latest"] == s["checkpoint"].rsplit("/", 1)[1]
