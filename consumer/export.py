@@ -177,6 +177,8 @@ def export_drafter(
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(export_config(config, dtype), indent=2) + "\n")
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", **(metadata or {})})
+        for path in tmp.iterdir():  # readable by a serving container or another user, whatever the umask
+            os.chmod(path, 0o644)
         os.chmod(tmp, 0o755)
         if out.exists():
             shutil.rmtree(out)

@@ -191,6 +191,20 @@ def test_weights_have_the_public_names_and_no_target_tensors(tmp_path, config, t
     assert not list(tmp_path.glob(".out.tmp-*"))
 
 
+def test_export_is_readable_by_others_whatever_the_umask(tmp_path, config, target):
+    """Files 0644, folder 0755: a serving container or another user reads the export."""
+    import os
+    import stat
+
+    old = os.umask(0o077)
+    try:
+        out = export_drafter(_trained_like(config, target).state_dict(), config, tmp_path / "out")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {CONFIG_FILE: 0o644, WEIGHTS_FILE: 0o644}
+
+
 # ------------------------------------------------------------------------------------------- round trip
 
 
