@@ -51,7 +51,7 @@ class DemoSize:
     lr: float = 3e-3
 
 
-FULL = DemoSize(train_rows=None, epochs=6, eval_prompts=HOLDOUT_ROWS, eval_new_tokens=96)
+FULL = DemoSize(train_rows=None, epochs=4, eval_prompts=HOLDOUT_ROWS, eval_new_tokens=96)
 QUICK = DemoSize(train_rows=96, epochs=3, eval_prompts=16, eval_new_tokens=64)
 
 
