@@ -361,8 +361,10 @@ def run_demo(cfg: DemoConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n")[0])
-    p.add_argument("--run-dir", default=None, help="default: runs/demo-YYYYmmdd-HHMMSS")
+    from dflash.common.cli_help import DefaultsHelpFormatter, plain_text
+
+    p = argparse.ArgumentParser(prog=PROG, description=plain_text(__doc__), formatter_class=DefaultsHelpFormatter)
+    p.add_argument("--run-dir", default=None, help="where logs, metrics and plots go (default: runs/demo-YYYYmmdd-HHMMSS)")
     p.add_argument("--quick", action="store_true", help="the CI variant: fewer rows and prompts (~1 min)")
     p.add_argument(
         "--local-checkpoints", action="store_true", help="checkpoints to a local folder, no S3 server"
@@ -374,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--real-responses",
         action="store_true",
-        help="train on the bundled answers, not the target's regenerated ones",
+        help="train on the bundled human-written answers instead of the target's own greedy ones (learns slower)",
     )
     args = p.parse_args(argv)
     run_dir = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
