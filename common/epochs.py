@@ -116,4 +116,6 @@ class Campaign:
         return max(1, math.ceil(self.tokens / (context_tokens * world)))
 
     def total_steps(self, context_tokens: int, world: int) -> int:
-        return self.steps_per_epoch(context_tokens, world) * self.epochs
+        """Steps of the whole campaign: epochs overlap (streams mix the end of one with the start of the
+        next), so the campaign is rounded up once, not once per epoch."""
+        return max(1, math.ceil(self.tokens * self.epochs / (context_tokens * world)))

@@ -17,14 +17,15 @@ from test_rerun import CONSUMER_ARGS, MAX_LENGTH, Life, _dataset, _env, _wait_fo
 from dflash.common.epochs import Epochs
 from dflash.consumer.checkpoint import load_checkpoint
 
-ROWS = 30
+ROWS = 24
 EPOCHS = 2
 HELD_OUT = 3
 PLAN_LINE = re.compile(r"campaign: (\d+) samples x (\d+) epoch\(s\).* = (\d+) steps, warm-up (\d+)")
 
 
 def _checkpoint_in_epoch_2(ckpt, rows: int) -> int | None:
-    """The step of the latest checkpoint once it holds samples of epoch 2 (ids >= rows), else None."""
+    """The step of the latest checkpoint once it holds more than one epoch's worth of samples (more than
+    ``rows``, the dataset's size), some of them epoch 2's (ids >= rows); else None."""
     from dflash.common.sample_set import SampleSet
     from dflash.consumer.checkpoint import TRAINED_FILE
 
@@ -34,7 +35,7 @@ def _checkpoint_in_epoch_2(ckpt, rows: int) -> int | None:
     except (OSError, ValueError):
         return None
     ids = trained.indices()
-    return int(name.rsplit("-", 1)[1]) if len(ids) and int(ids.max()) >= rows else None
+    return int(name.rsplit("-", 1)[1]) if len(ids) > rows and int(ids.max()) >= rows else None
 
 
 def _steps_of(run_dir, pid: int) -> int:
@@ -102,8 +103,8 @@ def test_two_epochs_kill9_mid_epoch_2_then_the_same_command_trains_each_row_once
     assert planned == -(-tokens // (512 * 2)), (planned, tokens)
     assert warmup == max(1, int(0.04 * planned))
     steps = [r for r in read_jsonl(run_dir / "metrics" / "consumer-0.jsonl") if "loss" in r]
-    life2 = next(i for i in range(1, len(steps)) if steps[i]["step"] <= steps[i - 1]["step"])
-    timeline = [r for r in steps[:life2] if r["step"] <= got["resumed"][1]] + steps[life2:]
+    # the final timeline: per step, the last record (life 2 redid life 1's lost tail, appended later)
+    timeline = sorted({r["step"]: r for r in steps}.values(), key=lambda r: r["step"])
     assert [r["step"] for r in timeline] == list(range(1, final.step + 1))
     # a document split across the kill's step boundary (its head in a durable step, its tail lost) is
     # trained whole again: at most one such head per rank
