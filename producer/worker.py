@@ -189,12 +189,30 @@ def held_out_plan(tok_ds, mine: np.ndarray, epochs: Epochs) -> tuple[np.ndarray,
     return pos, mine[pos].astype(np.int64)
 
 
+def shard_of(batch: Batch, hidden: torch.Tensor, meta_kw: dict):
+    """The Shard of one forward batch: its samples back to back, their features ``hidden`` [T, K*H]."""
+    from dflash.common.shard import Shard, ShardMeta
+
+    samples = batch.samples
+    lengths = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
+    cu = np.zeros(len(samples) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    return Shard(
+        input_ids=torch.from_numpy(np.concatenate([s.input_ids for s in samples])),
+        loss_mask=torch.from_numpy(np.concatenate([s.loss_mask for s in samples])),
+        cu_seqlens=torch.from_numpy(cu),
+        sample_index=torch.tensor([s.sample_index for s in samples], dtype=torch.int64),
+        hidden=hidden,
+        meta=ShardMeta(bucket=batch.bucket, **meta_kw),
+    )
+
+
 def write_held_out(
     cfg: ProducerConfig, capture: LayerCapture, samples: Iterable[Sample], spool, pad_id: int
 ) -> int:
     """Forward the held-out samples and write them as eval shards into the spool's eval/ folder (no
     trainer claims them; consumers read them for the decode-order τ). Returns the samples written."""
-    from dflash.common.shard import Shard, ShardMeta, write_shard
+    from dflash.common.shard import write_shard
     from dflash.common.spool import shard_name
 
     device = torch.device(cfg.device)
@@ -203,18 +221,7 @@ def write_held_out(
     written = 0
     with torch.inference_mode():
         for seq, batch in enumerate(_all_batches(samples, Bucketer(cfg.buckets))):
-            hidden = _forward_batch(capture, batch, device, pad_id).cpu()
-            lengths = np.fromiter((len(x) for x in batch.samples), dtype=np.int64, count=len(batch.samples))
-            cu = np.zeros(len(lengths) + 1, dtype=np.int64)
-            np.cumsum(lengths, out=cu[1:])
-            shard = Shard(
-                input_ids=torch.from_numpy(np.concatenate([x.input_ids for x in batch.samples])),
-                loss_mask=torch.from_numpy(np.concatenate([x.loss_mask for x in batch.samples])),
-                cu_seqlens=torch.from_numpy(cu),
-                sample_index=torch.tensor([x.sample_index for x in batch.samples], dtype=torch.int64),
-                hidden=hidden,
-                meta=ShardMeta(bucket=batch.bucket, **meta_kw),
-            )
+            shard = shard_of(batch, _forward_batch(capture, batch, device, pad_id).cpu(), meta_kw)
             name = shard_name(batch.bucket, cfg.producer_id, seq)
             tmp = spool.eval_dir / f".tmp-{name}"
             write_shard(tmp, shard)
@@ -308,7 +315,7 @@ class _Writers:
             return True
 
     def _write(self, spool, job: _Job) -> None:
-        from dflash.common.shard import Shard, ShardMeta, write_shard
+        from dflash.common.shard import write_shard
         from dflash.common.spool import shard_name
 
         if job.event is not None:
@@ -316,17 +323,8 @@ class _Writers:
             job.event.synchronize()  # the D2H copy (and so the forward) of this batch is done
             self.counters.add(d2h_wait_s=time.monotonic() - t0)
         samples = job.batch.samples
-        lengths = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
-        cu = np.zeros(len(samples) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=cu[1:])
-        shard = Shard(
-            input_ids=torch.from_numpy(np.concatenate([s.input_ids for s in samples])),
-            loss_mask=torch.from_numpy(np.concatenate([s.loss_mask for s in samples])),
-            cu_seqlens=torch.from_numpy(cu),
-            sample_index=torch.tensor([s.sample_index for s in samples], dtype=torch.int64),
-            hidden=job.hidden,
-            meta=ShardMeta(bucket=job.batch.bucket, **self.meta_kw),
-        )
+        shard = shard_of(job.batch, job.hidden, self.meta_kw)
+        cu = shard.cu_seqlens.numpy()
         t0 = time.monotonic()
         reserved = _shard_bytes_bound(shard)
         if not self._admit(spool, reserved):

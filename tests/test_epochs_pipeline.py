@@ -12,7 +12,7 @@ import signal
 
 import pytest
 from ledger_audit import audit, eligible_lengths, read_jsonl
-from test_rerun import CONSUMER_ARGS, MAX_LENGTH, Life, _dataset, _env, _wait_for
+from test_rerun import CONSUMER_ARGS, MAX_LENGTH, Life, _dataset, _env, _ledger_lines, _wait_for
 
 from dflash.common.epochs import Epochs
 from dflash.consumer.checkpoint import load_checkpoint
@@ -38,10 +38,6 @@ def _checkpoint_in_epoch_2(ckpt, rows: int) -> int | None:
     return int(name.rsplit("-", 1)[1]) if len(ids) > rows and int(ids.max()) >= rows else None
 
 
-def _steps_of(run_dir, pid: int) -> int:
-    return sum(1 for rec in read_jsonl(run_dir / "metrics" / "ledger-r0.jsonl") if rec["pid"] == pid)
-
-
 @pytest.mark.slow
 def test_two_epochs_kill9_mid_epoch_2_then_the_same_command_trains_each_row_once_per_epoch(tmp_path, tiny_target):
     from test_rerun import REPO
@@ -63,8 +59,8 @@ def test_two_epochs_kill9_mid_epoch_2_then_the_same_command_trains_each_row_once
         c1 = life.launch()["consumer-0"]
         # mid-epoch 2: a checkpoint holds part of epoch 2, and a step more is trained (a lost tail)
         _wait_for(lambda: _checkpoint_in_epoch_2(ckpt, ROWS) is not None, life, "a checkpoint in epoch 2")
-        at = _steps_of(run_dir, c1)
-        _wait_for(lambda: _steps_of(run_dir, c1) > at, life, "a step after it")
+        at = _ledger_lines(run_dir, c1)
+        _wait_for(lambda: _ledger_lines(run_dir, c1) > at, life, "a step after it")
         os.kill(c1, signal.SIGKILL)
         assert life.wait() != 0
         lives.append(life := Life(cmd, env, tmp_path, 2))
