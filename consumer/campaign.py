@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass
 
 from dflash.common.epochs import Campaign, Epochs
-from dflash.common.metrics_log import format_duration
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +87,3 @@ def eta_s(step: int, total_steps: int, step_s: float) -> float | None:
     if step_s <= 0 or step >= total_steps:
         return None
     return (total_steps - step) * step_s
-
-
-def format_eta(step: int, total_steps: int, step_s: float) -> str:
-    eta = eta_s(step, total_steps, step_s)
-    return "n/a" if eta is None else format_duration(eta)
