@@ -551,7 +551,6 @@ class Trainer:
         """Decode-order τ of the drafter on the held-out documents (rank 0; the others wait at the next
         collective). Nothing to do when the producers spool no held-out set (--eval-samples 0); a periodic
         evaluation that would take the evaluations past ``eval_budget`` of the run's time is skipped."""
-        self._eval_step = self.step
         if not self.dist.is_main:
             return
         docs = self._load_held_out()
@@ -565,6 +564,7 @@ class Trainer:
                     self.step, 100 * self.cfg.eval_budget,
                 )  # fmt: skip
                 return
+        self._eval_step = self.step  # evaluated (a skipped one does not count: the last step still runs)
         t0 = time.monotonic()
         report = decode_order_tau(self.model, docs)
         took = time.monotonic() - t0
