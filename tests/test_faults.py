@@ -60,18 +60,6 @@ def _vmrss_mb(pid: int) -> float | None:
     return None
 
 
-def _tree_bytes(path: Path) -> int:
-    """Bytes of the files under ``path`` (0 if it moved away meanwhile)."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(root, name)).st_size
-            except OSError:
-                pass
-    return total
-
-
 def _heartbeat(spool: Path, producer_id: str = "n0p0.1") -> dict:  # .1: the spool's first launch
     try:
         return json.loads((spool / "state" / f"producer-{producer_id}.json").read_text())
@@ -160,22 +148,20 @@ def test_spool_full_blocks_the_producer_drops_nothing_and_bounds_bytes_and_memor
     stop = threading.Event()
 
     def sample() -> None:
-        sizes: dict[str, int] = {}
         while not stop.is_set():
             if (spool / "state").is_dir():
-                total = Spool(spool, create=False).total_bytes()
+                # one walk gives the total AND each entry's size at that moment, so the bound below is
+                # checked per sample, whatever this thread's sampling rate on a loaded box
+                entries = [size for *_, size in Spool(spool, create=False)._scan(("tmp", "ready", "claimed"))]
                 owners = [d for d in (spool / "claimed").iterdir() if d.is_dir()]
                 for d in [spool, *(spool / name for name in (*Spool.STATES, "state")), *owners]:
                     try:
                         modes[str(d.relative_to(spool))] = d.stat().st_mode & 0o777
                     except OSError:
                         pass
-                for d in (spool / "ready", *owners):
-                    for shard in d.glob("*.zarr"):  # max: a walk racing a rename undercounts
-                        sizes[shard.name] = max(sizes.get(shard.name, 0), _tree_bytes(shard))
                 pid = _heartbeat(spool).get("pid")
                 samples.append(
-                    (time.monotonic(), total, max(sizes.values(), default=0), pid and _vmrss_mb(pid))
+                    (time.monotonic(), sum(entries), max(entries, default=0), pid and _vmrss_mb(pid))
                 )
             stop.wait(0.02)
 
@@ -232,10 +218,11 @@ def test_spool_full_blocks_the_producer_drops_nothing_and_bounds_bytes_and_memor
 
     assert set(load_checkpoint(str(ckpt), "full").trained.indices().tolist()) == eligible
 
-    # bytes: never more than the budget plus one shard (one producer), sampled every 20 ms
-    largest = max(s[2] for s in samples)
-    worst = max(s[1] for s in samples)
-    assert largest > budget and worst <= budget + largest, (worst, budget, largest)
+    # bytes: never more than the budget plus one shard (one producer): in every sample, all the entries
+    # but the largest fit in the budget; and the spool did hold a shard past the budget
+    assert max(s[2] for s in samples) > budget
+    over = [(total, largest) for _, total, largest, _ in samples if total - largest > budget]
+    assert not over, f"{len(over)} samples over budget + one shard (total, largest): {over[:5]}"
 
     # memory: the blocked worker's RSS stays flat (bounded queues), and under a stated bound overall
     rss = [(t, m) for t, _, _, m in samples if m is not None]
