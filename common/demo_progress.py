@@ -137,12 +137,17 @@ class ProgressPrinter:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s):
-            try:
-                line = format_progress(snapshot(self.run_dir), time.monotonic() - self.t0)
-            except (OSError, ValueError, KeyError, TypeError) as err:  # a half-written file: say so, go on
-                line = f"[demo] progress unavailable this time: {err}"
-            print(line, file=self.out, flush=True)
+            self._print()
+
+    def _print(self) -> None:
+        try:
+            line = format_progress(snapshot(self.run_dir), time.monotonic() - self.t0)
+        except (OSError, ValueError, KeyError, TypeError) as err:  # a half-written file: say so, go on
+            line = f"[demo] progress unavailable this time: {err}"
+        print(line, file=self.out, flush=True)
 
     def stop(self) -> None:
+        """Stop the thread, then print one last line: where the run ended, however short it was."""
         self._stop.set()
         self._thread.join(timeout=5)
+        self._print()

@@ -95,3 +95,16 @@ def test_untrained_drafter_is_the_consumers_initialization(tmp_path, tiny_target
         torch.set_flush_denormal(False)
         torch.set_num_threads(threads)
     assert exported and all(torch.equal(v, fresh[k]) for k, v in exported.items())
+
+
+def test_progress_printer_always_closes_with_a_line(tmp_path):
+    """However short the run (no periodic line came), stop() prints where it ended."""
+    import io
+
+    from dflash.common.demo_progress import ProgressPrinter
+
+    _write(tmp_path / "metrics" / "consumer-0.jsonl", [{"step": 3, "samples": 5, "loss": 6.0, "tau": 1.1}])
+    out = io.StringIO()
+    ProgressPrinter(tmp_path, every_s=3600, out=out).start().stop()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and "step 3: 5 samples trained, loss 6.00" in lines[0], lines
