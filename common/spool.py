@@ -526,6 +526,16 @@ class Spool:
         path.mkdir(mode=DIR_MODE, exist_ok=True)
         return path
 
+    def publish_eval(self, name: str, write: Callable[[Path], object]) -> Path:
+        """Write an eval shard with ``write(path)`` under a hidden name, then rename it into eval/: readers
+        only ever see whole shards, as with publish."""
+        parse_shard_name(name)
+        tmp = self.eval_dir / f".tmp-{name}"
+        write(tmp)
+        dest = self.eval_dir / name
+        os.rename(tmp, dest)
+        return dest
+
     def eval_shards(self) -> list[Path]:
         """The complete eval shards (a shard being written is hidden as .tmp-*)."""
         return sorted(p for p in self.eval_dir.iterdir() if not p.name.startswith("."))

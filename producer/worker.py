@@ -16,7 +16,6 @@ tmp/ leftovers are removed, and no DONE marker is written, so consumers keep wai
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -222,10 +221,7 @@ def write_held_out(
     with torch.inference_mode():
         for seq, batch in enumerate(_all_batches(samples, Bucketer(cfg.buckets))):
             shard = shard_of(batch, _forward_batch(capture, batch, device, pad_id).cpu(), meta_kw)
-            name = shard_name(batch.bucket, cfg.producer_id, seq)
-            tmp = spool.eval_dir / f".tmp-{name}"
-            write_shard(tmp, shard)
-            os.rename(tmp, spool.eval_dir / name)  # whole shards only, like publish
+            spool.publish_eval(shard_name(batch.bucket, cfg.producer_id, seq), lambda p, s=shard: write_shard(p, s))
             written += len(batch.samples)
     return written
 
