@@ -298,10 +298,14 @@ class _Writers:
         """
         with self._admit_lock:
             while True:
-                if not spool.wait_for_budget(self.cfg.budget_bytes, should_stop=self.stop.is_set):
-                    return False
+                # read what is in flight BEFORE scanning: no shard is admitted while we hold the lock, so a
+                # shard counted here as in flight either is still in flight or, published since, is seen by
+                # the scan. Read after the scan, a shard published between the two counts nowhere (a busy
+                # box's CI once saw two shards past the budget that way).
                 with self._inflight_lock:
                     pending = self._inflight
+                if not spool.wait_for_budget(self.cfg.budget_bytes, should_stop=self.stop.is_set):
+                    return False
                 if pending == 0 or spool.total_bytes() + pending <= self.cfg.budget_bytes:
                     break
                 if self.stop.wait(0.05):

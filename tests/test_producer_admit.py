@@ -1,0 +1,63 @@
+"""The spool budget's admission of a producer's shards (producer.worker._Writers._admit), driven through
+one interleaving that a busy box produced: another writer thread's shard is published between this
+thread's budget scan and its read of what is in flight. Deterministic: the interleaving is injected."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from dflash.common.spool import Spool
+from dflash.producer.data import DataConfig
+from dflash.producer.worker import Counters, ProducerConfig, _Writers
+
+BUDGET = 1_000
+SHARD = 5_000  # far past the budget, as in the spool-full test
+
+
+class _RacingSpool:
+    """A spool whose byte total is driven by the test. The first budget check returns while the other
+    thread's shard (SHARD bytes, in flight) is still too small to count; then, before this thread can
+    look at what is in flight, that shard is published: it lands in ready/ and leaves the in-flight
+    reservation."""
+
+    def __init__(self, writers: _Writers):
+        self.writers, self.total, self.checks = writers, 0, 0
+
+    def wait_for_budget(self, budget_bytes, *, should_stop=None):
+        self.checks += 1
+        if self.checks == 1:  # saw the other shard's tmp dir nearly empty: under budget
+            self.publish_other()
+            return True
+        while self.total > budget_bytes:  # afterwards the spool stays full: only stopping ends the wait
+            if should_stop():
+                return False
+            time.sleep(0.01)
+        return True
+
+    def total_bytes(self):
+        return self.total
+
+    def publish_other(self):
+        with self.writers._inflight_lock:
+            self.writers._inflight -= SHARD
+        self.total = SHARD
+
+
+def test_a_shard_published_during_the_budget_check_still_counts(tmp_path):
+    Spool(tmp_path / "spool")
+    cfg = ProducerConfig(producer_id="p0", model="unused", spool=str(tmp_path / "spool"),
+                         data=DataConfig(dataset="unused"), budget_bytes=BUDGET)  # fmt: skip
+    stop = threading.Event()
+    writers = _Writers(cfg, {}, Counters(), stop)
+    writers._inflight = SHARD  # the other writer thread's shard, admitted and being written
+    spool = _RacingSpool(writers)
+
+    admitted: list[bool] = []
+    t = threading.Thread(target=lambda: admitted.append(writers._admit(spool, SHARD)), daemon=True)
+    t.start()
+    t.join(timeout=2.0)  # a correct admission keeps waiting: the spool holds a shard past the budget
+    assert t.is_alive() and not admitted, "a second shard was admitted while the first one filled the spool"
+    stop.set()
+    t.join(timeout=10)
+    assert admitted == [False] and spool.checks >= 2
