@@ -179,10 +179,8 @@ class Killer:
     worker that already finished is not picked (its parent is killed instead).
     """
 
-    def __init__(
-        self, proc, run_dir: Path, out_path: Path, spool: Path, ckpt: Path, num_samples: int, plan, rng
-    ):
-        self.proc, self.run_dir, self.out_path, self.plan, self.rng = proc, run_dir, out_path, plan, rng
+    def __init__(self, run_dir: Path, out_path: Path, spool: Path, ckpt: Path, num_samples: int, plan, rng):
+        self.run_dir, self.out_path, self.plan, self.rng = run_dir, out_path, plan, rng
         self.spool, self.ckpt, self.num_samples, self.reserve = spool, ckpt, num_samples, 0.6
         self.kills: list[dict] = []
         self.notes: list[str] = []
@@ -200,9 +198,11 @@ class Killer:
         except BaseException as err:  # reported by the test
             self.error = err
 
-    def _running(self) -> bool:
-        """The current run_all.sh invocation is running (the test swaps ``proc`` for each re-run)."""
-        return self.proc.poll() is None and not self._halt.is_set()
+    def _live(self, launch: dict[str, int]) -> bool:
+        """The launch can still be hit: its consumers run and the test has not called stop(). Judged from
+        the launch's own processes, not from the test's handle on run_all.sh, which the main thread swaps
+        for each re-run (a killer reading a stale handle once gave up on a whole launch)."""
+        return not self._halt.is_set() and _alive(launch["consumer-0"]) and _alive(launch["consumer-1"])
 
     def _sleep(self, s: float) -> None:
         self._halt.wait(s)
@@ -238,19 +238,21 @@ class Killer:
                 when = "before-work"
                 kind = "producer" if kind == "worker" else kind
             if not self._wait(when, kind, launch):
-                return
+                if not self._halt.is_set():
+                    self.notes.append(f"launch {launch} ended before its {when} kill")
+                continue  # the next launch (a restart or the test's re-run) gets this kill
             consumers = [launch["consumer-0"], launch["consumer-1"]]
             if not all(_alive(p) for p in consumers) or self._ending(launch):
                 self.notes.append(f"launch {launch} ended on its own before the {when} kill")
                 continue
-            pid, kind = self._pick_target(kind, launch)
             try:
+                pid, kind = self._pick_target(kind, launch)
                 if kind == CTRL_C:
                     os.killpg(pid, signal.SIGINT)
                 else:
                     os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:  # exited between the check and the kill
-                self.notes.append(f"{kind} {pid} exited before its kill")
+                self.notes.append(f"{kind} of launch {launch} exited before its kill")
                 continue
             self.kills.append(
                 {
@@ -300,9 +302,9 @@ class Killer:
         """A consumer of the current launch holds a shard (launches start with an empty claimed/)."""
         return any(True for d in (self.spool / "claimed").iterdir() for _ in d.iterdir())
 
-    def _wait_until(self, probe, deadline_s: float, what: str) -> None:
+    def _wait_until(self, launch: dict[str, int], probe, deadline_s: float, what: str) -> None:
         deadline = time.monotonic() + deadline_s
-        while self._running() and not probe():
+        while self._live(launch) and not probe():
             if time.monotonic() > deadline:
                 self.notes.append(f"{what}: nothing happened within {deadline_s:.0f} s, killing anyway")
                 return
@@ -313,30 +315,30 @@ class Killer:
         start_steps = steps()
         if when == "before-work":  # it trains nothing: the launch's first claim (or 0.2-1.5 s) comes first
             t_end = time.monotonic() + self.rng.uniform(0.2, 1.5)
-            self._wait_until(lambda: time.monotonic() >= t_end or self._claimed_any(), 60, when)
+            self._wait_until(launch, lambda: time.monotonic() >= t_end or self._claimed_any(), 60, when)
         elif when == "startup" and kind == "worker":  # once the workers know their slices
             def slices_known() -> bool:
                 workers, left = self._workers(launch), self._work_left()
                 return bool(workers) and all(w in left for w in workers)
 
-            self._wait_until(slices_known, 30, "worker slices")
+            self._wait_until(launch, slices_known, 30, "worker slices")
             self._sleep(self.rng.uniform(0.0, 0.3))
         elif when == "startup":
             t_end = time.monotonic() + self.rng.uniform(0.3, 3.0)
-            self._wait_until(lambda: time.monotonic() >= t_end or steps() > start_steps, 60, when)
+            self._wait_until(launch, lambda: time.monotonic() >= t_end or steps() > start_steps, 60, when)
         elif when == "progress":
             target = start_steps + self.rng.randint(1, 2)
-            self._wait_until(lambda: steps() >= target, 60, when)
+            self._wait_until(launch, lambda: steps() >= target, 60, when)
             self._sleep(self.rng.uniform(0.0, 0.3))
         else:
             target = _checkpoint_events(self.run_dir) + 1
-            self._wait_until(lambda: _checkpoint_events(self.run_dir) >= target, 60, when)
+            self._wait_until(launch, lambda: _checkpoint_events(self.run_dir) >= target, 60, when)
             self._sleep(self.rng.uniform(0.0, 0.3))
-        return self._running()
+        return self._live(launch)
 
     def _pick_target(self, kind: str, launch: dict[str, int]) -> tuple[int, str]:
         if kind == CTRL_C:
-            return self.proc.pid, kind  # the process group of this run_all.sh invocation
+            return os.getpgid(launch["consumer-0"]), kind  # the group of this run_all.sh invocation
         if kind == "worker":
             workers = self._workers(launch)
             left = self._work_left()
@@ -421,7 +423,7 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
             )  # fmt: skip
 
     proc = invoke()
-    killer = Killer(proc, run_dir, out_path, spool, ckpt, len(rows) * EPOCHS, plan, rng)
+    killer = Killer(run_dir, out_path, spool, ckpt, len(rows) * EPOCHS, plan, rng)
     killer.thread.start()
     try:
         deadline = time.monotonic() + 480  # a hang guard over every invocation
@@ -434,7 +436,7 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
                 break
             if rc == 0 or len(budgets) > NUM_KILLS + 1:
                 break
-            proc = killer.proc = invoke()  # the user runs the same command again
+            proc = invoke()  # the user runs the same command again
         killer.stop()
         killer.thread.join(timeout=10)
         deadline = time.monotonic() + 5  # killed processes take a moment to go
