@@ -14,9 +14,11 @@ the document standing in for the target:
 
 When the response is the target's own greedy output this IS ``dflash-eval``'s loop, step for step
 (``speculative_generate`` with the same budget and stop tokens; tests/test_decode_tau.py checks equality),
-with no target forward; on other responses it estimates it. The drafter runs through ``DrafterProposer``,
-the same inference path dflash-eval uses, eagerly: the training step's compiled graphs are never touched,
-so evaluating cannot recompile them.
+with no target forward; on other responses it estimates it. ``teacher_forced_generate`` walks one document
+through ``DrafterProposer`` (dflash-eval's inference path); ``batched_teacher_forced_generate``, what the
+trainer runs, walks every held-out document at once, one drafter forward per round for all of them, and
+gives the same result (tests/test_decode_tau.py). Both run eagerly: the training step's compiled graphs are
+never touched, so evaluating cannot recompile them.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
-from dflash.consumer.evaluate import DrafterProposer, EvalReport, Generation, Proposer, _emit, summarize
+from dflash.consumer.drafter import _rotate
+from dflash.consumer.evaluate import EvalReport, Generation, Proposer, _emit, summarize
 
 
 @dataclass(kw_only=True)
@@ -92,6 +96,119 @@ def teacher_forced_generate(
     return gen
 
 
+@dataclass(kw_only=True)
+class _Walk:
+    """One document's decode in a batched walk: its tokens, its remaining budget, its position."""
+
+    ids: list[int]
+    start: int
+    budget: int
+    gen: Generation
+    stopped: bool = False
+
+    @property
+    def anchor_pos(self) -> int:
+        return self.start + len(self.gen.tokens) - 1
+
+
+@torch.inference_mode()
+def batched_teacher_forced_generate(
+    drafter: torch.nn.Module,
+    docs: Sequence[tuple[Sequence[int], torch.Tensor, int, int]],
+    *,
+    stop_token_ids: Sequence[int] = (),
+) -> list[Generation]:
+    """``teacher_forced_generate`` for many documents at once: each round drafts one block for every
+    document still decoding, in ONE drafter forward; the same walk, and the same result up to float noise.
+
+    ``docs``: (input_ids, hidden [T, K*H], start, max_new_tokens) per document. The documents' features
+    are all known up front (the producer's forward), so each document's context keys/values are projected
+    once for all its positions, and a block at ``anchor_pos`` attends to the first ``anchor_pos`` of them
+    (a key mask) instead of a cache grown by the accepted tokens: the same keys, the same math.
+    """
+    d = drafter
+    layers = list(d.layers)
+    device, dtype = d.fc.weight.device, d.fc.weight.dtype
+    block = d.config.block_size
+    stop = set(stop_token_ids)
+    walks: list[_Walk] = []
+    for ids, _, start, budget in docs:
+        ids = [int(t) for t in ids]
+        if budget < 1 or start + budget > len(ids):
+            raise ValueError(f"need 1 <= max_new_tokens <= {len(ids) - start}, got {budget}")
+        gen = Generation(tokens=[ids[start]], target_forwards=1)
+        walks.append(_Walk(ids=ids, start=start, budget=budget, gen=gen, stopped=gen.tokens[0] in stop))
+    if not walks:
+        return []
+
+    # context keys/values of every document, padded to the longest: [N, Tmax, kv_heads, head_dim] per layer
+    t_max = max(len(w.ids) for w in walks)
+    attn0 = layers[0].self_attn
+    keys = [torch.zeros(len(walks), t_max, attn0.num_kv_heads, attn0.head_dim, device=device, dtype=dtype) for _ in layers]
+    values = [torch.zeros_like(k) for k in keys]
+    for n, (_, hidden, _, _) in enumerate(docs):
+        t = hidden.shape[0]
+        context = d.hidden_norm(d.fc(hidden.to(device, dtype)))
+        cos, sin = d.rotary_emb(torch.arange(t, device=device), dtype)
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            keys[i][n, :t] = _rotate(attn.k_norm(attn.k_proj(context).view(t, attn.num_kv_heads, attn.head_dim)), cos, sin)
+            values[i][n, :t] = attn.v_proj(context).view(t, attn.num_kv_heads, attn.head_dim)
+    head = d.target_head.lm_head_weight
+
+    while active := [n for n, w in enumerate(walks) if not w.stopped and len(w.gen.tokens) < w.budget]:
+        a = len(active)
+        anchor = torch.tensor([walks[n].anchor_pos for n in active], device=device)
+        lens = torch.tensor([min(block, walks[n].budget - len(walks[n].gen.tokens) + 1) for n in active], device=device)
+        ids = torch.full((a, block), d.config.mask_token_id, dtype=torch.long, device=device)
+        ids[:, 0] = torch.tensor([walks[n].gen.tokens[-1] for n in active], device=device)
+        positions = (anchor[:, None] + torch.arange(block, device=device)).reshape(-1)
+        cos, sin = d.rotary_emb(positions, dtype)
+        span = int(anchor.max())  # context keys past every anchor are masked anyway
+        visible = torch.cat(
+            [
+                torch.arange(span, device=device)[None, :] < anchor[:, None],  # context before the anchor
+                torch.arange(block, device=device)[None, :] < lens[:, None],  # the block's real positions
+            ],
+            dim=1,
+        )[:, None, None, :]  # [A, 1, 1, span + B]
+        idx = torch.tensor(active, device=device)
+        x = d.target_head.embed(ids).to(dtype).reshape(a * block, -1)
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = _rotate(attn.q_norm(attn.q_proj(h).view(a * block, attn.num_heads, attn.head_dim)), cos, sin)
+            k = _rotate(attn.k_norm(attn.k_proj(h).view(a * block, attn.num_kv_heads, attn.head_dim)), cos, sin)
+            v = attn.v_proj(h).view(a * block, attn.num_kv_heads, attn.head_dim)
+            k = torch.cat([keys[i][idx, :span], k.view(a, block, attn.num_kv_heads, attn.head_dim)], dim=1)
+            v = torch.cat([values[i][idx, :span], v.view(a, block, attn.num_kv_heads, attn.head_dim)], dim=1)
+            out = F.scaled_dot_product_attention(
+                q.view(a, block, attn.num_heads, attn.head_dim).transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                attn_mask=visible,
+                scale=attn.head_dim**-0.5,
+                enable_gqa=attn.num_heads != attn.num_kv_heads,
+            )  # [A, heads, B, head_dim]
+            x = x + attn.o_proj(out.transpose(1, 2).reshape(a * block, attn.num_heads * attn.head_dim))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        drafts = (d.norm(x).to(head.dtype) @ head.t()).argmax(-1).view(a, block)[:, 1:].cpu()
+
+        for row, n in enumerate(active):
+            w, b = walks[n], int(lens[row])
+            pos = w.anchor_pos
+            remaining = w.budget - len(w.gen.tokens)
+            draft = drafts[row, : b - 1]
+            truth = torch.tensor(w.ids[pos + 1 : pos + b])
+            accepted = int(torch.cumprod((draft == truth).long(), 0).sum())
+            bonus = w.ids[pos + accepted + 1] if pos + accepted + 1 < len(w.ids) else w.ids[-1]
+            new, w.stopped = _emit(draft[:accepted].tolist() + [bonus], remaining, stop)
+            w.gen.steps.append((b, accepted, len(new)))
+            w.gen.target_forwards += 1
+            w.gen.tokens.extend(new)
+    return [w.gen for w in walks]
+
+
 def decode_order_tau(
     drafter: torch.nn.Module,
     docs: Sequence[HeldOutDoc],
@@ -100,25 +217,20 @@ def decode_order_tau(
     stop_token_ids: Sequence[int] = (),
 ) -> EvalReport:
     """τ (pooled over verify steps, as dflash-eval reports it) and acceptance per position over the first
-    response of every document, each cut to ``max_new_tokens`` (default: the whole response)."""
+    response of every document, each cut to ``max_new_tokens`` (default: the whole response). The
+    documents are walked together (``batched_teacher_forced_generate``): one drafter forward per round."""
     was_training = drafter.training
     drafter.eval()
     try:
-        proposer = DrafterProposer(drafter)
-        block = drafter.config.block_size
-        gens = []
+        walks = []
         for doc in docs:
             span = first_response(doc.loss_mask)
             if span is None:
                 continue
             start, end = span
             budget = end - start if max_new_tokens is None else min(max_new_tokens, end - start)
-            gens.append(
-                teacher_forced_generate(
-                    proposer, doc.input_ids, doc.hidden, start=start, max_new_tokens=budget,
-                    stop_token_ids=stop_token_ids, block_size=block,
-                )  # fmt: skip
-            )
-        return summarize(gens, block)
+            walks.append((doc.input_ids, doc.hidden, start, budget))
+        gens = batched_teacher_forced_generate(drafter, walks, stop_token_ids=stop_token_ids)
+        return summarize(gens, drafter.config.block_size)
     finally:
         drafter.train(was_training)

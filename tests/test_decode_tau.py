@@ -10,7 +10,13 @@ import torch
 from test_evaluate import OracleProposer, _manual_greedy
 
 from dflash.common.demo_assets import build_tiny_target, demo_dataset_path, tiny_target_dir
-from dflash.consumer.decode_tau import HeldOutDoc, decode_order_tau, first_response, teacher_forced_generate
+from dflash.consumer.decode_tau import (
+    HeldOutDoc,
+    batched_teacher_forced_generate,
+    decode_order_tau,
+    first_response,
+    teacher_forced_generate,
+)
 from dflash.consumer.drafter import DFlashDrafter, DrafterConfig, load_target_head
 from dflash.consumer.evaluate import (
     DrafterProposer,
@@ -90,14 +96,22 @@ def test_the_walk_is_dflash_evals_loop_step_for_step(setup):
         torch.testing.assert_close(torch.cat(walk.features), torch.cat(live.features), atol=2e-5, rtol=1e-4)
 
 
-def test_decode_order_tau_equals_dflash_eval_with_a_real_drafter(setup):
-    target, prompts, docs = setup
+@pytest.fixture(scope="module")
+def drafter(setup):
+    """A drafter that accepts some drafts, so the walk's branches all run."""
+    target, _, docs = setup
     config = DrafterConfig.from_target_config(
         target.config, num_layers=1, mask_token_id=3, target_layer_ids=LAYERS
     )
     torch.manual_seed(0)
     drafter = DFlashDrafter(config, load_target_head(target, dtype=torch.float32))
-    _overfit(drafter, docs)  # a drafter that accepts some drafts, so the walk's branches all run
+    _overfit(drafter, docs)
+    return drafter
+
+
+def test_decode_order_tau_equals_dflash_eval_with_a_real_drafter(setup, drafter):
+    target, prompts, docs = setup
+    config = drafter.config
     runner = TargetRunner(target, LAYERS)
     gens = [
         speculative_generate(runner, DrafterProposer(drafter), p, max_new_tokens=MAX_NEW) for p in prompts
@@ -109,3 +123,33 @@ def test_decode_order_tau_equals_dflash_eval_with_a_real_drafter(setup):
     assert walked.verify_steps == decoded.verify_steps
     assert walked.tau == decoded.tau and walked.accept_rate == decoded.accept_rate
     assert walked.outputs == decoded.outputs
+
+
+def test_the_batched_walk_equals_each_document_walked_alone(setup, drafter):
+    """Documents of different lengths, budgets that end mid-block and a stop token, walked together in one
+    batch per round: the same steps and tokens as each walked alone through dflash-eval's proposer."""
+    _, prompts, docs = setup
+    cases = []
+    for prompt, doc in zip(prompts, docs, strict=True):
+        start = len(prompt)
+        cases += [(doc, start, MAX_NEW, ()), (doc, start, 7, ())]
+    doc, start = docs[0], len(prompts[0])
+    cases.append((doc, start, MAX_NEW, (int(doc.input_ids[start + 9]),)))  # stops at the 10th token
+    cases.append((docs[1], 5, 12, ()))  # a shorter prompt: the batch's anchors differ widely
+    alone = [
+        teacher_forced_generate(
+            DrafterProposer(drafter), d.input_ids, d.hidden, start=s, max_new_tokens=n, stop_token_ids=stop,
+            block_size=drafter.config.block_size,
+        )  # fmt: skip
+        for d, s, n, stop in cases
+    ]
+    for stop in {c[3] for c in cases}:  # one batch per stop set (the batched walk takes one)
+        picked = [i for i, c in enumerate(cases) if c[3] == stop]
+        together = batched_teacher_forced_generate(
+            drafter, [(cases[i][0].input_ids, cases[i][0].hidden, cases[i][1], cases[i][2]) for i in picked],
+            stop_token_ids=stop,
+        )  # fmt: skip
+        for i, gen in zip(picked, together, strict=True):
+            assert gen.steps == alone[i].steps and gen.tokens == alone[i].tokens, i
+    assert any(a > 0 for g in alone for _, a, _ in g.steps)  # drafts were accepted: every branch ran
+    assert len(alone[-2].tokens) <= 10 and alone[-2].tokens[-1] == cases[-2][3][0]  # the stop case stopped
