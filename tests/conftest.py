@@ -26,6 +26,14 @@ FAKE_ACCESS_KEY_ID = "AKIAFAKE0TEST0KEY000"
 FAKE_SECRET_ACCESS_KEY = "fAkE/sEcReT+Key0123456789abcdefGHIJKLMNO"
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Files with slow (multi-process) tests first, each file's tests in their own order: pytest-xdist hands
+    whole files to its workers in this order (ops/test.sh), and starting the long ones first keeps one
+    worker from running the chaos test alone at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within a file is kept
+
+
 def free_port() -> int:
     """A TCP port that was free a moment ago on 127.0.0.1."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
