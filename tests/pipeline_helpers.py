@@ -16,6 +16,16 @@ REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 
 
+def as_from_a_terminal(cmd: list[str]) -> list[str]:
+    """``cmd`` started with SIGINT at its default, as a shell in a terminal starts it.
+
+    A process inherits an ignored SIGINT, and pytest run in the background of a script (a CI runner,
+    ``cmd &``) has it ignored; bash cannot trap a signal ignored on entry, so run_all.sh would not see a
+    Ctrl-C sent before its children install their own handlers, and a test's Ctrl-C would be lost."""
+    reset = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])"
+    return [sys.executable, "-c", reset, *cmd]
+
+
 def cpu_env(threads: int = 1, **extra: str) -> dict[str, str]:
     """Environment for a child process on the 2-core CI box: one torch thread each (oversubscribed OpenMP
     threads make CPU training many times slower), no wandb, the venv's scripts first on PATH."""

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pipeline_helpers import REPO, cpu_env
+from pipeline_helpers import REPO, as_from_a_terminal, cpu_env
 
 from dflash.common.demo_assets import demo_dataset_path
 
@@ -418,7 +418,8 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
         budgets.append(budget_rng.choice([0, 1, 2, 3]))
         with open(out_path, "a") as out_f, open(err_path, "a") as err_f:
             return subprocess.Popen(
-                [*cmd, "--restarts", str(budgets[-1])], stdout=out_f, stderr=err_f, env=env, cwd=tmp_path,
+                as_from_a_terminal([*cmd, "--restarts", str(budgets[-1])]), stdout=out_f, stderr=err_f, env=env,
+                cwd=tmp_path,
                 start_new_session=True,
             )  # fmt: skip
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from ledger_audit import audit, eligible_samples, launches_from_output, read_jsonl
-from pipeline_helpers import REPO, cpu_env
+from pipeline_helpers import REPO, as_from_a_terminal, cpu_env
 
 from dflash.common.demo_assets import demo_dataset_path
 
@@ -60,7 +60,9 @@ class Life:
     def __init__(self, cmd, env, tmp_path: Path, n: int):
         self.out_path, self.err_path = tmp_path / f"life{n}.out", tmp_path / f"life{n}.err"
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=err, start_new_session=True)
+            self.proc = subprocess.Popen(
+                as_from_a_terminal(cmd), env=env, stdout=out, stderr=err, start_new_session=True
+            )
 
     def launch(self) -> dict[str, int]:
         ls = launches_from_output(self.out_path.read_text())
