@@ -77,7 +77,12 @@ def _control() -> dist.ProcessGroup | None:
 
 def agree_flags(flags: list[bool], info: DistInfo) -> list[int]:
     """For each flag, how many ranks set it (world size 1: the flags as 0/1, no collective)."""
-    t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int64)
+    return sum_ints([int(bool(f)) for f in flags], info)
+
+
+def sum_ints(values: list[int], info: DistInfo) -> list[int]:
+    """Each value summed over ranks, on the host-side control group: no device sync (world size 1: as is)."""
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64)
     if info.enabled:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_control())
     return [int(x) for x in t.tolist()]

@@ -211,6 +211,7 @@ class Trainer:
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg, self.device)
         self.step = 0
         self.trained = SampleSet(epoch=0)
+        self._replanning = False  # the data sized the schedule: its length follows the tokens trained
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000 + self.dist.rank)
 
         # checkpoint resume (every rank loads the same files)
@@ -381,8 +382,9 @@ class Trainer:
         try:
             while cfg.max_steps is None or self.step < cfg.max_steps:
                 item = self.inputs.get(timeout=0.5)
-                have, exhausted, stop = D.agree_flags(
-                    [item is not None, self.inputs.exhausted(), self._stop_requested], self.dist
+                have, exhausted, stop, tokens = D.sum_ints(
+                    [item is not None, self.inputs.exhausted(), self._stop_requested, item.tokens if item else 0],
+                    self.dist,
                 )
                 if stop:
                     log.warning("stop requested: saving a checkpoint at step %d", self.step)
@@ -398,6 +400,7 @@ class Trainer:
                 if self.first_step_s is None:
                     self._plan_campaign()
                 self._train_step(item, stats)
+                self._replan(tokens)
                 if self.first_step_s is None:
                     self.first_step_s = time.monotonic() - t_start
                     if self.store is not None and self.dist.is_main:
@@ -501,6 +504,17 @@ class Trainer:
             self.ledger.write({"step": self.step, "pid": os.getpid(), "samples": trained})
         stats.add(result, weight=item.weight, grad_norm=grad_norm, tokens=item.tokens, samples=len(trained))
 
+    def _replan(self, step_tokens: int) -> None:
+        """Count the step's tokens (all ranks) and, when the data sized the schedule, keep its length right
+        (``WarmupCosine.replan``). Every rank computes the same from the same sums: the same learning rate."""
+        schedule: WarmupCosine = self.scheduler.lr_lambdas[0]
+        schedule.tokens_done += step_tokens
+        if self._replanning:
+            schedule.replan(
+                self.step, self.plan.campaign.tokens * self.plan.epochs.epochs,
+                self.cfg.context_tokens * self.dist.world_size,
+            )  # fmt: skip
+
     def _plan_campaign(self) -> None:
         """Read what the data gives (rank 0's reading for every rank), size the schedule from it unless a
         length was given, and say the plan in one line. Called at the first step: producers write the
@@ -514,6 +528,11 @@ class Trainer:
             override = f"--total-steps {cfg.total_steps}" if cfg.total_steps else f"--max-steps {cfg.max_steps}"
         elif self.plan is not None:
             schedule.resize(self.plan.total_steps, cfg.warmup_ratio)
+            self._replanning = True
+            if self.step:  # resumed: the rest of the data from what the checkpoint trained
+                if not schedule.tokens_done:  # a checkpoint from before the count: full streams, as planned
+                    schedule.tokens_done = self.step * cfg.context_tokens * self.dist.world_size
+                self._replan(0)
             for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
                 group["lr"] = base * schedule(self.scheduler.last_epoch)  # this step's factor, resized
             self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]

@@ -97,3 +97,28 @@ def test_schedule_resizes_and_survives_the_scheduler_state():
     assert other.lr_lambdas[0].total_steps == 100
     f = WarmupCosine(4, 100)
     assert f(0) == 0.25 and f(3) == 1.0 and f(100) == pytest.approx(0.0) and 0 < f(50) < 1
+
+
+def test_a_short_stream_lengthens_the_schedule_so_the_decay_ends_with_the_data():
+    import torch
+
+    f = WarmupCosine(1, 10)  # the plan: 1000 tokens in full streams of 100 = 10 steps
+    f.resize(10, 0.1)
+    for step in range(1, 4):  # three full streams
+        f.tokens_done += 100
+        f.replan(step, 1000, 100)
+    assert f.total_steps == 10
+    f.tokens_done += 40  # a stream packed short: 60 tokens of data still to come -> one more step
+    f.replan(4, 1000, 100)
+    assert (f.total_steps, f.warmup_steps) == (11, 1)
+    for step in range(5, 12):  # the rest in full streams, the last one short
+        f.tokens_done += min(100, 1000 - f.tokens_done)
+        f.replan(step, 1000, 100)
+    assert f.tokens_done == 1000 and f.total_steps == 11  # the decay reached 0 at the last step, not before
+    assert f(10) > 0 and f(11) == pytest.approx(0.0)
+    # the count survives a checkpoint (LambdaLR keeps the callable's attributes)
+    p = torch.nn.Parameter(torch.zeros(1))
+    sched = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([p], lr=1.0), f)
+    other = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([p], lr=1.0), WarmupCosine(1, 10))
+    other.load_state_dict(sched.state_dict())
+    assert (other.lr_lambdas[0].tokens_done, other.lr_lambdas[0].total_steps) == (1000, 11)
