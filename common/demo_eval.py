@@ -1,9 +1,11 @@
 """The demo's verdict: held-out τ of the untrained and the trained drafter, by real draft -> verify decoding.
 
-Why not the trainer's τ: it is measured on the training batches themselves, per step, and swings with
-which shard a step drew. Here both drafters decode the same held-out prompts (never trained on) with
-``dflash-eval``'s loop (consumer/evaluate.py) against the target, so before and after compare like with
-like, and the number is the acceptance length a user would get.
+Why not the trainer's in-loop τ: it is measured on the training batches themselves, per step, and swings
+with which shard a step drew. Here both drafters decode the held-out documents the producers spooled
+(never trained on) with ``dflash-eval``'s loop (consumer/evaluate.py) against the target, so before and
+after compare like with like, and the number is the acceptance length a user would get. The consumer's
+decode-order τ (consumer/decode_tau.py) is logged on the same documents with the same budgets: the demo
+prints both, equal when the answers are the target's own, the in-training one an estimate otherwise.
 """
 
 from __future__ import annotations
@@ -19,16 +21,33 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
-class HeldOutEval:
-    """Where and how to evaluate."""
+class HeldOutDocs:
+    """The held-out documents as the producers spooled them (the spool's eval/ shards): each one's prompt
+    (the tokens before its first answer) and the length of that answer, the decode budget. The consumer's
+    in-training decode-order τ walks the same documents with the same budgets."""
 
-    target: Path
-    prompts: Path
-    """JSONL of held-out conversations; their prompts (up to the first assistant turn) are decoded."""
-    num_prompts: int
-    max_new_tokens: int
-    chunk: int = 8
-    """Prompts per progress line."""
+    prompts: list[torch.Tensor]
+    budgets: list[int]
+    sample_ids: list[int]
+
+    @classmethod
+    def from_spool(cls, spool: Path) -> HeldOutDocs:
+        from dflash.common.shard import read_shard
+        from dflash.common.spool import Spool
+        from dflash.consumer.decode_tau import first_response
+
+        prompts, budgets, ids = [], [], []
+        for path in Spool(spool, create=False).eval_shards():
+            shard = read_shard(path)
+            cu = shard.cu_seqlens.tolist()
+            for i, sid in enumerate(shard.sample_index.tolist()):
+                span = first_response(shard.loss_mask[cu[i] : cu[i + 1]].numpy())
+                if span is None:
+                    continue
+                prompts.append(shard.input_ids[cu[i] : cu[i] + span[0]].long())
+                budgets.append(span[1] - span[0])
+                ids.append(int(sid))
+        return cls(prompts=prompts, budgets=budgets, sample_ids=ids)
 
 
 @dataclass(kw_only=True)
@@ -63,12 +82,20 @@ def export_initial_drafter(
 
 
 def evaluate_drafter(
-    cfg: HeldOutEval, drafter_dir: Path, *, say: Callable[[str], None] = print, label: str = ""
+    target_dir: Path,
+    drafter_dir: Path,
+    docs: HeldOutDocs,
+    *,
+    chunk: int = 8,
+    say: Callable[[str], None] = print,
+    label: str = "",
 ) -> EvalResult:
-    """Greedy speculative decoding of the held-out prompts with `drafter_dir`; τ pooled over all steps."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Greedy speculative decoding of every held-out prompt with `drafter_dir` against the target, each for
+    its answer's length (no stop token: the in-training walk has none either); τ pooled over all verify
+    steps, as dflash-eval reports it."""
+    from transformers import AutoModelForCausalLM
 
-    from dflash.consumer.evaluate import evaluate, load_prompts, stop_tokens
+    from dflash.consumer.evaluate import DrafterProposer, TargetRunner, speculative_generate, summarize
     from dflash.consumer.export import load_exported_drafter
 
     threads = torch.get_num_threads()
@@ -76,32 +103,25 @@ def evaluate_drafter(
     # other (see tests/test_evaluate.py) and the result is the same.
     torch.set_num_threads(1)
     try:
-        tok = AutoTokenizer.from_pretrained(cfg.target)
-        target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=torch.float32).eval()
+        target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
         drafter = load_exported_drafter(drafter_dir, target, dtype=torch.float32)
-        prompts = load_prompts(str(cfg.prompts), tok, num_prompts=cfg.num_prompts)
-        stop = stop_tokens(tok, target)
-        emitted = steps = tokens = 0
-        wall = 0.0
-        for i in range(0, len(prompts), cfg.chunk):
-            r = evaluate(
-                target,
-                drafter,
-                prompts[i : i + cfg.chunk],
-                max_new_tokens=cfg.max_new_tokens,
-                stop_token_ids=stop,
-            )
-            emitted += round(r.tau * r.verify_steps)
-            steps, tokens, wall = steps + r.verify_steps, tokens + r.generated_tokens, wall + r.wall_s
-            say(
-                f"[demo] held-out eval {label}: {min(i + cfg.chunk, len(prompts))}/{len(prompts)} prompts, τ {emitted / max(1, steps):.2f}"
-            )
+        runner = TargetRunner(target, drafter.config.target_layer_ids)
+        try:
+            gens = []
+            for i, (prompt, budget) in enumerate(zip(docs.prompts, docs.budgets, strict=True)):
+                gens.append(speculative_generate(runner, DrafterProposer(drafter), prompt, max_new_tokens=budget))
+                if (i + 1) % chunk == 0 or i + 1 == len(docs.prompts):
+                    tau = summarize(gens, drafter.config.block_size).tau
+                    say(f"[demo] held-out eval {label}: {i + 1}/{len(docs.prompts)} prompts, τ {tau:.2f}")
+        finally:
+            runner.close()
     finally:
         torch.set_num_threads(threads)
+    report = summarize(gens, drafter.config.block_size)
     return EvalResult(
-        tau=emitted / max(1, steps),
-        prompts=len(prompts),
-        generated_tokens=tokens,
-        verify_steps=steps,
-        wall_s=wall,
+        tau=report.tau,
+        prompts=len(gens),
+        generated_tokens=report.generated_tokens,
+        verify_steps=report.verify_steps,
+        wall_s=sum(g.wall_s for g in gens),
     )

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from dflash.common.demo import split_dataset
+from dflash.common.demo import write_dataset, write_split
 from dflash.common.demo_progress import (
     consumer_avg_tok_s,
     format_progress,
@@ -58,14 +58,15 @@ def test_progress_line_says_what_the_metrics_say(tmp_path):
     assert "step 14: 40 samples trained, loss 5.21, τ 2.31" in line and "spool 3 shards, 12.0 MB" in line
 
 
-def test_held_out_rows_are_never_in_the_training_file(tmp_path):
+def test_the_split_files_hold_the_spooled_held_out_rows_and_the_rest(tmp_path):
     src = tmp_path / "src.jsonl"
     src.write_text("".join(json.dumps({"id": i}) + "\n" for i in range(10)))
-    train, held = split_dataset(src, tmp_path / "out", holdout=3, train_rows=4)
+    data = write_dataset(src, tmp_path / "out", rows=6)
     ids = lambda p: [json.loads(line)["id"] for line in p.read_text().splitlines()]  # noqa: E731
-    assert ids(train) == [0, 1, 2, 3] and ids(held) == [7, 8, 9]
-    train, _ = split_dataset(src, tmp_path / "all", holdout=3, train_rows=None)
-    assert ids(train) == list(range(7))
+    assert ids(data) == list(range(6))
+    train, held = write_split(data, [1, 4])
+    assert ids(train) == [0, 2, 3, 5] and ids(held) == [1, 4]
+    assert ids(write_dataset(src, tmp_path / "all", rows=None)) == list(range(10))
 
 
 def test_untrained_drafter_is_the_consumers_initialization(tmp_path, tiny_target):
