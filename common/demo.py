@@ -37,7 +37,8 @@ class DemoSize:
     """Rows of the bundled conversations used (None = all 269): the held-out ones are drawn from them."""
     epochs: int
     """Passes over the training rows (dflash-produce --epochs). Measured (docs/benchmarks.md): the drafter's
-    held-out τ keeps rising to ~600 steps (12 epochs of the 237 training rows): 1.46 at 450, 1.55 at 600."""
+    held-out τ keeps rising with steps (in-process on the demo's shards: 1.46 at 450, 1.55 at 600, 1.58 at
+    900); 12 epochs of the 237 training rows are ~670 steps, 1.42-1.45 through the pipeline, in ~2 min."""
     eval_samples: int
     """Held-out rows (dflash-produce --eval-samples): spooled once, never trained, decoded before/after."""
     eval_every: int
