@@ -56,8 +56,12 @@ def test_a_shard_published_during_the_budget_check_still_counts(tmp_path):
     admitted: list[bool] = []
     t = threading.Thread(target=lambda: admitted.append(writers._admit(spool, SHARD)), daemon=True)
     t.start()
-    t.join(timeout=2.0)  # a correct admission keeps waiting: the spool holds a shard past the budget
-    assert t.is_alive() and not admitted, "a second shard was admitted while the first one filled the spool"
+    # a correct admission checks the budget again and keeps waiting (the spool holds a shard past it);
+    # the wrong one returns at once, admitted. The deadline only guards against a hang.
+    deadline = time.monotonic() + 60
+    while spool.checks < 2 and t.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert t.is_alive() and not admitted, f"admitted {admitted} while the first shard filled the spool"
     stop.set()
-    t.join(timeout=10)
+    t.join(timeout=60)
     assert admitted == [False] and spool.checks >= 2
