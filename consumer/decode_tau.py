@@ -28,10 +28,16 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from dflash.consumer.drafter import _rotate
-from dflash.consumer.evaluate import EvalReport, Generation, Proposer, _emit, summarize
+from dflash.consumer.evaluate import (
+    EvalReport,
+    Generation,
+    Proposer,
+    _emit,
+    block_layer,
+    context_keys_values,
+    summarize,
+)
 
 
 @dataclass(kw_only=True)
@@ -81,19 +87,29 @@ def teacher_forced_generate(
     stopped = gen.tokens[0] in stop
     while not stopped and len(gen.tokens) < max_new_tokens:
         anchor_pos = start + len(gen.tokens) - 1
-        remaining = max_new_tokens - len(gen.tokens)
-        b = min(block_size, remaining + 1)
+        b = min(block_size, max_new_tokens - len(gen.tokens) + 1)
         draft = proposer.propose(gen.tokens[-1], anchor_pos, b).to(torch.long).cpu()
-        truth = torch.tensor(ids[anchor_pos + 1 : anchor_pos + b])  # the target's token after each prefix
-        accepted = int(torch.cumprod((draft == truth).long(), 0).sum())
-        bonus = ids[anchor_pos + accepted + 1] if anchor_pos + accepted + 1 < len(ids) else ids[-1]
-        new, stopped = _emit(draft[:accepted].tolist() + [bonus], remaining, stop)
-        gen.steps.append((b, accepted, len(new)))
-        gen.target_forwards += 1
-        gen.tokens.extend(new)
+        accepted, stopped = _verify(gen, ids, anchor_pos, draft, max_new_tokens, stop)
         if not stopped and len(gen.tokens) < max_new_tokens:
             proposer.extend(hidden[anchor_pos : anchor_pos + accepted + 1], anchor_pos)
     return gen
+
+
+def _verify(
+    gen: Generation, ids: list[int], anchor_pos: int, draft: torch.Tensor, max_new_tokens: int, stop: set[int]
+) -> tuple[int, bool]:
+    """One verify step with the document as the target: the drafts that match the document's next tokens
+    are accepted, then the document's token at the first miss (the bonus). Appends to ``gen``; returns
+    (accepted drafts, stopped)."""
+    b = draft.shape[0] + 1
+    truth = torch.tensor(ids[anchor_pos + 1 : anchor_pos + b])  # the target's token after each prefix
+    accepted = int(torch.cumprod((draft == truth).long(), 0).sum())
+    bonus = ids[anchor_pos + accepted + 1] if anchor_pos + accepted + 1 < len(ids) else ids[-1]
+    new, stopped = _emit(draft[:accepted].tolist() + [bonus], max_new_tokens - len(gen.tokens), stop)
+    gen.steps.append((b, accepted, len(new)))
+    gen.target_forwards += 1
+    gen.tokens.extend(new)
+    return accepted, stopped
 
 
 @dataclass(kw_only=True)
@@ -151,9 +167,7 @@ def batched_teacher_forced_generate(
         context = d.hidden_norm(d.fc(hidden.to(device, dtype)))
         cos, sin = d.rotary_emb(torch.arange(t, device=device), dtype)
         for i, layer in enumerate(layers):
-            attn = layer.self_attn
-            keys[i][n, :t] = _rotate(attn.k_norm(attn.k_proj(context).view(t, attn.num_kv_heads, attn.head_dim)), cos, sin)
-            values[i][n, :t] = attn.v_proj(context).view(t, attn.num_kv_heads, attn.head_dim)
+            keys[i][n, :t], values[i][n, :t] = context_keys_values(layer, context, cos, sin)
     head = d.target_head.lm_head_weight
 
     while active := [n for n, w in enumerate(walks) if not w.stopped and len(w.gen.tokens) < w.budget]:
@@ -173,39 +187,15 @@ def batched_teacher_forced_generate(
             dim=1,
         )[:, None, None, :]  # [A, 1, 1, span + B]
         idx = torch.tensor(active, device=device)
-        x = d.target_head.embed(ids).to(dtype).reshape(a * block, -1)
+        x = d.target_head.embed(ids).to(dtype)
         for i, layer in enumerate(layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = _rotate(attn.q_norm(attn.q_proj(h).view(a * block, attn.num_heads, attn.head_dim)), cos, sin)
-            k = _rotate(attn.k_norm(attn.k_proj(h).view(a * block, attn.num_kv_heads, attn.head_dim)), cos, sin)
-            v = attn.v_proj(h).view(a * block, attn.num_kv_heads, attn.head_dim)
-            k = torch.cat([keys[i][idx, :span], k.view(a, block, attn.num_kv_heads, attn.head_dim)], dim=1)
-            v = torch.cat([values[i][idx, :span], v.view(a, block, attn.num_kv_heads, attn.head_dim)], dim=1)
-            out = F.scaled_dot_product_attention(
-                q.view(a, block, attn.num_heads, attn.head_dim).transpose(1, 2),
-                k.transpose(1, 2),
-                v.transpose(1, 2),
-                attn_mask=visible,
-                scale=attn.head_dim**-0.5,
-                enable_gqa=attn.num_heads != attn.num_kv_heads,
-            )  # [A, heads, B, head_dim]
-            x = x + attn.o_proj(out.transpose(1, 2).reshape(a * block, attn.num_heads * attn.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        drafts = (d.norm(x).to(head.dtype) @ head.t()).argmax(-1).view(a, block)[:, 1:].cpu()
+            x = block_layer(layer, x, cos, sin, keys[i][idx, :span], values[i][idx, :span], visible)
+        drafts = (d.norm(x).to(head.dtype) @ head.t()).argmax(-1)[:, 1:].cpu()
 
         for row, n in enumerate(active):
-            w, b = walks[n], int(lens[row])
-            pos = w.anchor_pos
-            remaining = w.budget - len(w.gen.tokens)
-            draft = drafts[row, : b - 1]
-            truth = torch.tensor(w.ids[pos + 1 : pos + b])
-            accepted = int(torch.cumprod((draft == truth).long(), 0).sum())
-            bonus = w.ids[pos + accepted + 1] if pos + accepted + 1 < len(w.ids) else w.ids[-1]
-            new, w.stopped = _emit(draft[:accepted].tolist() + [bonus], remaining, stop)
-            w.gen.steps.append((b, accepted, len(new)))
-            w.gen.target_forwards += 1
-            w.gen.tokens.extend(new)
+            w = walks[n]
+            draft = drafts[row, : int(lens[row]) - 1]
+            _, w.stopped = _verify(w.gen, w.ids, w.anchor_pos, draft, w.budget, stop)
     return [w.gen for w in walks]
 
 

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 # The command line lives in eval_cli (no torch before parsing); main/build_parser stay importable here.
+from dflash.consumer.drafter import _rotate
 from dflash.consumer.eval_cli import PROG, build_parser, main  # noqa: F401
 
 log = logging.getLogger(__name__)
@@ -149,9 +150,50 @@ class Proposer(Protocol):
         """Draft tokens [block_len - 1] for positions anchor_pos+1.. given all context so far."""
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return x * cos[:, None, :] + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin[:, None, :]
+def context_keys_values(layer: nn.Module, context: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """One draft layer's keys and values [n, kv_heads, head_dim] of the context ``context`` [n, H] (the
+    normed, projected target features) at rotary ``cos``/``sin`` [n, D]: they depend on the context only,
+    not on the layer's input, so a decode caches them once per position."""
+    attn = layer.self_attn
+    n = context.shape[0]
+    k = _rotate(attn.k_norm(attn.k_proj(context).view(n, attn.num_kv_heads, attn.head_dim)), cos, sin)
+    return k, attn.v_proj(context).view(n, attn.num_kv_heads, attn.head_dim)
+
+
+def block_layer(
+    layer: nn.Module,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keys: torch.Tensor | None,
+    values: torch.Tensor | None,
+    visible: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One draft decoder layer over A blocks ``x`` [A, B, H] at rotary ``cos``/``sin`` [A*B, D]: each block
+    attends to its context ``keys``/``values`` [A, L, kv_heads, head_dim] (None: no context) and to all of
+    its own positions; ``visible`` [A, 1, 1, L+B] (bool) masks keys out. The inference form of
+    ``DFlashDrafter.forward``'s layer (tests compare the two)."""
+    attn = layer.self_attn
+    a, b, _ = x.shape
+    heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    flat = x.reshape(a * b, -1)
+    h = layer.input_layernorm(flat)
+    q = _rotate(attn.q_norm(attn.q_proj(h).view(a * b, heads, dim)), cos, sin).view(a, b, heads, dim)
+    k = _rotate(attn.k_norm(attn.k_proj(h).view(a * b, kv_heads, dim)), cos, sin).view(a, b, kv_heads, dim)
+    v = attn.v_proj(h).view(a, b, kv_heads, dim)
+    if keys is not None:
+        k, v = torch.cat([keys, k], dim=1), torch.cat([values, v], dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        attn_mask=visible,
+        scale=dim**-0.5,
+        enable_gqa=heads != kv_heads,
+    )  # [A, heads, B, head_dim]
+    flat = flat + attn.o_proj(out.transpose(1, 2).reshape(a * b, heads * dim))
+    flat = flat + layer.mlp(layer.post_attention_layernorm(flat))
+    return flat.view(a, b, -1)
 
 
 class DrafterProposer:
@@ -181,9 +223,7 @@ class DrafterProposer:
         context = d.hidden_norm(d.fc(features.to(self.device, self.dtype)))
         cos, sin = d.rotary_emb(torch.arange(start, start + n, device=self.device), self.dtype)
         for i, layer in enumerate(d.layers):
-            attn = layer.self_attn
-            k = _rotate(attn.k_norm(attn.k_proj(context).view(n, attn.num_kv_heads, attn.head_dim)), cos, sin)
-            v = attn.v_proj(context).view(n, attn.num_kv_heads, attn.head_dim)
+            k, v = context_keys_values(layer, context, cos, sin)
             self.keys[i] = k if self.keys[i] is None else torch.cat([self.keys[i], k])
             self.values[i] = v if self.values[i] is None else torch.cat([self.values[i], v])
         self.length += n
@@ -193,26 +233,14 @@ class DrafterProposer:
         """Final-normed hidden states [b, H] of the block `block_ids` [b] placed at anchor_pos.."""
         d = self.drafter
         b = block_ids.shape[0]
-        x = d.target_head.embed(block_ids.to(self.device)).to(self.dtype)
+        x = d.target_head.embed(block_ids.to(self.device)).to(self.dtype)[None]
         cos, sin = d.rotary_emb(torch.arange(anchor_pos, anchor_pos + b, device=self.device), self.dtype)
         for i, layer in enumerate(d.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = _rotate(attn.q_norm(attn.q_proj(h).view(b, attn.num_heads, attn.head_dim)), cos, sin)
-            k = _rotate(attn.k_norm(attn.k_proj(h).view(b, attn.num_kv_heads, attn.head_dim)), cos, sin)
-            v = attn.v_proj(h).view(b, attn.num_kv_heads, attn.head_dim)
-            if self.keys[i] is not None:
-                k, v = torch.cat([self.keys[i], k]), torch.cat([self.values[i], v])
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                k.transpose(0, 1)[None],
-                v.transpose(0, 1)[None],
-                scale=attn.head_dim**-0.5,
-                enable_gqa=attn.num_heads != attn.num_kv_heads,
+            keys, values = self.keys[i], self.values[i]
+            x = block_layer(
+                layer, x, cos, sin, None if keys is None else keys[None], None if values is None else values[None]
             )
-            x = x + attn.o_proj(out[0].transpose(0, 1).reshape(b, attn.num_heads * attn.head_dim))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return d.norm(x)
+        return d.norm(x[0])
 
     @torch.inference_mode()
     def propose(self, anchor_token: int, anchor_pos: int, block_len: int) -> torch.Tensor:
