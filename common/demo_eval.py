@@ -32,21 +32,17 @@ class HeldOutDocs:
 
     @classmethod
     def from_spool(cls, spool: Path) -> HeldOutDocs:
-        from dflash.common.shard import read_shard
         from dflash.common.spool import Spool
-        from dflash.consumer.decode_tau import first_response
+        from dflash.consumer.decode_tau import first_response, read_held_out
 
         prompts, budgets, ids = [], [], []
-        for path in Spool(spool, create=False).eval_shards():
-            shard = read_shard(path)
-            cu = shard.cu_seqlens.tolist()
-            for i, sid in enumerate(shard.sample_index.tolist()):
-                span = first_response(shard.loss_mask[cu[i] : cu[i + 1]].numpy())
-                if span is None:
-                    continue
-                prompts.append(shard.input_ids[cu[i] : cu[i] + span[0]].long())
-                budgets.append(span[1] - span[0])
-                ids.append(int(sid))
+        for doc in read_held_out(Spool(spool, create=False).eval_shards()):
+            span = first_response(doc.loss_mask)
+            if span is None:
+                continue
+            prompts.append(torch.from_numpy(doc.input_ids[: span[0]]).long())
+            budgets.append(span[1] - span[0])
+            ids.append(doc.sample_index)
         return cls(prompts=prompts, budgets=budgets, sample_ids=ids)
 
 

@@ -40,6 +40,24 @@ from dflash.consumer.evaluate import (
 )
 
 
+@dataclass
+class EvalBudget:
+    """The periodic evaluations' share of a run's time (``--eval-budget``, 3 % by default): one runs only
+    when it, priced at what the last one took, keeps the evaluations within ``share`` of the time elapsed.
+    The first and the last evaluation of a run are not asked: they are its before and after."""
+
+    share: float
+    spent_s: float = 0.0
+    last_s: float | None = None
+
+    def allows(self, elapsed_s: float) -> bool:
+        return self.last_s is None or self.spent_s + self.last_s <= self.share * elapsed_s
+
+    def add(self, took_s: float) -> None:
+        self.spent_s += took_s
+        self.last_s = took_s
+
+
 @dataclass(kw_only=True)
 class HeldOutDoc:
     """One held-out document as the producers spooled it."""
@@ -48,6 +66,27 @@ class HeldOutDoc:
     input_ids: np.ndarray  # int [T]
     loss_mask: np.ndarray  # bool [T]
     hidden: torch.Tensor  # [T, K*H]
+
+
+def read_held_out(shard_paths: Sequence) -> list[HeldOutDoc]:
+    """The held-out documents of these eval shards (the spool's eval/), by sample id."""
+    from dflash.common.shard import read_shard
+
+    docs = []
+    for path in shard_paths:
+        shard = read_shard(path)
+        cu = shard.cu_seqlens.tolist()
+        for i, sid in enumerate(shard.sample_index.tolist()):
+            a, b = cu[i], cu[i + 1]
+            docs.append(
+                HeldOutDoc(
+                    sample_index=int(sid),
+                    input_ids=shard.input_ids[a:b].numpy(),
+                    loss_mask=shard.loss_mask[a:b].numpy(),
+                    hidden=shard.hidden[a:b],
+                )
+            )
+    return sorted(docs, key=lambda d: d.sample_index)
 
 
 def first_response(loss_mask: np.ndarray) -> tuple[int, int] | None:

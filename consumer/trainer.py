@@ -27,7 +27,6 @@ import torch._dynamo  # noqa: F401  first import in the main thread: concurrent 
 from dflash.common.checkpoint_store import CheckpointStoreError, open_store, redact
 from dflash.common.metrics_log import MetricsLog, format_console_line
 from dflash.common.sample_set import SampleSet
-from dflash.common.shard import read_shard
 from dflash.common.spool import Spool
 from dflash.consumer import distributed as D
 from dflash.consumer.async_checkpoint import AsyncCheckpointer
@@ -41,7 +40,7 @@ from dflash.consumer.checkpoint import (
     save_checkpoint,
 )
 from dflash.consumer.config import TrainConfig
-from dflash.consumer.decode_tau import HeldOutDoc, decode_order_tau
+from dflash.consumer.decode_tau import EvalBudget, HeldOutDoc, decode_order_tau, read_held_out
 from dflash.consumer.drafter import DFlashDrafter, DrafterConfig, load_target_head
 from dflash.consumer.feed import ShardFeed
 from dflash.consumer.input_pipeline import InputPipeline, StepInput
@@ -261,8 +260,7 @@ class Trainer:
         self._held_out: list[HeldOutDoc] = []
         self._held_out_shards = 0
         self._eval_step: int | None = None  # the step last evaluated
-        self.eval_s = 0.0
-        self._last_eval_s: float | None = None
+        self.evals = EvalBudget(cfg.eval_budget)
         self._saved_step: int | None = None
         self._t_process = time.monotonic()
         self.history: list[dict] = []
@@ -437,7 +435,7 @@ class Trainer:
             "recompiles_after_warmup": self._recompiles_after_warmup,
             "fill": self.feed.counters.tokens_packed / max(1, self.feed.counters.slots_packed),
             "last_save_stall_s": self.last_save_stall_s,
-            "eval_s": self.eval_s,
+            "eval_s": self.evals.spent_s,
             "history": self.history,
         }
 
@@ -548,21 +546,7 @@ class Trainer:
         """The held-out documents of the spool's eval/ shards (re-read when more shards have landed)."""
         shards = self.spool.eval_shards()
         if len(shards) != self._held_out_shards:
-            docs = []
-            for path in shards:
-                shard = read_shard(path)
-                cu = shard.cu_seqlens.tolist()
-                for i, sid in enumerate(shard.sample_index.tolist()):
-                    a, b = cu[i], cu[i + 1]
-                    docs.append(
-                        HeldOutDoc(
-                            sample_index=int(sid),
-                            input_ids=shard.input_ids[a:b].numpy(),
-                            loss_mask=shard.loss_mask[a:b].numpy(),
-                            hidden=shard.hidden[a:b],
-                        )
-                    )
-            self._held_out = sorted(docs, key=lambda d: d.sample_index)
+            self._held_out = read_held_out(shards)
             self._held_out_shards = len(shards)
         return self._held_out
 
@@ -575,20 +559,17 @@ class Trainer:
         docs = self._load_held_out()
         if not docs:
             return
-        elapsed = time.monotonic() - self._t_process
-        if periodic and self._last_eval_s is not None:
-            if self.eval_s + self._last_eval_s > self.cfg.eval_budget * elapsed:
-                log.info(
-                    "eval step %d skipped: evaluations would take more than %.0f%% of the run (--eval-budget)",
-                    self.step, 100 * self.cfg.eval_budget,
-                )  # fmt: skip
-                return
+        if periodic and not self.evals.allows(time.monotonic() - self._t_process):
+            log.info(
+                "eval step %d skipped: evaluations would take more than %.0f%% of the run (--eval-budget)",
+                self.step, 100 * self.cfg.eval_budget,
+            )  # fmt: skip
+            return
         self._eval_step = self.step  # evaluated (a skipped one does not count: the last step still runs)
         t0 = time.monotonic()
         report = decode_order_tau(self.model, docs)
         took = time.monotonic() - t0
-        self.eval_s += took
-        self._last_eval_s = took
+        self.evals.add(took)
         in_loop = self.history[-1]["tau"] if self.history else None
         rec = {
             "event": "eval", "time": time.time(), "step": self.step, "decode_tau": report.tau,
@@ -600,7 +581,7 @@ class Trainer:
         if self.wandb is not None:
             self.wandb.log({"decode_tau": report.tau}, step=self.step)
         loop = f", in-loop τ {in_loop:.2f}" if in_loop is not None else ""
-        share = self.eval_s / max(1e-9, time.monotonic() - self._t_process)
+        share = self.evals.spent_s / max(1e-9, time.monotonic() - self._t_process)
         log.info(
             "eval step %d: decode-order τ %.2f on %d held-out docs%s (%.1f s; evaluation %.1f%% of the run)",
             self.step, report.tau, report.prompts, loop, took, 100 * share,

@@ -153,3 +153,16 @@ def test_the_batched_walk_equals_each_document_walked_alone(setup, drafter):
             assert gen.steps == alone[i].steps and gen.tokens == alone[i].tokens, i
     assert any(a > 0 for g in alone for _, a, _ in g.steps)  # drafts were accepted: every branch ran
     assert len(alone[-2].tokens) <= 10 and alone[-2].tokens[-1] == cases[-2][3][0]  # the stop case stopped
+
+
+def test_periodic_evaluations_keep_to_their_share_of_the_run():
+    from dflash.consumer.decode_tau import EvalBudget
+
+    budget = EvalBudget(0.03)
+    assert budget.allows(0.0)  # nothing measured yet: the first one runs
+    budget.add(1.0)  # one evaluation took 1 s
+    assert not budget.allows(60.0)  # a second would make 2 s of 60 (3.3 %)
+    assert budget.allows(70.0)  # 2 s of 70 s (2.9 %)
+    budget.add(0.5)
+    assert (budget.spent_s, budget.last_s) == (1.5, 0.5)
+    assert not budget.allows(60.0) and budget.allows(70.0)  # 2 s again, priced at the last one
