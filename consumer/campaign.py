@@ -2,7 +2,7 @@
 
 Why: the cosine schedule's length should be what the data gives (samples x epochs packed into streams of
 ``context_tokens`` on every rank), not a number the user guesses. The producers count it while they
-tokenize (``state/campaign-n<node>.json``, see dflash.common.epochs); a consumer reads it when its first
+tokenize (``state/campaign-n<node>.json``, see dflash.common.contract.epochs); a consumer reads it when its first
 batch is ready (the file is written before any shard), every rank takes rank 0's reading so the group's
 schedules cannot differ, and ``--total-steps`` (or ``--max-steps``) still overrides it.
 """
@@ -13,7 +13,7 @@ import logging
 import math
 from dataclasses import dataclass
 
-from dflash.common.epochs import Campaign, Epochs
+from dflash.common.contract.epochs import Campaign, Epochs
 
 log = logging.getLogger(__name__)
 

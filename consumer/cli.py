@@ -18,7 +18,7 @@ import os
 import sys
 import time
 
-from dflash.common.cli_help import DefaultsHelpFormatter, plain_text
+from dflash.common.cli.help import DefaultsHelpFormatter, plain_text
 
 PROG = "dflash-consume"
 EXIT_USAGE, EXIT_FAILURE, EXIT_INTERRUPTED = 2, 1, 130
@@ -231,9 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         _fail(f"--gpu must be a GPU index or 'cpu', got {args.gpu!r}")
 
-    from dflash.common.checkpoint_store import CheckpointStoreError
-    from dflash.common.spool import Spool, SpoolBusyError, SpoolError
-    from dflash.consumer.checkpoint import CheckpointCorruptError, CheckpointError
+    from dflash.common.checkpoints.layout import CheckpointCorruptError, CheckpointError
+    from dflash.common.checkpoints.store import CheckpointStoreError
+    from dflash.common.contract.spool import Spool, SpoolBusyError, SpoolError
     from dflash.consumer.config import TrainConfig
 
     debug = logging.getLogger().isEnabledFor(logging.DEBUG)

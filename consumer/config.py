@@ -42,7 +42,7 @@ class TrainConfig:
     warmup_ratio: float = 0.04
     eval_every: int = 500
     """Steps between decode-order τ evaluations on the spool's held-out shards (0: never); also before the
-    first step of a fresh run and after the last (consumer/decode_tau.py)."""
+    first step of a fresh run and after the last (common/drafter/decode_tau.py)."""
     eval_budget: float = 0.03
     """Largest share of the run's wall time the periodic evaluations may take: one that would exceed it is
     skipped (the first and the last always run; they are the before and after of the run)."""

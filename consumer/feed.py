@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from dflash.common.sample_set import SampleSet
-from dflash.common.shard import ShardFormatError, read_shard, read_shard_meta
-from dflash.common.spool import Spool
-from dflash.consumer.batching import PackedSamples, pack_samples
+from dflash.common.contract.sample_set import SampleSet
+from dflash.common.contract.shard import ShardFormatError, read_shard, read_shard_meta
+from dflash.common.contract.spool import Spool
+from dflash.common.drafter.batch import PackedSamples, pack_samples
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.consumer.batching import DraftBatch, PackedSamples
+from dflash.common.drafter.batch import DraftBatch, PackedSamples
 
 log = logging.getLogger(__name__)
 

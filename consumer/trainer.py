@@ -18,68 +18,41 @@ import logging
 import os
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch._dynamo  # noqa: F401  first import in the main thread: concurrent first imports from threads crash
 
-from dflash.common.checkpoint_store import CheckpointStoreError, open_store, redact
-from dflash.common.metrics_log import MetricsLog, format_console_line
-from dflash.common.sample_set import SampleSet
-from dflash.common.spool import Spool
+from dflash.common.checkpoints.load import load_latest_good, restore_rng_state
+from dflash.common.checkpoints.redact import redact
+from dflash.common.checkpoints.save import capture_rng_state, save_checkpoint
+from dflash.common.checkpoints.store import CheckpointStoreError, open_store
+from dflash.common.contract.sample_set import SampleSet
+from dflash.common.contract.spool import Spool
+from dflash.common.drafter.attention import recompile_count
+from dflash.common.drafter.batch import DraftBatch, build_draft_batch, empty_packed
+from dflash.common.drafter.config import DrafterConfig
+from dflash.common.drafter.decode_tau import EvalBudget, HeldOutDoc, decode_order_tau, read_held_out
+from dflash.common.metrics import MetricsLog, format_console_line
+from dflash.common.target.head import load_target_head
 from dflash.consumer import distributed as D
 from dflash.consumer.async_checkpoint import AsyncCheckpointer
-from dflash.consumer.attention import recompile_count
-from dflash.consumer.batching import DraftBatch, build_draft_batch, empty_packed
 from dflash.consumer.campaign import CampaignPlan, WarmupCosine, eta_s, read_plan
-from dflash.consumer.checkpoint import (
-    capture_rng_state,
-    load_latest_good,
-    restore_rng_state,
-    save_checkpoint,
-)
 from dflash.consumer.config import TrainConfig
-from dflash.consumer.decode_tau import EvalBudget, HeldOutDoc, decode_order_tau, read_held_out
-from dflash.consumer.drafter import DFlashDrafter, DrafterConfig, load_target_head
 from dflash.consumer.feed import ShardFeed
 from dflash.consumer.input_pipeline import InputPipeline, StepInput
-from dflash.consumer.loss import DraftLossOutput, draft_loss
+from dflash.consumer.step import (
+    StepStats,
+    build_optimizer,
+    cast_parameters,
+    compile_drafter,
+    forward_backward,
+    initial_drafter,
+)
 
 log = logging.getLogger(__name__)
 
 WARMUP_STEPS_FOR_RECOMPILES = 2
-
-
-@dataclass
-class StepStats:
-    """Sums over a logging interval. Device tensors accumulate without a host sync per step."""
-
-    loss_sum: torch.Tensor | float = 0.0
-    weight_sum: float = 0.0
-    correct: torch.Tensor | int = 0
-    valid: torch.Tensor | int = 0
-    tau_sum: torch.Tensor | float = 0.0
-    blocks: torch.Tensor | int = 0
-    tokens: int = 0
-    samples: int = 0
-    steps: int = 0
-    grad_norm: torch.Tensor | float = 0.0
-    t0: float = field(default_factory=time.monotonic)
-
-    def add(
-        self, r: DraftLossOutput, *, weight: float, grad_norm: torch.Tensor, tokens: int, samples: int
-    ) -> None:
-        self.loss_sum = self.loss_sum + r.loss_sum.detach()
-        self.weight_sum += weight
-        self.correct = self.correct + r.correct
-        self.valid = self.valid + r.valid
-        self.tau_sum = self.tau_sum + r.tau_sum
-        self.blocks = self.blocks + r.num_blocks
-        self.tokens += tokens
-        self.samples += samples
-        self.steps += 1
-        self.grad_norm = grad_norm
 
 
 def _maybe_tokenizer(target: str):
@@ -90,76 +63,6 @@ def _maybe_tokenizer(target: str):
         return AutoTokenizer.from_pretrained(target)
     except (OSError, ValueError):
         return None
-
-
-def forward_backward(
-    model: DFlashDrafter,
-    train_model: torch.nn.Module,
-    batch: DraftBatch,
-    *,
-    loss_scale: torch.Tensor | float,
-    chunk_tokens: int,
-    autocast: bool | None = None,
-) -> DraftLossOutput:
-    """One step's forward and backward (shared by the trainer and ops/bench/consumer_bench.py).
-
-    ``train_model`` is ``model`` or its DDP wrapper. The mask is built once per step outside the compiled
-    layers. ``autocast`` (bf16): default on for fp32 parameters on CUDA (precision "amp"), off otherwise
-    (bf16 parameters run in bf16 as they are; fp32 on the CPU). ``loss_scale`` turns the local loss sum into
-    this rank's share of sum(loss) / global supervised weight (DDP averages gradients over ranks).
-    """
-    device_type = batch.input_ids.device.type
-    mask = model.build_mask(batch)
-    if autocast is None:
-        autocast = device_type == "cuda" and model.fc.weight.dtype == torch.float32
-    with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
-        hidden_out = train_model(batch, mask)
-        result = draft_loss(hidden_out, batch, model.target_head.lm_head_weight, chunk_tokens=chunk_tokens)
-    (result.loss_sum * loss_scale).backward()
-    return result
-
-
-def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Cast the trainable parameters only: buffers such as rotary ``inv_freq`` stay fp32 (a bf16
-    ``inv_freq`` is off by whole radians at position 4000)."""
-    for p in model.parameters():
-        if p.dtype != dtype:
-            p.data = p.data.to(dtype)
-
-
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
-    """AdamW (fused on CUDA) + linear warm-up / cosine schedule over ``cfg.schedule_steps`` (resized to the
-    campaign's length at the first step when no length was given: consumer/campaign.py)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda"
-    )
-    warmup = max(1, int(cfg.warmup_ratio * cfg.schedule_steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup, cfg.schedule_steps))
-    return optimizer, scheduler
-
-
-def compile_drafter(model: DFlashDrafter, backend: str) -> None:
-    """Compile each draft decoder layer once per process (flex_attention is compiled inside on CUDA).
-
-    Parameters are graph inputs, so the five layers share one graph; step shapes never change, so nothing
-    recompiles after the first step.
-    """
-    if backend == "eager":
-        return
-    for layer in model.layers:
-        layer.compile(backend=backend, dynamic=False)
-
-
-def initial_drafter(config: DrafterConfig, head, *, seed: int) -> DFlashDrafter:
-    """The drafter a fresh run starts from: weights drawn from `seed` (the consumer's ``--seed`` + rank).
-
-    One function for the trainer and for whoever needs the untrained drafter (the demo's "τ before
-    training"), so the two cannot drift apart. Seeding here repeats the trainer's own seeding, with nothing
-    random in between, so the weights are those of a fresh launch.
-    """
-    torch.manual_seed(seed)
-    return DFlashDrafter(config, head)
 
 
 class Trainer:

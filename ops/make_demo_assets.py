@@ -1,4 +1,4 @@
-"""Build the demo assets shipped under common/assets/ (run once; the outputs are committed).
+"""Build the demo assets shipped under tools/demo/data/ (run once; the outputs are committed).
 
 Why this exists: tests and the demo need a target model, a tokenizer with a chat template and a chat
 dataset of REAL text, without internet. Everything here is derived from what every Python install
@@ -12,7 +12,7 @@ ships them as bf16 safetensors, and ships the trained target's greedy answers to
 The script is deterministic for a given Python version (docstrings change between versions; the version
 used is recorded in assets/README.md).
 
-    .venv/bin/python ops/make_demo_assets.py                  # rewrite common/assets/ (not the weights)
+    .venv/bin/python ops/make_demo_assets.py                  # rewrite tools/demo/data/ (not the weights)
     .venv/bin/python ops/make_demo_assets.py --train-target   # and retrain the target (~10-20 min, 2 cores)
     .venv/bin/python ops/make_demo_assets.py --check          # rebuild into a temp dir and diff
 """
@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ASSETS = Path(__file__).resolve().parents[1] / "common" / "assets"
+ASSETS = Path(__file__).resolve().parents[1] / "tools" / "demo" / "data"
 
 # Modules whose public API is documented in plain prose. Order matters (it is the dataset order).
 MODULES = [
@@ -395,7 +395,7 @@ def train_target(out: Path, cfg: TargetTrainConfig) -> dict:
 
 def distill_answers(out: Path, cfg: TargetTrainConfig) -> int:
     """The trained target's greedy answers to every bundled prompt -> demo_chat_distilled.jsonl; rows kept."""
-    from dflash.common.demo_assets import self_distill
+    from dflash.tools.demo.assets import self_distill
 
     dst = self_distill(
         out / "tiny-qwen3",
@@ -468,7 +468,7 @@ def _diff(a: Path, b: Path, root: Path | None = None) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=ASSETS, help="where to write (default: common/assets)")
+    ap.add_argument("--out", type=Path, default=ASSETS, help="where to write (default: tools/demo/data)")
     ap.add_argument("--check", action="store_true", help="rebuild into a temp dir and compare with --out")
     ap.add_argument(
         "--train-target",

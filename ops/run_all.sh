@@ -235,5 +235,5 @@ while :; do
 done
 echo "run dir: $run_dir  (logs in $run_dir/logs, metrics in $run_dir/metrics, status: dflash-status $run_dir)"
 if [ -n "$failed" ]; then echo "run_all.sh: FAILED: $failed" >&2; exit "$status"; fi
-python3 -c "import dflash.common.plots as p; p.write_plots('$run_dir')" 2>/dev/null || true
+python3 -c "import dflash.tools.plots as p; p.write_plots('$run_dir')" 2>/dev/null || true
 exit 0

@@ -20,124 +20,25 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from dflash.common.epochs import Epochs
-from dflash.common.sample_set import SampleSet
-from dflash.producer.buckets import Batch, BucketConfig, Bucketer, Sample
-from dflash.producer.capture import LayerCapture, find_decoder
-from dflash.producer.data import DataConfig, check_tokenizer, load_raw_dataset, slice_indices, tokenize_slice
+from dflash.common.contract.epochs import Epochs
+from dflash.common.contract.sample_set import SampleSet
+from dflash.common.target.capture import LayerCapture, find_decoder
+from dflash.common.target.data import (
+    check_tokenizer,
+    load_raw_dataset,
+    slice_indices,
+    tokenize_slice,
+)
+from dflash.producer.buckets import Batch, Bucketer, Sample
+from dflash.producer.config import ProducerConfig
+from dflash.producer.writers import Counters, _Job, _Writers, shard_of
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True)
-class ProducerConfig:
-    """Everything one producer process needs (the CLI builds one per GPU)."""
-
-    producer_id: str
-    """Unique in the spool; appears in shard names ([A-Za-z0-9_.], no '-')."""
-    model: str
-    """Target model path or hub id (from_pretrained)."""
-    spool: str
-    """Spool directory."""
-    data: DataConfig
-    buckets: BucketConfig = field(default_factory=BucketConfig)
-    rank: int = 0
-    """Global producer rank (node_rank * producers_per_node + local index)."""
-    world: int = 1
-    """Producers over all nodes; this one takes sample indices i with i % world == rank."""
-    device: str = "cpu"
-    """cpu | cuda | cuda:N."""
-    dtype: str = "auto"
-    """auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float32."""
-    layer_ids: list[int] | None = None
-    """Target layers to capture; None: dflash.common.layers.default_target_layer_ids(L)."""
-    codec: str | None = None
-    """Codec spec for the hidden array (None: the shard module's default)."""
-    budget_bytes: int = 1 << 62
-    """Spool budget: block before writing while the spool holds more bytes than this."""
-    skip: bytes | None = None
-    """SampleSet.to_bytes() of already trained sample ids (from the latest checkpoint)."""
-    epochs: int = 1
-    """Passes over the dataset (sample ids: dflash.common.epochs)."""
-    shuffle_seed: int = 0
-    """Each epoch walks the rows in an order drawn from (shuffle_seed, epoch)."""
-    eval_samples: int = 0
-    """Rows held out for evaluation (dflash.common.epochs): never trained, spooled once into eval/."""
-    run_dir: str | None = None
-    """If set, append heartbeat counters to <run_dir>/metrics/producer-<id>.jsonl."""
-    target_name: str | None = None
-    """Model id recorded in shard metadata (default: `model`)."""
-    heartbeat_s: float = 5.0
-    writer_threads: int = 2
-    """Threads encoding and publishing shards (one encodes ~1 GB/s of bf16: see _Writers)."""
-    chunk_bytes: int = 8 << 20
-    """Bytes per `hidden` chunk in the shards written (larger chunks: less per-chunk overhead)."""
-    num_threads: int | None = None
-    """torch CPU threads (CPU producers share the machine)."""
-
-    def __post_init__(self) -> None:
-        if not self.producer_id or "-" in self.producer_id:
-            raise ValueError(
-                f"ProducerConfig.producer_id={self.producer_id!r}: must be non-empty without '-'"
-            )
-        if not 0 <= self.rank < self.world:
-            raise ValueError(f"ProducerConfig.rank={self.rank}: must be in [0, world={self.world})")
-        if self.dtype not in ("auto", "bfloat16", "float32"):
-            raise ValueError(f"ProducerConfig.dtype={self.dtype!r}: must be auto, bfloat16 or float32")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"ProducerConfig.device={self.device!r}: must be cpu or cuda[:N]")
-        if self.budget_bytes <= 0:
-            raise ValueError(f"ProducerConfig.budget_bytes={self.budget_bytes}: must be > 0")
-        if self.writer_threads < 1:
-            raise ValueError(f"ProducerConfig.writer_threads={self.writer_threads}: must be >= 1")
-        if self.chunk_bytes < 1:
-            raise ValueError(f"ProducerConfig.chunk_bytes={self.chunk_bytes}: must be >= 1")
-        if self.heartbeat_s <= 0:
-            raise ValueError(f"ProducerConfig.heartbeat_s={self.heartbeat_s}: must be > 0")
-        if self.epochs < 1:
-            raise ValueError(f"ProducerConfig.epochs={self.epochs}: must be >= 1")
-
-    def torch_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
-        return getattr(torch, self.dtype)
-
-
-@dataclass
-class _Job:
-    """One forward batch on its way to the writer thread."""
-
-    batch: Batch
-    hidden: torch.Tensor  # bf16 [T, K*H] on the host (a view of a pinned buffer on CUDA)
-    event: torch.cuda.Event | None
-    buffer: torch.Tensor | None  # the pinned buffer to give back after writing
-    seq: int  # shard sequence number (assigned by the main thread)
-
-
-class Counters:
-    """Thread-safe counters reported in heartbeats and metrics."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.values: dict[str, float] = dict.fromkeys(
-            ("total", "samples", "tokens", "shards", "bytes", "dropped", "bad", "short", "skipped",
-             "fwd_samples", "fwd_tokens", "padded_tokens"), 0,
-        )  # fmt: skip
-
-    def add(self, **kv: float) -> None:
-        with self._lock:
-            for k, v in kv.items():
-                self.values[k] = self.values.get(k, 0) + v
-
-    def snapshot(self) -> dict[str, float]:
-        with self._lock:
-            return dict(self.values)
 
 
 def _samples(tok_ds, positions: np.ndarray, ids: np.ndarray) -> Iterator[Sample]:
@@ -188,31 +89,13 @@ def held_out_plan(tok_ds, mine: np.ndarray, epochs: Epochs) -> tuple[np.ndarray,
     return pos, mine[pos].astype(np.int64)
 
 
-def shard_of(batch: Batch, hidden: torch.Tensor, meta_kw: dict):
-    """The Shard of one forward batch: its samples back to back, their features ``hidden`` [T, K*H]."""
-    from dflash.common.shard import Shard, ShardMeta
-
-    samples = batch.samples
-    lengths = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
-    cu = np.zeros(len(samples) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=cu[1:])
-    return Shard(
-        input_ids=torch.from_numpy(np.concatenate([s.input_ids for s in samples])),
-        loss_mask=torch.from_numpy(np.concatenate([s.loss_mask for s in samples])),
-        cu_seqlens=torch.from_numpy(cu),
-        sample_index=torch.tensor([s.sample_index for s in samples], dtype=torch.int64),
-        hidden=hidden,
-        meta=ShardMeta(bucket=batch.bucket, **meta_kw),
-    )
-
-
 def write_held_out(
     cfg: ProducerConfig, capture: LayerCapture, samples: Iterable[Sample], spool, pad_id: int
 ) -> int:
     """Forward the held-out samples and write them as eval shards into the spool's eval/ folder (no
     trainer claims them; consumers read them for the decode-order τ). Returns the samples written."""
-    from dflash.common.shard import write_shard
-    from dflash.common.spool import shard_name
+    from dflash.common.contract.names import shard_name
+    from dflash.common.contract.shard import write_shard
 
     device = torch.device(cfg.device)
     meta_kw = dict(target_model=cfg.target_name or cfg.model, layer_ids=capture.layer_ids,
@@ -224,133 +107,6 @@ def write_held_out(
             spool.publish_eval(shard_name(batch.bucket, cfg.producer_id, seq), lambda p, s=shard: write_shard(p, s))
             written += len(batch.samples)
     return written
-
-
-class _Writers:
-    """`cfg.writer_threads` threads that encode and publish shards; they never run model code.
-
-    Several threads because one zarr+zstd writer encodes ~1 GB/s of bf16 on an H200 host (measured,
-    docs/producer.md), less than an 8B target produces (~33K tok/s x 40 KB); the codec work runs
-    outside the GIL, so threads scale. Shards may be published out of order; names stay unique because
-    the main thread assigns sequence numbers.
-    """
-
-    def __init__(self, cfg: ProducerConfig, meta_kw: dict, counters: Counters, stop: threading.Event):
-        from dflash.common.shard import CodecConfig
-        from dflash.common.spool import Spool
-
-        self.cfg, self.meta_kw, self.counters, self.stop = cfg, meta_kw, counters, stop
-        self.codec = CodecConfig.parse(cfg.codec) if cfg.codec else None
-        self.jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=2)
-        self.free: queue.Queue[torch.Tensor] = queue.Queue()
-        self.error: BaseException | None = None
-        self.seq = Spool(cfg.spool).next_seq(cfg.producer_id)
-        self._admit_lock = threading.Lock()  # one budget admission at a time
-        self._inflight_lock = threading.Lock()
-        self._inflight = 0  # bytes reserved by shards admitted past the budget check and not yet published
-        self.threads = [
-            threading.Thread(target=self._run, name=f"shard-writer-{cfg.producer_id}-{i}", daemon=True)
-            for i in range(cfg.writer_threads)
-        ]
-
-    def start(self) -> None:
-        for t in self.threads:
-            t.start()
-
-    def alive(self) -> bool:
-        return any(t.is_alive() for t in self.threads)
-
-    def next_seq(self) -> int:
-        self.seq += 1
-        return self.seq - 1
-
-    def close(self) -> None:
-        """Finish queued jobs (dropped when stopping) and join the threads."""
-        for _ in self.threads:
-            self.jobs.put(None)
-        for t in self.threads:
-            t.join()
-
-    def _run(self) -> None:
-        from dflash.common.spool import Spool
-
-        spool = Spool(self.cfg.spool)  # one per thread: Spool caches are not shared across threads
-        while (job := self.jobs.get()) is not None:
-            t0 = time.monotonic()
-            try:
-                if self.error is None and not self.stop.is_set():
-                    self._write(spool, job)
-            except BaseException as err:  # noqa: BLE001 - reported to the main thread, which re-raises
-                self.error = self.error or err
-                self.stop.set()
-            finally:
-                if job.buffer is not None:
-                    self.free.put(job.buffer)
-                self.counters.add(writer_busy_s=time.monotonic() - t0)
-
-    def _admit(self, spool, reserved: int) -> bool:
-        """Wait for room in the spool budget, then reserve ``reserved`` bytes; False when stopping.
-
-        The check counts the shards this producer's other writer threads are still writing: each thread
-        alone would pass a check made before the others' bytes land, and the spool would overshoot by one
-        shard per thread. A shard is admitted past the budget only when none of its producer is in
-        flight, so the spool stays under budget + one shard per producer.
-        """
-        with self._admit_lock:
-            while True:
-                # read what is in flight BEFORE scanning: no shard is admitted while we hold the lock, so a
-                # shard counted here as in flight either is still in flight or, published since, is seen by
-                # the scan. Read after the scan, a shard published between the two counts nowhere (a busy
-                # box's CI once saw two shards past the budget that way).
-                with self._inflight_lock:
-                    pending = self._inflight
-                if not spool.wait_for_budget(self.cfg.budget_bytes, should_stop=self.stop.is_set):
-                    return False
-                if pending == 0 or spool.total_bytes() + pending <= self.cfg.budget_bytes:
-                    break
-                if self.stop.wait(0.05):
-                    return False
-            with self._inflight_lock:
-                self._inflight += reserved
-            return True
-
-    def _write(self, spool, job: _Job) -> None:
-        from dflash.common.shard import write_shard
-        from dflash.common.spool import shard_name
-
-        if job.event is not None:
-            t0 = time.monotonic()
-            job.event.synchronize()  # the D2H copy (and so the forward) of this batch is done
-            self.counters.add(d2h_wait_s=time.monotonic() - t0)
-        samples = job.batch.samples
-        shard = shard_of(job.batch, job.hidden, self.meta_kw)
-        cu = shard.cu_seqlens.numpy()
-        t0 = time.monotonic()
-        reserved = _shard_bytes_bound(shard)
-        if not self._admit(spool, reserved):
-            return
-        try:
-            t1 = time.monotonic()
-            tmp = spool.new_tmp_path(shard_name(job.batch.bucket, self.cfg.producer_id, job.seq))
-            nbytes = write_shard(tmp, shard, self.codec, chunk_bytes=self.cfg.chunk_bytes)
-            spool.publish(tmp, nbytes=nbytes)
-        finally:
-            with self._inflight_lock:
-                self._inflight -= reserved
-        self.counters.add(
-            samples=len(samples), tokens=int(cu[-1]), shards=1, bytes=nbytes,
-            budget_wait_s=t1 - t0, write_s=time.monotonic() - t1,
-        )  # fmt: skip
-
-
-def _shard_bytes_bound(shard) -> int:
-    """An upper bound of a shard's bytes on disk: its raw arrays (compression may expand incompressible
-    chunks by a fraction of a percent) plus the zarr metadata files."""
-    raw = sum(
-        t.numel() * t.element_size()
-        for t in (shard.input_ids, shard.loss_mask, shard.cu_seqlens, shard.sample_index, shard.hidden)
-    )
-    return raw + raw // 64 + (64 << 10)
 
 
 def _forward_batch(capture: LayerCapture, batch: Batch, device: torch.device, pad_id: int) -> torch.Tensor:
@@ -380,7 +136,7 @@ class _Heartbeat:
         self.last_tokens = 0.0
         self.metrics = None
         if cfg.run_dir:
-            from dflash.common.metrics_log import MetricsLog
+            from dflash.common.metrics import MetricsLog
 
             self.metrics = MetricsLog(Path(cfg.run_dir) / "metrics" / f"producer-{cfg.producer_id}.jsonl")
 
@@ -422,7 +178,7 @@ def _load_target(cfg: ProducerConfig) -> LayerCapture:
     model = AutoModelForCausalLM.from_pretrained(cfg.model, **kw).eval()
     num_layers = len(find_decoder(model)[1])
     if cfg.layer_ids is None:
-        from dflash.common.layers import default_target_layer_ids
+        from dflash.common.target.layers import default_target_layer_ids
 
         layer_ids = default_target_layer_ids(num_layers)
     else:
@@ -449,7 +205,7 @@ def run_producer(
     """
     from transformers import AutoTokenizer
 
-    from dflash.common.spool import Spool
+    from dflash.common.contract.spool import Spool
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -478,7 +234,7 @@ def run_producer(
     # total - samples - dropped = what is left to produce
     counters.add(**counts, total=len(ids) + counts["dropped"])
     if on_tokenized is not None:
-        from dflash.producer.data import campaign_counts, conversation_column, drop_summary
+        from dflash.common.target.data import campaign_counts, conversation_column, drop_summary
 
         summary = drop_summary(
             tok_ds, ds, conversation_column(ds, cfg.data.format), min_loss_tokens=cfg.data.min_loss_tokens
@@ -522,7 +278,7 @@ def produce(
 ) -> dict:
     """The producer loop over ready-made samples (run_producer's core; the benchmark calls it directly):
     buckets -> forward -> D2H -> writer thread -> spool; DONE marker if it ran to the end."""
-    from dflash.common.spool import Spool
+    from dflash.common.contract.spool import Spool
 
     stop = stop or threading.Event()
     counters = counters or Counters()

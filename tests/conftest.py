@@ -220,7 +220,7 @@ def s3_faults():
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo's tiny Qwen3 target saved once per session (config, tokenizer, safetensors)."""
-    from dflash.common.demo_assets import materialize_tiny_target
+    from dflash.tools.demo.assets import materialize_tiny_target
 
     return materialize_tiny_target(tmp_path_factory.mktemp("tiny-target") / "target")
 
@@ -233,7 +233,7 @@ def demo_spool(tmp_path_factory: pytest.TempPathFactory, tiny_target: Path) -> P
     """
     from pipeline_helpers import produce_cmd, run
 
-    from dflash.common.demo_assets import demo_dataset_path
+    from dflash.tools.demo.assets import demo_dataset_path
 
     spool = tmp_path_factory.mktemp("demo-spool") / "spool"
     proc = run(produce_cmd(spool, tiny_target, demo_dataset_path(), "--run", "fixture"), timeout=600)

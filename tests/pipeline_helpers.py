@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
-from dflash.common.shard import Shard, ShardMeta, write_shard
-from dflash.common.spool import Spool, shard_name
+from dflash.common.contract.names import shard_name
+from dflash.common.contract.shard import Shard, ShardMeta, write_shard
+from dflash.common.contract.spool import Spool
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

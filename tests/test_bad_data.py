@@ -19,7 +19,7 @@ import pytest
 from ledger_audit import eligible_samples, read_jsonl
 from pipeline_helpers import BIN, REPO, consume_cmd, cpu_env, produce_cmd
 
-from dflash.common.demo_assets import demo_dataset_path
+from dflash.tools.demo.assets import demo_dataset_path
 
 MAX_LENGTH = 512
 
@@ -121,7 +121,7 @@ def test_template_failures_are_a_reason_of_their_own(tiny_tokenizer):
     """A chat template that raises for a row: that row is dropped as "template error", the others pass."""
     import datasets
 
-    from dflash.producer.data import _Tokenize, drop_summary
+    from dflash.common.target.data import _Tokenize, drop_summary
 
     class Fussy:  # the real tokenizer, but its template refuses one conversation
         def __init__(self, tok):
@@ -165,9 +165,9 @@ def test_quarantined_samples_are_said_and_the_next_launch_trains_them(tmp_path, 
     """Two shards corrupted in the spool: dflash-consume trains the rest, exits 0 and says in its final line
     (and the metrics, and dflash-status) how many samples were lost; the next launch of the run
     (ops/run_all.sh, the same spool and checkpoint) produces exactly those and trains them."""
-    from dflash.common.shard import read_sample_index
-    from dflash.common.status import collect, render
-    from dflash.consumer.checkpoint import load_checkpoint
+    from dflash.common.checkpoints.load import load_checkpoint
+    from dflash.common.contract.shard import read_sample_index
+    from dflash.tools.status import collect, render
 
     rows = _demo_rows(16)
     data = tmp_path / "data.jsonl"

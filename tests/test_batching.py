@@ -6,7 +6,7 @@ import pytest
 import torch
 from draft_reference import one_thread  # noqa: F401  (autouse fixture)
 
-from dflash.consumer.batching import (
+from dflash.common.drafter.batch import (
     DraftBatch,
     PackedSamples,
     build_draft_batch,

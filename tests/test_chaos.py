@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 from pipeline_helpers import REPO, as_from_a_terminal, cpu_env
 
-from dflash.common.demo_assets import demo_dataset_path
+from dflash.tools.demo.assets import demo_dataset_path
 
 RUN = "chaos"
 NUM_KILLS = 10
@@ -214,7 +214,7 @@ class Killer:
         return "consumer-0 finished" in tail or "consumer-1 finished" in tail
 
     def _trained_fraction(self) -> float:
-        from dflash.common.sample_set import SampleSet
+        from dflash.common.contract.sample_set import SampleSet
 
         try:
             name = (self.ckpt / RUN / "latest").read_text().strip()
@@ -366,7 +366,7 @@ def _eligible(data: Path, target: Path, cache: Path) -> set[int]:
     """The samples producers keep, from a clean single tokenization pass with the producers' settings."""
     from transformers import AutoTokenizer
 
-    from dflash.producer.data import DataConfig, load_raw_dataset, tokenize_slice
+    from dflash.common.target.data import DataConfig, load_raw_dataset, tokenize_slice
 
     cfg = DataConfig(
         dataset=str(data), max_length=MAX_LENGTH, min_loss_tokens=MIN_LOSS_TOKENS, cache_dir=str(cache)
@@ -532,8 +532,9 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
     assert torn_total <= 2 * len(killer.kills)  # a line cut by a kill: only ever the last of a life
 
     # resume step r_L of each launch that trained, and its durable step d_L (what the next launch resumed)
-    from dflash.common.sample_set import SampleSet
-    from dflash.consumer.checkpoint import TRAINED_FILE, list_steps, load_checkpoint, step_dir_name
+    from dflash.common.checkpoints.layout import TRAINED_FILE, step_dir_name
+    from dflash.common.checkpoints.load import list_steps, load_checkpoint
+    from dflash.common.contract.sample_set import SampleSet
 
     final = load_checkpoint(str(ckpt), RUN)
     active = [i for i, lines in enumerate(lines_of) if lines]
@@ -595,7 +596,7 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
     assert "quarantining" not in logs and "ShardFormatError" not in logs
     assert '"samples_quarantined": 0' in logs and not re.search(r'"(shards|samples)_quarantined": [1-9]', logs)
     assert not any((spool / "quarantine").iterdir())
-    from dflash.common.spool import Spool
+    from dflash.common.contract.spool import Spool
 
     sp = Spool(spool, create=False)
     assert sp.is_drained(), sp.stats()

@@ -1,4 +1,4 @@
-"""dflash.consumer.checkpoint against a local dir and moto's real S3 endpoint: bit-exact round trips and
+"""dflash.common.checkpoints.save against a local dir and moto's real S3 endpoint: bit-exact round trips and
 resumes, atomic `latest`, keep-last-k, corruption fallbacks, retries and credential redaction."""
 
 from __future__ import annotations
@@ -15,22 +15,24 @@ import pytest
 import torch
 from torch import nn
 
-from dflash.common import checkpoint_store
-from dflash.common.checkpoint_store import CheckpointStoreError, S3Options, open_store
-from dflash.common.sample_set import SampleSet
-from dflash.consumer.checkpoint import (
+from dflash.common.checkpoints import store as checkpoint_store
+from dflash.common.checkpoints.layout import (
     DATA_FILES,
     CheckpointCorruptError,
     CheckpointNotFoundError,
-    capture_rng_state,
+    step_dir_name,
+)
+from dflash.common.checkpoints.load import (
     list_steps,
     load_checkpoint,
     load_latest_good,
     read_trained_set,
     restore_rng_state,
-    save_checkpoint,
-    step_dir_name,
 )
+from dflash.common.checkpoints.s3 import S3Options
+from dflash.common.checkpoints.save import capture_rng_state, save_checkpoint
+from dflash.common.checkpoints.store import CheckpointStoreError, open_store
+from dflash.common.contract.sample_set import SampleSet
 
 RUN = "run1"
 FAST = S3Options(max_attempts=3, backoff_s=0.01, max_backoff_s=0.05)
@@ -234,7 +236,7 @@ def test_corrupt_file_falls_back_to_previous(store, caplog):
     with pytest.raises(CheckpointCorruptError, match="optimizer.pt: sha256") as info:
         load_checkpoint(store, RUN)
     assert "\n" not in str(info.value)
-    with caplog.at_level(logging.ERROR, logger="dflash.consumer.checkpoint"):
+    with caplog.at_level(logging.ERROR, logger="dflash.common.checkpoints.load"):
         ck = load_latest_good(store, RUN)
     assert ck.step == 1
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
@@ -280,7 +282,7 @@ def test_empty_run_and_unfinished_only(store, caplog):
     assert read_trained_set(store, RUN) is None
     assert list_steps(store, RUN) == []
     store.put_bytes(f"{RUN}/step-00000005/model.safetensors", b"half an upload")
-    with caplog.at_level(logging.WARNING, logger="dflash.consumer.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="dflash.common.checkpoints.load"):
         assert load_latest_good(store, RUN) is None
     assert any("only unfinished checkpoints" in r.getMessage() for r in caplog.records)
 

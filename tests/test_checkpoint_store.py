@@ -1,4 +1,4 @@
-"""dflash.common.checkpoint_store: the same protocol tests against a local dir and moto's real S3 endpoint,
+"""dflash.common.checkpoints.store: the same protocol tests against a local dir and moto's real S3 endpoint,
 plus S3-only behaviour (multipart, retries, error messages) and redaction."""
 
 from __future__ import annotations
@@ -10,15 +10,13 @@ import shutil
 import botocore.exceptions
 import pytest
 
-from dflash.common.checkpoint_store import (
+from dflash.common.checkpoints.redact import redact, redact_config
+from dflash.common.checkpoints.s3 import S3Options, S3Store
+from dflash.common.checkpoints.store import (
     CheckpointStoreError,
     LocalStore,
-    S3Options,
-    S3Store,
     StoreKeyNotFoundError,
     open_store,
-    redact,
-    redact_config,
 )
 
 FAST = S3Options(backoff_s=0.01, max_backoff_s=0.05, multipart_threshold_mb=5, multipart_chunk_mb=5)
@@ -178,7 +176,7 @@ def test_s3_operation_backoff_outlasts_botocore_retries(s3_server, s3_faults, ca
     store = open_store(s3_server, s3_options=opts)
     # botocore makes one attempt per request here; two consecutive failures need the outer backoff
     counts = s3_faults(store.client, lambda n, op: 503 if n <= 2 else None, operation="PutObject")
-    with caplog.at_level(logging.WARNING, logger="dflash.common.checkpoint_store"):
+    with caplog.at_level(logging.WARNING, logger="dflash.common.checkpoints.s3"):
         store.put_bytes("run/k", b"v")
     assert store.get_bytes("run/k") == b"v"
     assert counts["PutObject"] == 3

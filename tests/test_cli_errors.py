@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from pipeline_helpers import consume_cmd, cpu_env, produce_cmd
 
-from dflash.common.demo_assets import demo_dataset_path
-from dflash.common.spool import Spool
+from dflash.common.contract.spool import Spool
+from dflash.tools.demo.assets import demo_dataset_path
 
 NO_AWS = {
     "AWS_CONFIG_FILE": os.devnull,

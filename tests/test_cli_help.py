@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 PLACEHOLDERS = ("currently the same", "TODO", "FIXME", "XXX")
-# dflash-demo (common/demo.py) has another owner: its help fixes land with their change, not here.
+# dflash-demo (tools/demo/demo.py) has another owner: its help fixes land with their change, not here.
 NOT_YET: dict[str, str] = {}  # script -> why its help is not there yet (an xfail), empty when all are
 
 # Runs in a fresh interpreter: spies on every parser main() parses with, calls main(["--help"]) and dumps
@@ -112,8 +112,8 @@ def test_help_is_plain_text(probes, name):
 
 def test_export_dtype_choices_match_the_exporter():
     """export_cli lists the dtype names without importing torch; they must be the exporter's."""
-    from dflash.consumer.export import DTYPES
-    from dflash.consumer.export_cli import DTYPE_NAMES
+    from dflash.tools.export.cli import DTYPE_NAMES
+    from dflash.tools.export.run import DTYPES
 
     assert sorted(DTYPE_NAMES) == sorted(DTYPES)
 
@@ -121,7 +121,7 @@ def test_export_dtype_choices_match_the_exporter():
 def test_formatter_skips_noise_defaults():
     import argparse
 
-    from dflash.common.cli_help import DefaultsHelpFormatter, plain_text
+    from dflash.common.cli.help import DefaultsHelpFormatter, plain_text
 
     p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     p.add_argument("--n", type=int, default=3, help="count")

@@ -10,7 +10,7 @@ import time
 import pytest
 from pipeline_helpers import consume_cmd, cpu_env, run, write_synthetic_spool
 
-from dflash.common.metrics_log import read_metrics
+from dflash.common.metrics import read_metrics
 
 
 def _start_200_steps(spool, tiny_target, run_dir, lr: str) -> subprocess.Popen:

@@ -1,4 +1,4 @@
-"""Decode-order τ (consumer/decode_tau.py) walks a document exactly as dflash-eval decodes when the document's
+"""Decode-order τ (common/drafter/decode_tau.py) walks a document exactly as dflash-eval decodes when the document's
 response is the target's greedy output: the same verify steps, accepted counts, emitted tokens and context
 features, with no target forward."""
 
@@ -9,22 +9,20 @@ import pytest
 import torch
 from test_evaluate import OracleProposer, _manual_greedy
 
-from dflash.common.demo_assets import build_tiny_target, demo_dataset_path, tiny_target_dir
-from dflash.consumer.decode_tau import (
+from dflash.common.drafter.config import DrafterConfig
+from dflash.common.drafter.decode import DrafterProposer, speculative_generate, summarize
+from dflash.common.drafter.decode_tau import (
     HeldOutDoc,
     batched_teacher_forced_generate,
     decode_order_tau,
     first_response,
     teacher_forced_generate,
 )
-from dflash.consumer.drafter import DFlashDrafter, DrafterConfig, load_target_head
-from dflash.consumer.evaluate import (
-    DrafterProposer,
-    TargetRunner,
-    load_prompts,
-    speculative_generate,
-    summarize,
-)
+from dflash.common.drafter.model import DFlashDrafter
+from dflash.common.target.head import load_target_head
+from dflash.common.target.runner import TargetRunner
+from dflash.tools.demo.assets import build_tiny_target, demo_dataset_path, tiny_target_dir
+from dflash.tools.eval.run import load_prompts
 
 LAYERS = [1, 4, 7]
 MAX_NEW = 40
@@ -52,8 +50,8 @@ def setup():
 
 def _overfit(drafter: DFlashDrafter, docs: list[HeldOutDoc], steps: int = 30) -> None:
     """A few training steps on the documents themselves (the trainer's building blocks)."""
-    from dflash.consumer.batching import build_draft_batch, pack_samples
-    from dflash.consumer.loss import draft_loss
+    from dflash.common.drafter.batch import build_draft_batch, pack_samples
+    from dflash.common.drafter.loss import draft_loss
 
     packed = pack_samples(
         [(torch.from_numpy(d.input_ids), torch.from_numpy(d.loss_mask), d.hidden, d.sample_index) for d in docs],
@@ -156,7 +154,7 @@ def test_the_batched_walk_equals_each_document_walked_alone(setup, drafter):
 
 
 def test_periodic_evaluations_keep_to_their_share_of_the_run():
-    from dflash.consumer.decode_tau import EvalBudget
+    from dflash.common.drafter.decode_tau import EvalBudget
 
     budget = EvalBudget(0.03)
     assert budget.allows(0.0)  # nothing measured yet: the first one runs

@@ -11,7 +11,7 @@ import torch
 from ledger_audit import read_jsonl
 from pipeline_helpers import consume_cmd, cpu_env, produce_cmd, run
 
-from dflash.common.demo_assets import distilled_dataset_path
+from dflash.tools.demo.assets import distilled_dataset_path
 
 ROWS, HELD_OUT = 16, 4
 # Tolerance: the eval shards hold bf16-rounded features (what producers spool), dflash-eval computes fp32
@@ -23,12 +23,14 @@ TOLERANCE = 0.05
 def test_logged_decode_order_tau_equals_dflash_eval_on_the_same_checkpoint_and_docs(tmp_path, tiny_target):
     from transformers import AutoModelForCausalLM
 
-    from dflash.common.shard import read_shard
-    from dflash.common.spool import Spool
-    from dflash.consumer.checkpoint import load_checkpoint
-    from dflash.consumer.decode_tau import first_response
-    from dflash.consumer.evaluate import DrafterProposer, TargetRunner, speculative_generate, summarize
-    from dflash.consumer.export import build_drafter, checkpoint_drafter_config
+    from dflash.common.checkpoints.load import load_checkpoint
+    from dflash.common.contract.shard import read_shard
+    from dflash.common.contract.spool import Spool
+    from dflash.common.drafter.decode import DrafterProposer, speculative_generate, summarize
+    from dflash.common.drafter.decode_tau import first_response
+    from dflash.common.drafter.hf_format import build_drafter
+    from dflash.common.target.runner import TargetRunner
+    from dflash.tools.export.run import checkpoint_drafter_config
 
     data = tmp_path / "data.jsonl"
     with open(distilled_dataset_path(), encoding="utf-8") as f:

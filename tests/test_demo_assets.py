@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from dflash.common.demo_assets import (
+from dflash.tools.demo.assets import (
     MASK_TOKEN,
     build_tiny_target,
     demo_dataset_path,

@@ -7,14 +7,9 @@ import json
 
 import torch
 
-from dflash.common.demo import write_dataset, write_split
-from dflash.common.demo_progress import (
-    consumer_avg_tok_s,
-    format_progress,
-    producer_avg_tok_s,
-    snapshot,
-)
-from dflash.common.metrics_log import MetricsLog
+from dflash.common.metrics import MetricsLog
+from dflash.tools.demo.demo import write_dataset, write_split
+from dflash.tools.demo.progress import consumer_avg_tok_s, format_progress, producer_avg_tok_s, snapshot
 
 
 def _write(path, records):
@@ -71,10 +66,10 @@ def test_the_split_files_hold_the_spooled_held_out_rows_and_the_rest(tmp_path):
 
 def test_untrained_drafter_is_the_consumers_initialization(tmp_path, tiny_target):
     """The demo's "τ before" drafter has the very weights a fresh dflash-consume starts from."""
-    from dflash.common.demo_eval import export_initial_drafter
+    from dflash.common.drafter.hf_format import load_exported_drafter
     from dflash.consumer.config import TrainConfig
-    from dflash.consumer.export import load_exported_drafter
     from dflash.consumer.trainer import Trainer
+    from dflash.tools.demo.evaluation import export_initial_drafter
 
     torch.manual_seed(123)
     rng = torch.random.get_rng_state()
@@ -102,7 +97,7 @@ def test_progress_printer_always_closes_with_a_line(tmp_path):
     """However short the run (no periodic line came), stop() prints where it ended."""
     import io
 
-    from dflash.common.demo_progress import ProgressPrinter
+    from dflash.tools.demo.progress import ProgressPrinter
 
     _write(tmp_path / "metrics" / "consumer-0.jsonl", [{"step": 3, "samples": 5, "loss": 6.0, "tau": 1.1}])
     out = io.StringIO()

@@ -13,10 +13,11 @@ import torch.multiprocessing as mp
 from conftest import free_port
 from pipeline_helpers import consume_cmd, cpu_env, write_synthetic_spool
 
-from dflash.consumer.batching import build_draft_batch, pack_samples
+from dflash.common.drafter.batch import build_draft_batch, pack_samples
+from dflash.common.drafter.config import DrafterConfig
+from dflash.common.drafter.model import DFlashDrafter, TargetHead
 from dflash.consumer.config import TrainConfig
-from dflash.consumer.drafter import DFlashDrafter, DrafterConfig, TargetHead
-from dflash.consumer.trainer import build_optimizer, forward_backward
+from dflash.consumer.step import build_optimizer, forward_backward
 
 CFG = dict(
     hidden_size=32,
@@ -166,7 +167,7 @@ def test_two_consumer_processes_keep_identical_weights_and_stop_together(tmp_pat
     assert s[0]["steps"] == s[1]["steps"] > 0
     assert s[0]["world_size"] == 2
     # the checkpoint's trained set is the union of both ranks: all 30 samples, each once
-    from dflash.consumer.checkpoint import load_checkpoint
+    from dflash.common.checkpoints.load import load_checkpoint
 
     ckpt = load_checkpoint(str(tmp_path / "ckpt"), "ddp")
     assert sorted(ckpt.trained.indices().tolist()) == list(range(30))

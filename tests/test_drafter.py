@@ -11,15 +11,11 @@ from draft_reference import one_thread  # noqa: F401  (autouse fixture)
 from transformers import Qwen3Config, Qwen3ForCausalLM
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
-from dflash.common.layers import default_target_layer_ids
-from dflash.consumer.batching import build_draft_batch, pack_samples
-from dflash.consumer.drafter import (
-    DFlashDrafter,
-    DrafterConfig,
-    TargetHead,
-    choose_mask_token_id,
-    load_target_head,
-)
+from dflash.common.drafter.batch import build_draft_batch, pack_samples
+from dflash.common.drafter.config import DrafterConfig, choose_mask_token_id
+from dflash.common.drafter.model import DFlashDrafter, TargetHead
+from dflash.common.target.head import load_target_head
+from dflash.common.target.layers import default_target_layer_ids
 
 # eager flex_attention on CPU (the cross-check backend) warns that it is unfused; expected here
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -62,10 +58,16 @@ def test_default_target_layer_ids_match_public_rule():
         default_target_layer_ids(36, 0)
 
 
-def test_drafter_reexports_layer_rule():
-    from dflash.consumer import drafter
+def test_drafter_config_uses_the_producers_layer_rule():
+    """The drafter's default context layers are the producer's (one rule, dflash.common.target.layers)."""
+    from transformers import Qwen3Config
 
-    assert drafter.default_target_layer_ids is default_target_layer_ids
+    cfg = DrafterConfig.from_target_config(
+        Qwen3Config(num_hidden_layers=28, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                    vocab_size=100),
+        mask_token_id=0,
+    )  # fmt: skip
+    assert cfg.target_layer_ids == default_target_layer_ids(28)
 
 
 # ---------------------------------------------------------------------------------------------- config
@@ -418,7 +420,7 @@ def test_compiled_forward_and_loss_do_not_recompile():
     import torch._dynamo
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from dflash.consumer.loss import draft_loss
+    from dflash.common.drafter.loss import draft_loss
 
     torch._dynamo.reset()
     drafter, _ = make_drafter_and_batch(seed=2)
@@ -440,8 +442,8 @@ def test_compiled_forward_and_loss_do_not_recompile():
 
 def test_empty_step_gives_zero_loss_and_finite_zero_grads():
     """A rank without data runs an all-padding step: same shapes, zero loss, zero (not NaN) gradients."""
-    from dflash.consumer.batching import empty_packed
-    from dflash.consumer.loss import draft_loss
+    from dflash.common.drafter.batch import empty_packed
+    from dflash.common.drafter.loss import draft_loss
 
     drafter, _ = make_drafter_and_batch()
     batch = build_draft_batch(
@@ -475,7 +477,7 @@ def test_moving_the_drafter_moves_the_head_but_keeps_its_dtype():
 
 def test_autocast_forward_matches_fp32():
     """The trainer runs fp32 master weights under bf16 autocast: q/k/v must meet in one dtype."""
-    from dflash.consumer.loss import draft_loss
+    from dflash.common.drafter.loss import draft_loss
 
     drafter, batch = make_drafter_and_batch()
     with torch.no_grad():
@@ -490,7 +492,7 @@ def test_autocast_forward_matches_fp32():
 def test_recompile_count_sees_compiles():
     import torch._dynamo
 
-    from dflash.consumer.attention import recompile_count
+    from dflash.common.drafter.attention import recompile_count
 
     before = recompile_count()
     f = torch.compile(lambda x: x * 2 + 1, backend="eager")

@@ -7,10 +7,10 @@ import datasets
 import numpy as np
 import pytest
 
-from dflash.common.epochs import Campaign, Epochs
-from dflash.common.sample_set import SampleSet
+from dflash.common.contract.epochs import Campaign, Epochs
+from dflash.common.contract.sample_set import SampleSet
+from dflash.common.target.data import campaign_counts, slice_indices
 from dflash.consumer.campaign import WarmupCosine
-from dflash.producer.data import campaign_counts, slice_indices
 from dflash.producer.worker import plan_epochs
 
 

@@ -14,8 +14,8 @@ import pytest
 from ledger_audit import audit, eligible_lengths, read_jsonl
 from test_rerun import CONSUMER_ARGS, MAX_LENGTH, Life, _dataset, _env, _ledger_lines, _wait_for
 
-from dflash.common.epochs import Epochs
-from dflash.consumer.checkpoint import load_checkpoint
+from dflash.common.checkpoints.load import load_checkpoint
+from dflash.common.contract.epochs import Epochs
 
 ROWS = 24
 EPOCHS = 2
@@ -26,8 +26,8 @@ PLAN_LINE = re.compile(r"campaign: (\d+) samples x (\d+) epoch\(s\).* = (\d+) st
 def _checkpoint_in_epoch_2(ckpt, rows: int) -> int | None:
     """The step of the latest checkpoint once it holds more than one epoch's worth of samples (more than
     ``rows``, the dataset's size), some of them epoch 2's (ids >= rows); else None."""
-    from dflash.common.sample_set import SampleSet
-    from dflash.consumer.checkpoint import TRAINED_FILE
+    from dflash.common.checkpoints.layout import TRAINED_FILE
+    from dflash.common.contract.sample_set import SampleSet
 
     try:
         name = (ckpt / "epochs" / "latest").read_text().strip()
@@ -115,7 +115,7 @@ def test_two_epochs_kill9_mid_epoch_2_then_the_same_command_trains_each_row_once
 
     # the held-out set: spooled once into eval/ (never claimed, never trained), evaluated before the first
     # step, every --eval-every steps and after the last, with the real decode loop's rule
-    from dflash.common.spool import Spool
+    from dflash.common.contract.spool import Spool
 
     assert sorted(Spool(spool, create=False).eval_sample_ids().tolist()) == sorted(held)
     evals = [r for r in read_jsonl(run_dir / "metrics" / "consumer-0.jsonl") if r.get("event") == "eval"]

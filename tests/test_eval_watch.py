@@ -20,20 +20,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.common.demo_assets import demo_dataset_path, tiny_target_dir
-from dflash.common.sample_set import SampleSet
-from dflash.consumer import eval_watch
-from dflash.consumer.checkpoint import (
-    BEST_FILE,
-    BEST_RECORD_FILE,
-    capture_rng_state,
-    list_steps,
-    read_best_name,
-    save_checkpoint,
-    step_dir_name,
-)
-from dflash.consumer.drafter import DFlashDrafter, DrafterConfig, load_target_head
-from dflash.consumer.evaluate import main
+from dflash.common.checkpoints.layout import BEST_FILE, BEST_RECORD_FILE, read_best_name, step_dir_name
+from dflash.common.checkpoints.load import list_steps
+from dflash.common.checkpoints.save import capture_rng_state, save_checkpoint
+from dflash.common.contract.sample_set import SampleSet
+from dflash.common.drafter.config import DrafterConfig
+from dflash.common.drafter.model import DFlashDrafter
+from dflash.common.target.head import load_target_head
+from dflash.tools.demo.assets import demo_dataset_path, tiny_target_dir
+from dflash.tools.eval import watch as eval_watch
+from dflash.tools.eval.cli import main
 
 RUN, NEW_TOKENS, BLOCK, PROMPTS = "r1", 24, 8, 3
 
@@ -64,9 +60,11 @@ def _train_drafter(target_dir: Path) -> tuple[dict, dict, DrafterConfig]:
     """(trained weights, untrained weights, config): a 1-layer drafter fit to the target's greedy answers."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash.consumer.batching import build_draft_batch, pack_samples
-    from dflash.consumer.evaluate import TargetRunner, greedy_generate, load_prompts
-    from dflash.consumer.loss import draft_loss
+    from dflash.common.drafter.batch import build_draft_batch, pack_samples
+    from dflash.common.drafter.decode import greedy_generate
+    from dflash.common.drafter.loss import draft_loss
+    from dflash.common.target.runner import TargetRunner
+    from dflash.tools.eval.run import load_prompts
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(target_dir)

@@ -10,24 +10,26 @@ import shutil
 import pytest
 import torch
 
-from dflash.common.demo_assets import (
+from dflash.common.drafter.batch import build_draft_batch, pack_samples
+from dflash.common.drafter.config import DrafterConfig
+from dflash.common.drafter.decode import (
+    DrafterProposer,
+    Generation,
+    greedy_generate,
+    speculative_generate,
+    summarize,
+)
+from dflash.common.drafter.model import DFlashDrafter, TargetHead
+from dflash.common.target.head import load_target_head
+from dflash.common.target.runner import TargetRunner
+from dflash.tools.demo.assets import (
     build_tiny_target,
     demo_dataset_path,
     materialize_tiny_target,
     tiny_target_dir,
 )
-from dflash.consumer.batching import build_draft_batch, pack_samples
-from dflash.consumer.drafter import DFlashDrafter, DrafterConfig, TargetHead, load_target_head
-from dflash.consumer.evaluate import (
-    DrafterProposer,
-    Generation,
-    TargetRunner,
-    greedy_generate,
-    load_prompts,
-    main,
-    speculative_generate,
-    summarize,
-)
+from dflash.tools.eval.cli import main
+from dflash.tools.eval.run import load_prompts
 
 EOS = 2
 
@@ -159,7 +161,7 @@ def test_stop_token_and_length_budget(target, prompts):
 
 def test_target_features_match_the_producer_capture(target):
     """Eval's context features = what the producer stores for training (same layers, same semantics)."""
-    from dflash.producer.capture import LayerCapture
+    from dflash.common.target.capture import LayerCapture
 
     ids = torch.randint(0, 4096, (23,), generator=torch.Generator().manual_seed(0))
     runner = TargetRunner(target, [1, 3, 7])
@@ -280,7 +282,7 @@ def test_load_prompts_formats(tmp_path, tokenizer):
 
 
 def test_cli_errors_are_one_line(tmp_path, target, capsys):
-    from dflash.consumer.export import export_drafter
+    from dflash.common.drafter.hf_format import export_drafter
 
     config = DrafterConfig.from_target_config(target.config, num_layers=1, mask_token_id=3)
     export_drafter(DFlashDrafter(config).state_dict(), config, tmp_path / "export")
@@ -327,10 +329,10 @@ def test_train_export_eval_tau_agrees_with_training_tau(tmp_path, tokenizer):
     """
     from transformers import AutoModelForCausalLM
 
-    from dflash.common.sample_set import SampleSet
-    from dflash.consumer.checkpoint import capture_rng_state, save_checkpoint
-    from dflash.consumer.export import main as export_main
-    from dflash.consumer.loss import draft_loss
+    from dflash.common.checkpoints.save import capture_rng_state, save_checkpoint
+    from dflash.common.contract.sample_set import SampleSet
+    from dflash.common.drafter.loss import draft_loss
+    from dflash.tools.export.cli import main as export_main
 
     torch.manual_seed(0)
     # random weights: their greedy continuations are loops a 60-step drafter learns well (τ ~3.5); the
@@ -442,8 +444,8 @@ def test_cuda_lossless_fp32_and_bf16_report(tmp_path, tokenizer):
     """On CUDA: fp32 speculative decoding equals greedy decoding token for token; the bf16 export path runs
     end to end (bf16 numbers are reported, not asserted: a 16-token verify forward and a 1-token forward
     round differently, so greedy ties can flip)."""
-    from dflash.consumer.evaluate import evaluate, format_table
-    from dflash.consumer.export import export_drafter, load_exported_drafter
+    from dflash.common.drafter.hf_format import export_drafter, load_exported_drafter
+    from dflash.tools.eval.run import evaluate, format_table
 
     msgs = [
         [{"role": "user", "content": text}] for text in ("What does zip do?", "Explain os.path.join.", "Hi")

@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash.common.demo_assets import build_tiny_target
-from dflash.common.sample_set import SampleSet
-from dflash.consumer.batching import build_draft_batch, pack_samples
-from dflash.consumer.checkpoint import capture_rng_state, load_checkpoint, save_checkpoint
-from dflash.consumer.drafter import DFlashDrafter, DrafterConfig, load_target_head
-from dflash.consumer.export import (
+from dflash.common.checkpoints.load import load_checkpoint
+from dflash.common.checkpoints.save import capture_rng_state, save_checkpoint
+from dflash.common.contract.sample_set import SampleSet
+from dflash.common.drafter.batch import build_draft_batch, pack_samples
+from dflash.common.drafter.config import DrafterConfig
+from dflash.common.drafter.hf_format import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     ExportError,
@@ -22,9 +22,12 @@ from dflash.consumer.export import (
     export_config,
     export_drafter,
     load_exported_drafter,
-    main,
-    parse_checkpoint_url,
 )
+from dflash.common.drafter.model import DFlashDrafter
+from dflash.common.target.head import load_target_head
+from dflash.tools.demo.assets import build_tiny_target
+from dflash.tools.export.cli import main
+from dflash.tools.export.run import parse_checkpoint_url
 
 
 @pytest.fixture(scope="module")

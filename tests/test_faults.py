@@ -33,9 +33,10 @@ from hypothesis import strategies as st
 from ledger_audit import read_jsonl
 from pipeline_helpers import BIN, REPO, consume_cmd, cpu_env
 
-from dflash.common.demo_assets import demo_dataset_path
-from dflash.common.shard import Shard, ShardMeta, write_shard
-from dflash.common.spool import Spool, shard_name
+from dflash.common.contract.names import shard_name
+from dflash.common.contract.shard import Shard, ShardMeta, write_shard
+from dflash.common.contract.spool import Spool
+from dflash.tools.demo.assets import demo_dataset_path
 
 HIDDEN, LAYERS, VOCAB, TOKENS_PER_SAMPLE, SAMPLES_PER_SHARD = 256, [1, 2, 3, 4, 5], 4096, 96, 5
 
@@ -78,7 +79,7 @@ def _eligible(data: Path, target: Path, cache: Path, *, max_length: int) -> set[
     """Samples a producer keeps (min_loss_tokens = 2 x block size, as dflash-produce sets it)."""
     from transformers import AutoTokenizer
 
-    from dflash.producer.data import DataConfig, load_raw_dataset, tokenize_slice
+    from dflash.common.target.data import DataConfig, load_raw_dataset, tokenize_slice
 
     cfg = DataConfig(dataset=str(data), max_length=max_length, min_loss_tokens=32, cache_dir=str(cache))
     ds = load_raw_dataset(cfg)
@@ -214,7 +215,7 @@ def test_spool_full_blocks_the_producer_drops_nothing_and_bounds_bytes_and_memor
         s for rec in read_jsonl(run_dir / "metrics" / "ledger-r0.jsonl") for s in rec["samples"]
     )
     assert set(trained) == eligible and set(trained.values()) == {1}, trained
-    from dflash.consumer.checkpoint import load_checkpoint
+    from dflash.common.checkpoints.load import load_checkpoint
 
     assert set(load_checkpoint(str(ckpt), "full").trained.indices().tolist()) == eligible
 
@@ -239,9 +240,10 @@ def test_writer_threads_together_overshoot_the_budget_by_one_shard_at_most(tmp_p
     """The producer's writer threads (2 by default) each check the budget before writing: checked at the
     same moment, both pass and the spool overshoots by one shard per thread. The bound is one shard per
     producer: a thread is admitted past the budget only when nothing else of its producer is in flight."""
+    from dflash.common.target.data import DataConfig
     from dflash.producer.buckets import Batch, Sample
-    from dflash.producer.data import DataConfig
-    from dflash.producer.worker import Counters, ProducerConfig, _Job, _Writers
+    from dflash.producer.config import ProducerConfig
+    from dflash.producer.writers import Counters, _Job, _Writers
 
     spool = Spool(tmp_path / "spool")
     budget, tokens = 1000, 1024
@@ -567,7 +569,7 @@ def s3_scenario(s3_endpoint, _s3_admin_client, tiny_target, tmp_path_factory):
         sc.checkpoint_events = events("checkpoint")
         sc.failed_events = events("checkpoint_failed")
         sc.ledger = read_jsonl(run_dir / "metrics" / "ledger-r0.jsonl")
-        from dflash.consumer.checkpoint import load_checkpoint
+        from dflash.common.checkpoints.load import load_checkpoint
 
         store = _store(sc)
         sc.final1 = load_checkpoint(store, S3_RUN)
@@ -606,7 +608,7 @@ def s3_scenario(s3_endpoint, _s3_admin_client, tiny_target, tmp_path_factory):
 
 
 def _store(sc):
-    from dflash.common.checkpoint_store import S3Store
+    from dflash.common.checkpoints.s3 import S3Store
 
     return S3Store(sc.bucket, "ckpt", client=sc.admin)
 
@@ -653,7 +655,7 @@ def test_corrupt_latest_checkpoint_is_a_clear_error_and_resume_falls_back(s3_sce
     assert (
         f"resumed from step {sc.previous1} ({len(sc.previous1_trained)} samples already trained)" in sc.log2
     )
-    from dflash.consumer.checkpoint import load_checkpoint
+    from dflash.common.checkpoints.load import load_checkpoint
 
     final = load_checkpoint(_store(sc), S3_RUN)
     assert final.step == sc.previous1 + len(sc.samples2) // SAMPLES_PER_SHARD
@@ -717,7 +719,7 @@ _GOOD = {
 def tiny_tokenizer():
     from transformers import AutoTokenizer
 
-    from dflash.common.demo_assets import tiny_target_dir
+    from dflash.tools.demo.assets import tiny_target_dir
 
     return AutoTokenizer.from_pretrained(tiny_target_dir())
 
@@ -752,8 +754,8 @@ def test_fuzzed_rows_never_crash_tokenization_and_bad_rows_are_counted(tiny_toke
     status; bad and short rows carry no tokens, are counted and never reach a shard."""
     import datasets
 
-    from dflash.common.epochs import Epochs
-    from dflash.producer.data import _RAW, _Tokenize
+    from dflash.common.contract.epochs import Epochs
+    from dflash.common.target.data import _RAW, _Tokenize
     from dflash.producer.worker import _samples, plan_epochs
 
     max_length, min_loss = 64, 8
@@ -820,5 +822,5 @@ def test_every_torch_load_in_the_source_tree_is_weights_only():
                 ok = isinstance(kw.get("weights_only"), ast.Constant) and kw["weights_only"].value is True
                 if not ok:
                     offenders.append(f"{rel}:{node.lineno}: {ast.unparse(node)[:100]}")
-    assert calls >= 1, "the scan found no torch.load call at all (consumer/checkpoint.py has one)"
+    assert calls >= 1, "the scan found no torch.load call at all (common/checkpoints/save.py has one)"
     assert not offenders, "torch.load without weights_only=True:\n" + "\n".join(offenders)

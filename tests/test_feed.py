@@ -7,9 +7,10 @@ import time
 import pytest
 import torch
 
-from dflash.common.sample_set import SampleSet
-from dflash.common.shard import Shard, ShardMeta, write_shard
-from dflash.common.spool import Spool, shard_name
+from dflash.common.contract.names import shard_name
+from dflash.common.contract.sample_set import SampleSet
+from dflash.common.contract.shard import Shard, ShardMeta, write_shard
+from dflash.common.contract.spool import Spool
 from dflash.consumer.feed import ShardFeed
 
 H, K = 8, 2

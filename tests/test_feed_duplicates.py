@@ -8,8 +8,9 @@ import time
 
 import torch
 
-from dflash.common.shard import Shard, ShardMeta, write_shard
-from dflash.common.spool import Spool, shard_name
+from dflash.common.contract.names import shard_name
+from dflash.common.contract.shard import Shard, ShardMeta, write_shard
+from dflash.common.contract.spool import Spool
 from dflash.consumer.feed import ShardFeed
 
 H, K = 8, 2

@@ -9,9 +9,10 @@ import random
 import pytest
 import torch
 
-from dflash.common.shard import Shard, ShardMeta, write_shard
-from dflash.common.spool import Spool, shard_name
-from dflash.consumer.batching import DraftBatch, build_draft_batch, pack_samples
+from dflash.common.contract.names import shard_name
+from dflash.common.contract.shard import Shard, ShardMeta, write_shard
+from dflash.common.contract.spool import Spool
+from dflash.common.drafter.batch import DraftBatch, build_draft_batch, pack_samples
 from dflash.consumer.feed import ShardFeed
 from dflash.consumer.input_pipeline import InputPipeline
 

@@ -18,10 +18,11 @@ import dataclasses
 import torch
 from draft_reference import one_thread  # noqa: F401  (autouse fixture)
 
-from dflash.consumer import attention
-from dflash.consumer.batching import DraftBatch, build_draft_batch, pack_samples, position_decay
-from dflash.consumer.drafter import DFlashDrafter, DrafterConfig, TargetHead
-from dflash.consumer.loss import draft_loss
+from dflash.common.drafter import attention
+from dflash.common.drafter.batch import DraftBatch, build_draft_batch, pack_samples, position_decay
+from dflash.common.drafter.config import DrafterConfig
+from dflash.common.drafter.loss import draft_loss
+from dflash.common.drafter.model import DFlashDrafter, TargetHead
 
 V, H, K, B, S, N = 16, 64, 2, 4, 256, 48
 MASK = V - 1  # tokens are 0..V-2

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from draft_reference import one_thread  # noqa: F401  (autouse fixture)
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from dflash.consumer.loss import chunked_linear_cross_entropy, draft_loss
+from dflash.common.drafter.loss import chunked_linear_cross_entropy, draft_loss
 
 
 def inputs(seed, m=37, h=16, v=50, weight_grad=False):

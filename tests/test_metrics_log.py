@@ -4,7 +4,7 @@ import math
 import numpy as np
 import pytest
 
-from dflash.common.metrics_log import (
+from dflash.common.metrics import (
     MetricsLog,
     format_bytes,
     format_console_line,

@@ -3,8 +3,8 @@ import math
 
 import pytest
 
-from dflash.common import plan
-from dflash.common.plan import PlanConfig, best_split, ddp_efficiency, measure_rates, plan_splits, steady_rate
+from dflash.tools import plan
+from dflash.tools.plan import PlanConfig, best_split, ddp_efficiency, measure_rates, plan_splits, steady_rate
 
 
 def _best(**kw):

@@ -3,8 +3,8 @@ import struct
 
 import pytest
 
-from dflash.common import status
-from dflash.common.plots import write_plots
+from dflash.tools import status
+from dflash.tools.plots import write_plots
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -80,7 +80,7 @@ def test_no_metrics_writes_nothing(tmp_path):
 
 
 def test_summed_rate_holds_each_process_between_its_records():
-    from dflash.common.plots import _summed_rate
+    from dflash.tools.plots import _summed_rate
 
     a = [{"time": 0.0, "tok_s": 1.0}, {"time": 10.0, "tok_s": 3.0}]
     b = [{"time": 5.0, "tok_s": 10.0}, {"time": 20.0, "tok_s": 20.0}, {"event": "x", "time": 30.0}]

@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 from draft_reference import one_thread  # noqa: F401  (autouse fixture)
 
-from dflash.consumer.batching import build_draft_batch, pack_samples
+from dflash.common.drafter.batch import build_draft_batch, pack_samples
+from dflash.common.drafter.config import DrafterConfig
+from dflash.common.drafter.model import DFlashDrafter, TargetHead
 from dflash.consumer.config import TrainConfig
-from dflash.consumer.drafter import DFlashDrafter, DrafterConfig, TargetHead
-from dflash.consumer.trainer import build_optimizer, cast_parameters, forward_backward
+from dflash.consumer.step import build_optimizer, cast_parameters, forward_backward
 
 H, K, V, WORDS, S, STEPS = 64, 2, 512, 32, 256, 400
 

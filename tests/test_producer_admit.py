@@ -7,9 +7,10 @@ from __future__ import annotations
 import threading
 import time
 
-from dflash.common.spool import Spool
-from dflash.producer.data import DataConfig
-from dflash.producer.worker import Counters, ProducerConfig, _Writers
+from dflash.common.contract.spool import Spool
+from dflash.common.target.data import DataConfig
+from dflash.producer.config import ProducerConfig
+from dflash.producer.writers import Counters, _Writers
 
 BUDGET = 1_000
 SHARD = 5_000  # far past the budget, as in the spool-full test

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
-from dflash.common.demo_assets import build_tiny_target
-from dflash.producer.capture import LayerCapture, find_decoder
+from dflash.common.target.capture import LayerCapture, find_decoder
+from dflash.tools.demo.assets import build_tiny_target
 
 _SMALL = dict(
     vocab_size=256,

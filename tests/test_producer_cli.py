@@ -14,12 +14,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash.common.demo_assets import demo_dataset_path, materialize_tiny_target
-from dflash.common.sample_set import SampleSet
-from dflash.common.shard import read_shard
-from dflash.producer.capture import LayerCapture
+from dflash.common.contract.sample_set import SampleSet
+from dflash.common.contract.shard import read_shard
+from dflash.common.target.capture import LayerCapture
+from dflash.common.target.data import tokenize_conversations
 from dflash.producer.cli import main, parse_gpus
-from dflash.producer.data import tokenize_conversations
+from dflash.tools.demo.assets import demo_dataset_path, materialize_tiny_target
 
 MAX_LENGTH = 128
 
@@ -60,7 +60,7 @@ def _dataset(tmp_path: Path, demo_rows: list[dict]) -> tuple[Path, list[dict], s
 
 
 def _save_trained(store: Path, run: str, trained: set[int]) -> None:
-    from dflash.consumer.checkpoint import capture_rng_state, save_checkpoint
+    from dflash.common.checkpoints.save import capture_rng_state, save_checkpoint
 
     save_checkpoint(
         str(store), run, 10, model_state={"w": torch.zeros(2)}, optimizer_state={}, scheduler_state={},

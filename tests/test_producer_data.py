@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from dflash.common.demo_assets import demo_dataset_path, tiny_target_dir
-from dflash.producer.data import (
+from dflash.common.target.data import (
     DataConfig,
     DataError,
     check_tokenizer,
@@ -21,6 +20,7 @@ from dflash.producer.data import (
     tokenize_conversations,
     tokenize_slice,
 )
+from dflash.tools.demo.assets import demo_dataset_path, tiny_target_dir
 
 
 @pytest.fixture(scope="module")

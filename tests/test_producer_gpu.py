@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.common.demo_assets import build_tiny_target
+from dflash.common.target.capture import LayerCapture
+from dflash.common.target.data import DataConfig
 from dflash.producer.buckets import BucketConfig, Sample
-from dflash.producer.capture import LayerCapture
-from dflash.producer.data import DataConfig
+from dflash.tools.demo.assets import build_tiny_target
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -27,8 +27,9 @@ def test_bf16_capture_equals_hidden_states_on_cuda():
 
 
 def test_produce_on_cuda_stores_each_samples_states(tmp_path):
-    from dflash.common.shard import read_shard
-    from dflash.producer.worker import ProducerConfig, produce
+    from dflash.common.contract.shard import read_shard
+    from dflash.producer.config import ProducerConfig
+    from dflash.producer.worker import produce
 
     model = build_tiny_target(dtype=torch.bfloat16).cuda()
     rng = np.random.default_rng(0)

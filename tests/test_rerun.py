@@ -19,7 +19,7 @@ import pytest
 from ledger_audit import audit, eligible_samples, launches_from_output, read_jsonl
 from pipeline_helpers import REPO, as_from_a_terminal, cpu_env
 
-from dflash.common.demo_assets import demo_dataset_path
+from dflash.tools.demo.assets import demo_dataset_path
 
 ROWS = 24
 MAX_LENGTH = 512
@@ -104,7 +104,7 @@ def test_ctrl_c_then_kill9_consumer_then_kill9_producer_each_followed_by_the_sam
     """(1) SIGINT mid-run, (2) SIGKILL of the consumer, (3) SIGKILL of the producer, each followed by the
     same command, no flag added: over the four lives no sample is trained twice (along the final
     timeline, or within a life) and none is missing."""
-    from dflash.consumer.checkpoint import load_checkpoint
+    from dflash.common.checkpoints.load import load_checkpoint
 
     data = _dataset(tmp_path / "data.jsonl")
     run_dir, spool, ckpt = tmp_path / "run", tmp_path / "spool", tmp_path / "ckpt"
@@ -160,7 +160,7 @@ def test_ctrl_c_then_kill9_consumer_then_kill9_producer_each_followed_by_the_sam
     for n, text in enumerate((life.out_path.read_text() for life in lives[1:]), 2):
         assert "run 'rerun' continues" in text, f"life {n} did not say it continues the run:\n{text[-2000:]}"
     # nothing left behind: the spool is drained, no process of any life is running
-    from dflash.common.spool import Spool
+    from dflash.common.contract.spool import Spool
 
     assert Spool(spool, create=False).is_drained()
     for launch in launches:
@@ -175,7 +175,7 @@ def test_a_live_runs_spool_refuses_a_second_launch_and_another_run(tmp_path, tin
     one line; (4) another run pointed at the live run's spool: refused with one line naming both runs;
     the live run is unaffected (its ledger: every eligible sample once). Afterwards (nothing live) the
     other run is still refused, by the spool's run record, until --fresh-spool."""
-    from dflash.consumer.checkpoint import load_checkpoint
+    from dflash.common.checkpoints.load import load_checkpoint
 
     data = _dataset(tmp_path / "data.jsonl", rows=12)
     run_dir, spool, ckpt = tmp_path / "run", tmp_path / "spool", tmp_path / "ckpt"

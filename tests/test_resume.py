@@ -18,9 +18,9 @@ import time
 
 from pipeline_helpers import REPO, cpu_env
 
-from dflash.common.shard import read_shard
+from dflash.common.checkpoints.load import list_steps, load_checkpoint
+from dflash.common.contract.shard import read_shard
 from dflash.consumer.campaign import WarmupCosine
-from dflash.consumer.checkpoint import list_steps, load_checkpoint
 
 RUN = "resume"
 TOTAL_STEPS = 150
@@ -60,7 +60,7 @@ def _pipeline_cmd(tiny_target, dataset, run_dir, spool, store):
 
 def _subset(path, n):
     """The first ``n`` rows of the bundled chat data: row i keeps sample index i."""
-    from dflash.common.demo_assets import demo_dataset_path
+    from dflash.tools.demo.assets import demo_dataset_path
 
     with open(demo_dataset_path(), encoding="utf-8") as f:
         rows = [line for _, line in zip(range(n), f, strict=False)]

@@ -99,8 +99,8 @@ def test_sigterm_checkpoints_then_stops_every_process(tmp_path, tiny_target):
     import signal
     import time
 
-    from dflash.common.demo_assets import demo_dataset_path
-    from dflash.consumer.checkpoint import load_checkpoint
+    from dflash.common.checkpoints.load import load_checkpoint
+    from dflash.tools.demo.assets import demo_dataset_path
 
     run_dir, ckpt = tmp_path / "run", tmp_path / "ckpt"
     cmd = [

@@ -1,4 +1,4 @@
-"""dflash.common.sample_set: bitmap semantics, merging, serialization and its validation."""
+"""dflash.common.contract.sample_set: bitmap semantics, merging, serialization and its validation."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash.common.sample_set import SampleSet, SampleSetFormatError
+from dflash.common.contract.sample_set import SampleSet, SampleSetFormatError
 
 
 def test_add_contains_len_indices():

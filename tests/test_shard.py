@@ -11,8 +11,8 @@ import pytest
 import torch
 import zarr
 
-from dflash.common.codecs import DEFAULT_CODEC_SPEC, SHUFFLE_ZSTD_LEVELS
-from dflash.common.shard import (
+from dflash.common.contract.codecs import DEFAULT_CODEC_SPEC, SHUFFLE_ZSTD_LEVELS
+from dflash.common.contract.shard import (
     SHARD_FORMAT,
     SHARD_VERSION,
     CodecConfig,

@@ -14,15 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash.common import spool as spool_mod
-from dflash.common.spool import (
-    Spool,
-    SpoolError,
-    default_budget_bytes,
-    heartbeat_alive,
-    parse_shard_name,
-    shard_name,
-)
+from dflash.common.contract import spool as spool_mod
+from dflash.common.contract.liveness import heartbeat_alive
+from dflash.common.contract.names import parse_shard_name, shard_name
+from dflash.common.contract.spool import Spool, SpoolError, default_budget_bytes
 
 
 def put_dummy(sp: Spool, bucket: int, producer: str, seq: int, indices=(), pad: int = 0) -> Path:
@@ -522,7 +517,7 @@ def test_zombie_detection_sees_a_killed_unreaped_child():
 def test_undecodable_real_shard_is_quarantined_with_the_reader_error(tmp_path):
     import torch
 
-    from dflash.common.shard import Shard, ShardFormatError, ShardMeta, read_shard, write_shard
+    from dflash.common.contract.shard import Shard, ShardFormatError, ShardMeta, read_shard, write_shard
 
     sp = Spool(tmp_path)
     for seq in range(3):

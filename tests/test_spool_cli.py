@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.common.codecs import CodecConfig
-from dflash.common.shard import Shard, ShardMeta, shard_nbytes, write_shard
-from dflash.common.spool import Spool, shard_name
-from dflash.common.spool_cli import main
+from dflash.common.contract.codecs import CodecConfig
+from dflash.common.contract.names import shard_name
+from dflash.common.contract.shard import Shard, ShardMeta, shard_nbytes, write_shard
+from dflash.common.contract.spool import Spool
+from dflash.tools.spool_cli import main
 
 CLI = Path(sys.executable).with_name("dflash-spool")
 

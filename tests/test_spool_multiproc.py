@@ -18,7 +18,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from dflash.common.spool import Spool, parse_shard_name, shard_name
+from dflash.common.contract.names import parse_shard_name, shard_name
+from dflash.common.contract.spool import Spool
 
 PAD = 16384
 TIMEOUT_S = 120  # hang guard only (every wait below ends on a condition)

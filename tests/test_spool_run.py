@@ -10,8 +10,10 @@ import sys
 
 import pytest
 
-from dflash.common.spool import RunMismatchError, Spool, SpoolBusyError, lock_is_held, shard_name
-from dflash.common.spool_cli import main as spool_main
+from dflash.common.contract.liveness import lock_is_held
+from dflash.common.contract.names import shard_name
+from dflash.common.contract.spool import RunMismatchError, Spool, SpoolBusyError
+from dflash.tools.spool_cli import main as spool_main
 
 IDENT = {
     "run": "alpha",
@@ -42,7 +44,7 @@ def test_the_run_record_is_filled_in_then_enforced(tmp_path):
 def _hold(path_root, name: str) -> subprocess.Popen:
     """A child process that takes lock-<name> and then sleeps (until killed)."""
     code = (
-        "import sys, time\nfrom dflash.common.spool import Spool\n"
+        "import sys, time\nfrom dflash.common.contract.spool import Spool\n"
         f"Spool({str(path_root)!r}).acquire_lock({name!r}, 'the test child')\nprint('held', flush=True)\ntime.sleep(600)\n"
     )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -71,7 +73,7 @@ def test_a_lock_is_refused_while_its_holder_lives_and_free_once_it_is_killed(tmp
 def _publish(sp: Spool, producer: str, seq: int, where: str = "ready") -> None:
     import torch
 
-    from dflash.common.shard import Shard, ShardMeta, write_shard
+    from dflash.common.contract.shard import Shard, ShardMeta, write_shard
 
     t = 8
     shard = Shard(

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from dflash.common import status
-from dflash.common.spool import Spool
+from dflash.common.contract.spool import Spool
+from dflash.tools import status
 
 
 def _dead_pid() -> int:
@@ -353,7 +353,7 @@ def test_producer_throughput_is_the_metrics_average(tmp_path, capsys, counters, 
 
 
 def test_throughput_plot_is_the_producers_average():
-    from dflash.common.plots import _summed_rate
+    from dflash.tools.plots import _summed_rate
 
     recs = [{"time": 10.0 * k, "tok_s": 50_000.0 * (k % 2), "avg_tok_s": 1000.0 + k} for k in range(5)]
     assert _summed_rate([recs, recs], average=True) == (
@@ -380,7 +380,7 @@ def test_campaign_epoch_and_held_out_tau_are_shown(tmp_path, capsys):
 
 
 def test_tau_plot_shows_the_held_out_decode_tau(tmp_path):
-    from dflash.common.plots import write_plots
+    from dflash.tools.plots import write_plots
 
     run = tmp_path / "run"
     steps = [{"time": 1000.0 + i, "step": i, "loss": 3.0, "tok_s": 1.0} for i in range(1, 6)]  # no in-loop τ

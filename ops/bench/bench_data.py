@@ -21,8 +21,9 @@ from pathlib import Path
 
 import torch
 
-from dflash.common.shard import Shard, ShardMeta, write_shard
-from dflash.common.spool import Spool, shard_name
+from dflash.common.contract.names import shard_name
+from dflash.common.contract.shard import Shard, ShardMeta, write_shard
+from dflash.common.contract.spool import Spool
 
 BUCKETS = [128, 256, 512, 1024, 2048, 4096, 8192]
 

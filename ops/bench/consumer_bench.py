@@ -42,12 +42,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_data import FillPlan, SpoolFiller, write_target_head  # noqa: E402
 
-from dflash.common.layers import default_target_layer_ids
-from dflash.consumer.attention import recompile_count
-from dflash.consumer.batching import build_draft_batch, pack_samples
+from dflash.common.drafter.attention import recompile_count
+from dflash.common.drafter.batch import build_draft_batch, pack_samples
+from dflash.common.drafter.config import DrafterConfig
+from dflash.common.drafter.model import DFlashDrafter, TargetHead
+from dflash.common.target.layers import default_target_layer_ids
 from dflash.consumer.config import TrainConfig
-from dflash.consumer.drafter import DFlashDrafter, DrafterConfig, TargetHead
-from dflash.consumer.trainer import Trainer, build_optimizer, compile_drafter, forward_backward
+from dflash.consumer.step import build_optimizer, compile_drafter, forward_backward
+from dflash.consumer.trainer import Trainer
 
 PRESETS = {
     # hidden, heads, kv heads, head_dim, intermediate, vocab, target layers
@@ -317,7 +319,7 @@ def run_trainer(
         seed=0,  # the same data whatever the trainer's seed
         learnable=learnable,
     )
-    from dflash.common.spool import Spool
+    from dflash.common.contract.spool import Spool
 
     Spool(spool)  # create the layout before the processes start
     filler = SpoolFiller(plan)
@@ -431,8 +433,8 @@ def feed_throughput(
     spool: Path, plan: FillPlan, *, context: int, anchors: int, steps: int, fill_s: float
 ) -> dict:
     """The data path alone (claim, decode, pack, anchors, pinned copy to the GPU), no training step."""
-    from dflash.common.spool import Spool
-    from dflash.consumer.batching import build_draft_batch
+    from dflash.common.contract.spool import Spool
+    from dflash.common.drafter.batch import build_draft_batch
     from dflash.consumer.feed import ShardFeed
     from dflash.consumer.input_pipeline import InputPipeline
 

@@ -40,10 +40,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash.common.target.capture import LayerCapture
+from dflash.common.target.data import DataConfig
 from dflash.producer.buckets import BucketConfig, Bucketer, Sample
-from dflash.producer.capture import LayerCapture
-from dflash.producer.data import DataConfig
-from dflash.producer.worker import ProducerConfig, _all_batches, produce
+from dflash.producer.config import ProducerConfig
+from dflash.producer.worker import _all_batches, produce
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ def build_model(args):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     if args.small:
-        from dflash.common.demo_assets import build_tiny_target
+        from dflash.tools.demo.assets import build_tiny_target
 
         return build_tiny_target(dtype=torch.float32, seed=0), "tiny-qwen3 (demo)"
     cfg = Qwen3Config(**QWEN3_8B)
@@ -219,7 +220,7 @@ _VARIANT_CFG = {
 @contextlib.contextmanager
 def _variant(name: str):
     """Patch the shard writer the producer calls (it imports write_shard at call time)."""
-    import dflash.common.shard as shard_mod
+    import dflash.common.contract.shard as shard_mod
 
     orig = shard_mod.write_shard
     if name == "nowrite":
@@ -359,7 +360,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     import torch._dynamo  # noqa: F401  - first import in the main thread (threads below)
 
-    from dflash.common.layers import default_target_layer_ids
+    from dflash.common.target.layers import default_target_layer_ids
 
     device = args.device
     mem = MemSampler(device)

@@ -36,9 +36,16 @@ from pathlib import Path
 import torch
 import zarr
 
-from dflash.common.codecs import DEFAULT_CODEC_SPEC, CodecConfig
-from dflash.common.layers import default_target_layer_ids
-from dflash.common.shard import DEFAULT_CHUNK_BYTES, Shard, ShardMeta, read_shard, shard_nbytes, write_shard
+from dflash.common.contract.codecs import DEFAULT_CODEC_SPEC, CodecConfig
+from dflash.common.contract.shard import (
+    DEFAULT_CHUNK_BYTES,
+    Shard,
+    ShardMeta,
+    read_shard,
+    shard_nbytes,
+    write_shard,
+)
+from dflash.common.target.layers import default_target_layer_ids
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +60,7 @@ def real_token_ids(num_tokens: int) -> tuple[torch.Tensor, int, str]:
     try:
         from transformers import AutoTokenizer
 
-        from dflash.common.demo_assets import demo_dataset_path, tiny_target_dir
+        from dflash.tools.demo.assets import demo_dataset_path, tiny_target_dir
 
         tok = AutoTokenizer.from_pretrained(tiny_target_dir())
         ids: list[int] = []

@@ -1,0 +1,1 @@
+"""What every command line shares: the help formatter, flags from config dataclasses, exit codes."""

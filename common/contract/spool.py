@@ -1,0 +1,799 @@
+"""The crash-safe spool between producers and consumers: one directory, POSIX renames (ARCHITECTURE §2).
+
+Every state change of a shard is one ``os.rename`` inside one filesystem, so a process killed at any
+instant leaves each shard in exactly one state:
+
+    tmp/<name>  --publish-->  ready/<name>  --claim-->  claimed/<consumer>/<name>  --ack-->  (deleted)
+                                   ^------- release / recover_dead_claims ----------'
+                              any state  --quarantine-->  quarantine/<name> (+ <name>.why)
+
+A shard is opaque here (a directory or a file); this module never imports zarr or torch, so producers,
+consumers and the CLI share it cheaply. Delivery is at-least-once: a shard claimed by a consumer that
+dies is moved back to ready/ by any other consumer (``recover_dead_claims``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import stat
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+from dflash.common.contract.liveness import (
+    BOOT_ID,
+    HOST,
+    SpoolLock,
+    _lock_holder,
+    _proc_stat,
+    heartbeat_alive,
+    lock_is_held,
+)
+from dflash.common.contract.names import _check_id, _is_shard_name, parse_shard_name
+
+log = logging.getLogger(__name__)
+
+DIR_MODE = 0o700
+ACK_PREFIX = ".ack-"  # a shard being deleted: renamed first, so a crash mid-delete never looks claimed
+_ROLE_RE = re.compile(r"^[a-z]+$")
+_RATE_WINDOW_S = 5.0
+
+
+class SpoolError(RuntimeError):
+    """The spool directory is missing, is not a spool, or an operation would break its invariants."""
+
+
+class RunMismatchError(SpoolError):
+    """The spool belongs to another run (or to this run with another model, dataset or plan)."""
+
+
+class SpoolBusyError(SpoolError):
+    """A live process of another launch holds the spool's lock for this role."""
+
+
+RUN_FILE = "run.json"
+LOCK_PREFIX = "lock-"
+IDENTITY_KEYS = ("run", "model", "layer_ids", "dataset", "plan")
+"""What makes two launches the same run (state/run.json): a launch that differs in any field that both
+sides record is another run. A consumer records only ``run``; a producer fills in the rest."""
+
+
+def describe_run(rec: dict) -> str:
+    """One phrase for a run record: ``run 'x' (model m, dataset d, 612 rows)``."""
+    parts = []
+    if rec.get("model"):
+        parts.append(f"model {rec['model']}")
+    ds = rec.get("dataset") or {}
+    if ds:
+        parts.append(f"dataset {ds.get('spec', '?')} [{str(ds.get('fingerprint', '?'))[:12]}]")
+    plan = rec.get("plan") or {}
+    if "rows" in plan:
+        parts.append(f"{plan['rows']} rows")
+    if rec.get("layer_ids") is not None:
+        parts.append(f"layers {rec['layer_ids']}")
+    return f"run {rec.get('run')!r}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def default_budget_bytes(root: str | Path, fraction: float = 0.5) -> int:
+    """``fraction`` of the space the spool may use: free space on its filesystem plus what it holds now
+    (so a restarted producer gets the same budget as before, not a smaller one)."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction!r}")
+    path = Path(root).absolute()
+    while not path.exists():
+        path = path.parent
+    st = os.statvfs(path)
+    held = Spool(root, create=False).total_bytes() if _looks_like_spool(Path(root)) else 0
+    return int((st.f_bavail * st.f_frsize + held) * fraction)
+
+
+def _looks_like_spool(root: Path) -> bool:
+    return all((root / d).is_dir() for d in ("tmp", "ready", "claimed", "quarantine", "state"))
+
+
+def _entry_nbytes(path: str) -> int:
+    """Apparent bytes of a file or a directory tree. Tolerates entries vanishing mid-walk (a tmp shard
+    being written or published): what moved is counted in its new state."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return 0
+    if not stat.S_ISDIR(st.st_mode):
+        return st.st_size
+    total, stack = 0, [path]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    try:
+                        if e.is_dir(follow_symlinks=False):
+                            stack.append(e.path)
+                        else:
+                            total += e.stat(follow_symlinks=False).st_size
+                    except FileNotFoundError:
+                        continue
+        except FileNotFoundError:
+            continue
+    return total
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+# ---- process liveness (heartbeats name a pid; a pid can be reused, so also compare its start time) ----
+
+
+class Spool:
+    """A spool directory. One object per process and role (consumers: one per consumer id); it may be
+    shared by that process's threads (its caches are hints guarded by a lock)."""
+
+    STATES = ("tmp", "ready", "claimed", "quarantine")
+
+    def __init__(self, root: str | Path, *, create: bool = True):
+        self.root = Path(root).absolute()
+        self.tmp_dir = self.root / "tmp"
+        self.ready_dir = self.root / "ready"
+        self.claimed_dir = self.root / "claimed"
+        self.quarantine_dir = self.root / "quarantine"
+        self.state_dir = self.root / "state"
+        self._lock = threading.RLock()
+        self._size_cache: dict[tuple[str, int], int] = {}  # (name, inode) -> bytes; shards are immutable
+        self._adopted: set[str] = set()  # consumer ids whose leftovers this object has taken over
+        self._rate_ref: dict[tuple[str, str], tuple[float, dict]] = {}
+        self._rates: dict[tuple[str, str], dict] = {}
+        self._started = time.time()
+        if create:
+            for d in (self.tmp_dir, self.ready_dir, self.claimed_dir, self.quarantine_dir, self.state_dir):
+                self._makedirs(d)
+        elif not self.root.is_dir():
+            raise SpoolError(f"no spool directory at {self.root}")
+        elif not _looks_like_spool(self.root):
+            raise SpoolError(f"{self.root} is not a spool (expected tmp/ ready/ claimed/ quarantine/ state/)")
+
+    @staticmethod
+    def _makedirs(path: Path) -> None:
+        """mkdir -p with mode 0700 for every directory we create, whatever the umask."""
+        missing = []
+        p = path
+        while not p.exists():
+            missing.append(p)
+            p = p.parent
+        for d in reversed(missing):
+            try:
+                d.mkdir(mode=DIR_MODE)
+            except FileExistsError:
+                continue
+            os.chmod(d, DIR_MODE)
+
+    # ---- run identity and launch locks ----
+
+    def read_run(self) -> dict | None:
+        """state/run.json: the run this spool belongs to (None for a spool no launch has bound yet)."""
+        return self._read_json(self.state_dir / RUN_FILE)
+
+    def bind_run(self, identity: dict, *, who: str = "this launch") -> dict:
+        """Bind the spool to ``identity`` (``run`` plus any of model, layer_ids, dataset, plan) or check
+        it against the run already recorded. Fields recorded on both sides must be equal, else
+        RunMismatchError with one line naming both runs; fields the record lacks are filled in (a
+        consumer binds the run name first, the producer adds the rest). Returns the record."""
+        if not identity.get("run"):
+            raise ValueError("bind_run needs identity['run']")
+        ident = {k: identity[k] for k in IDENTITY_KEYS if identity.get(k) is not None}
+        path = self.state_dir / RUN_FILE
+        with self._lock:
+            for _ in range(10):
+                rec = self.read_run()
+                if rec is None:
+                    new = {**ident, "created": time.time(), "launches": 0}
+                    tmp = path.with_name(f".{RUN_FILE}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+                    tmp.write_text(json.dumps(new) + "\n")
+                    try:
+                        os.link(tmp, path)  # exactly one creator wins
+                    except FileExistsError:
+                        continue
+                    finally:
+                        tmp.unlink(missing_ok=True)
+                    return new
+                differ = [k for k in IDENTITY_KEYS if k in ident and k in rec and ident[k] != rec[k]]
+                if differ:
+                    what = (
+                        "another run"
+                        if "run" in differ
+                        else f"the same run name with another {', '.join(differ)}"
+                    )
+                    raise RunMismatchError(
+                        f"spool {self.root} belongs to {describe_run(rec)}; {who} is {describe_run(ident)} "
+                        f"({what}): use another --spool, or discard this one (ops/run_all.sh --fresh-spool)"
+                    )
+                missing = {k: v for k, v in ident.items() if k not in rec}
+                if not missing:
+                    return rec
+                rec = {**rec, **missing}
+                _atomic_write_text(path, json.dumps(rec) + "\n")
+                return rec
+        raise SpoolError(f"spool {self.root}: could not bind state/{RUN_FILE} (concurrent writers?)")
+
+    def next_launch(self) -> int:
+        """Count a producer launch in state/run.json and return its number (1, 2, ...): producer ids carry
+        it, so shard names and DONE markers of different launches never collide. Call under the
+        producer's lock, after bind_run."""
+        with self._lock:
+            rec = self.read_run() or {}
+            n = int(rec.get("launches", 0)) + 1
+            _atomic_write_text(self.state_dir / RUN_FILE, json.dumps({**rec, "launches": n}) + "\n")
+            return n
+
+    def acquire_lock(self, name: str, holder: str) -> SpoolLock:
+        """Take ``<spool>/lock-<name>`` (flock, non-blocking) for the rest of this process's life, or raise
+        SpoolBusyError naming the live holder. ``holder`` (one line) is written into the file."""
+        _check_id("lock name", name)
+        path = self.root / f"{LOCK_PREFIX}{name}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SpoolBusyError(
+                f"spool {self.root} is in use by a live launch: {_lock_holder(path)} holds {path.name}"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{holder} (pid {os.getpid()} on {HOST}, since {time.strftime('%H:%M:%S')})\n".encode())
+        return SpoolLock(path, fd)
+
+    def live_locks(self) -> dict[str, str]:
+        """Locks held by live processes right now: {lock name: holder line}."""
+        out = {}
+        for p in sorted(self.root.glob(f"{LOCK_PREFIX}*")):
+            if lock_is_held(p):
+                out[p.name[len(LOCK_PREFIX) :]] = _lock_holder(p)
+        return out
+
+    def leftover_shards(self) -> list[Path]:
+        """Published shards still in the flow (ready/ and claimed/): a previous launch's leftovers when no
+        process of the run is live."""
+        out = [self.ready_dir / n for n in self._scan_names(self.ready_dir)]
+        for d in self._scan_dirs(self.claimed_dir):
+            out += [d / n for n in self._scan_names(d)]
+        return sorted(out, key=lambda p: p.name)
+
+    def discard_flow(self) -> dict:
+        """Forget a previous launch's flow: every shard in tmp/, ready/ and claimed/ (and ack trash), the
+        producer registration, DONE markers, heartbeats and the quarantined shards (their samples are in no
+        trained set, so they are produced again). Keeps state/run.json (the run's identity), the
+        quarantine/*.why reasons and the lock files. Only when no process of the run is live (the caller
+        holds the launch lock and checked ``live_locks``). Returns {"shards": n, "samples": m}."""
+        from dflash.common.contract.shard import ShardFormatError, read_shard_meta
+
+        shards = samples = 0
+        for p in self.leftover_shards():
+            try:
+                samples += int(read_shard_meta(p).get("num_samples", 0))
+            except (ShardFormatError, OSError, ValueError):
+                pass
+            shards += 1
+        for d in (self.tmp_dir, self.ready_dir):
+            for e in list(os.scandir(d)):
+                _remove(Path(e.path))
+        for d in self._scan_dirs(self.claimed_dir):
+            _remove(d)
+        for name in self._scan_names(self.quarantine_dir):  # their samples are re-produced; the .why stay
+            _remove(self.quarantine_dir / name)
+        for e in list(os.scandir(self.state_dir)):
+            n = e.name
+            if (
+                n.startswith("DONE-")
+                or n == "producers.json"
+                or (n.endswith(".json") and "-" in n and n != RUN_FILE)
+            ):
+                Path(e.path).unlink(missing_ok=True)
+        return {"shards": shards, "samples": samples}
+
+    # ---- producer side ----
+
+    def new_tmp_path(self, name: str) -> Path:
+        """Where to write shard ``name`` before publishing; the name carries the producer id (clean_tmp)."""
+        parse_shard_name(name)
+        return self.tmp_dir / name
+
+    def publish(self, tmp_path: Path, *, nbytes: int | None = None) -> Path:
+        """Atomically move a fully written shard into ready/. ``nbytes`` (e.g. write_shard's return) saves
+        a walk for the byte accounting."""
+        tmp_path = Path(tmp_path).absolute()
+        if tmp_path.parent != self.tmp_dir:
+            raise ValueError(f"publish expects a path from new_tmp_path(), got {tmp_path}")
+        name = tmp_path.name
+        dest = self.ready_dir / name
+        if dest.exists() or any(True for _ in self._claimed_copies(name)):
+            raise SpoolError(f"shard {name} is already live in the spool (reused producer seq?)")
+        inode = os.lstat(tmp_path).st_ino
+        os.rename(tmp_path, dest)
+        size = _entry_nbytes(str(dest)) if nbytes is None else int(nbytes)
+        with self._lock:
+            self._size_cache[(name, inode)] = size
+        return dest
+
+    def _claimed_copies(self, name: str) -> Iterator[Path]:
+        for d in self._scan_dirs(self.claimed_dir):
+            if (d / name).exists():
+                yield d / name
+
+    def next_seq(self, producer_id: str) -> int:
+        """1 + the highest seq of ``producer_id`` still in the spool (0 if none): a restarted producer
+        starts there so its names never collide with live shards."""
+        best = -1
+        for state_dir in (
+            self.tmp_dir,
+            self.ready_dir,
+            self.quarantine_dir,
+            *self._scan_dirs(self.claimed_dir),
+        ):
+            for name in self._scan_names(state_dir):
+                _, pid, seq = parse_shard_name(name)
+                if pid == producer_id:
+                    best = max(best, seq)
+        return best + 1
+
+    def clean_tmp(self, producer_id: str) -> int:
+        """Remove this producer's tmp/ leftovers (a previous life killed mid-write). Call once on start;
+        never while another live process uses the same producer id."""
+        _check_id("producer_id", producer_id)
+        n = 0
+        for name in self._scan_names(self.tmp_dir):
+            if parse_shard_name(name)[1] == producer_id:
+                _remove(self.tmp_dir / name)
+                n += 1
+        if n:
+            log.info("removed %d tmp leftovers of producer %s", n, producer_id)
+        return n
+
+    def clean_tmp_of(self, prefix: str) -> int:
+        """Remove the tmp/ leftovers of every producer whose id starts with ``prefix`` (dflash-produce
+        of node N passes "nNp" while it holds that node's producer lock, so none of them is live)."""
+        n = 0
+        for name in self._scan_names(self.tmp_dir):
+            if parse_shard_name(name)[1].startswith(prefix):
+                _remove(self.tmp_dir / name)
+                n += 1
+        return n
+
+    def wait_for_budget(
+        self, budget_bytes: int, *, poll_s: float = 0.05, should_stop: Callable[[], bool] | None = None
+    ) -> bool:
+        """Block while the spool holds more than ``budget_bytes`` (tmp+ready+claimed). Nothing is dropped:
+        the caller writes its next shard only after this returns, so the spool stays under budget plus
+        one shard per producer. Returns False if ``should_stop()`` ended the wait, else True."""
+        if budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be > 0, got {budget_bytes!r}")
+        t0 = None
+        while (total := self.total_bytes()) > budget_bytes:
+            if t0 is None:
+                t0 = time.monotonic()
+                log.info("spool holds %d bytes > budget %d: waiting for consumers", total, budget_bytes)
+            if should_stop is not None and should_stop():
+                return False
+            time.sleep(poll_s)
+        if t0 is not None:
+            log.info("spool back under budget after %.1f s", time.monotonic() - t0)
+        return True
+
+    def register_producers(self, producer_ids: list[str]) -> None:
+        """The set of producers whose DONE markers mean 'no more shards' (state/producers.json)."""
+        ids = sorted({_check_id("producer_id", p) for p in producer_ids})
+        if not ids:
+            raise ValueError("register_producers needs at least one producer id")
+        old = self.registered_producers()
+        if old and old != ids:
+            log.info("registering producers %s (was %s)", ids, old)
+        _atomic_write_text(self.state_dir / "producers.json", json.dumps({"producers": ids}) + "\n")
+
+    @property
+    def eval_dir(self) -> Path:
+        """eval/: held-out shards, written once per campaign, read (never claimed) by consumers."""
+        path = self.root / "eval"
+        path.mkdir(mode=DIR_MODE, exist_ok=True)
+        return path
+
+    def publish_eval(self, name: str, write: Callable[[Path], object]) -> Path:
+        """Write an eval shard with ``write(path)`` under a hidden name, then rename it into eval/: readers
+        only ever see whole shards, as with publish."""
+        parse_shard_name(name)
+        tmp = self.eval_dir / f".tmp-{name}"
+        write(tmp)
+        dest = self.eval_dir / name
+        os.rename(tmp, dest)
+        return dest
+
+    def eval_shards(self) -> list[Path]:
+        """The complete eval shards (a shard being written is hidden as .tmp-*)."""
+        return sorted(p for p in self.eval_dir.iterdir() if not p.name.startswith("."))
+
+    def eval_sample_ids(self):
+        """Sample ids in the eval shards (a numpy int64 array)."""
+        import numpy as np
+
+        from dflash.common.contract.shard import read_sample_index
+
+        parts = [read_sample_index(p) for p in self.eval_shards()]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def write_campaign(self, node_rank: int, record: dict) -> None:
+        """state/campaign-n<node>.json: what this node's producers' slices give per epoch (samples, tokens,
+        loss_tokens, epochs, num_nodes); the same on every launch of the run (see dflash.common.contract.epochs)."""
+        _atomic_write_text(self.state_dir / f"campaign-n{int(node_rank)}.json", json.dumps(record) + "\n")
+
+    def read_campaign(self) -> list[dict] | None:
+        """Every node's campaign record, or None until all ``num_nodes`` nodes have written theirs."""
+        recs = [r for p in sorted(self.state_dir.glob("campaign-n*.json")) if (r := self._read_json(p))]
+        if not recs or len({int(r["node_rank"]) for r in recs}) < int(recs[0].get("num_nodes", 1)):
+            return None
+        return recs
+
+    def registered_producers(self) -> list[str]:
+        try:
+            return list(json.loads((self.state_dir / "producers.json").read_text())["producers"])
+        except FileNotFoundError:
+            return []
+
+    def mark_done(self, producer_id: str) -> None:
+        """Write state/DONE-<id>; call after the producer's last publish."""
+        _check_id("producer_id", producer_id)
+        _atomic_write_text(self.state_dir / f"DONE-{producer_id}", f"{time.time():.3f}\n")
+
+    def clear_done(self, producer_id: str) -> None:
+        """Remove a stale DONE marker (a producer restarted on a resumed run)."""
+        (self.state_dir / f"DONE-{_check_id('producer_id', producer_id)}").unlink(missing_ok=True)
+
+    def done_producers(self) -> list[str]:
+        return sorted(n[len("DONE-") :] for n in os.listdir(self.state_dir) if n.startswith("DONE-"))
+
+    def producers_done(self) -> bool:
+        registered = self.registered_producers()
+        return bool(registered) and set(registered) <= set(self.done_producers())
+
+    def is_drained(self) -> bool:
+        """No shard will ever arrive again: producers done (checked first: they publish before DONE)
+        and no shard left in tmp/, ready/ or claimed/ (claims of dead consumers count until
+        ``recover_dead_claims`` gives them back)."""
+        if not self.producers_done():
+            return False
+        dirs = (self.tmp_dir, self.ready_dir, *self._scan_dirs(self.claimed_dir))
+        return not any(any(True for _ in self._scan_names(d)) for d in dirs)
+
+    # ---- consumer side ----
+
+    def claim(self, consumer_id: str, *, bucket: int | None | str = None) -> Path | None:
+        """Lease one ready shard by renaming it into claimed/<consumer_id>/; exactly one consumer wins a
+        race, losers try the next name. bucket: None = any (lowest name first), an int = only that
+        bucket, "fullest" = the bucket with the most ready shards, "random" = any, uniformly (consumers
+        that pack fixed-size steps use it: training order then mixes lengths instead of running through
+        the buckets shortest first). None when nothing matches."""
+        if not (
+            bucket is None
+            or bucket in ("fullest", "random")
+            or (isinstance(bucket, int) and not isinstance(bucket, bool) and bucket >= 0)
+        ):
+            raise ValueError(f"bucket must be None, an int >= 0, 'fullest' or 'random', got {bucket!r}")
+        mine = self.claimed_dir / _check_id("consumer_id", consumer_id)
+        with self._lock:
+            if consumer_id not in self._adopted:
+                self._adopt(consumer_id)
+        names = sorted(self._scan_names(self.ready_dir), key=parse_shard_name)
+        if bucket == "fullest":
+            counts: dict[int, int] = {}
+            for n in names:
+                counts[parse_shard_name(n)[0]] = counts.get(parse_shard_name(n)[0], 0) + 1
+            order = {b: i for i, b in enumerate(sorted(counts, key=lambda b: (-counts[b], b)))}
+            names.sort(key=lambda n: (order[parse_shard_name(n)[0]], parse_shard_name(n)))
+        elif bucket == "random":
+            random.shuffle(names)
+        elif bucket is not None:
+            names = [n for n in names if parse_shard_name(n)[0] == bucket]
+        for name in names:
+            try:
+                os.rename(self.ready_dir / name, mine / name)
+            except FileNotFoundError:
+                if not mine.is_dir():  # recovered (and removed) while we looked stale: take it back
+                    self._makedirs(mine)
+                    try:
+                        os.rename(self.ready_dir / name, mine / name)
+                    except FileNotFoundError:
+                        continue
+                    return mine / name
+                continue  # another consumer won this one
+            return mine / name
+        return None
+
+    def _adopt(self, consumer_id: str) -> None:
+        """First claim of this object for ``consumer_id``: make sure its claimed dir and a heartbeat
+        exist, and give back what a previous process with the same id left claimed (at-least-once)."""
+        mine = self.claimed_dir / consumer_id
+        self._makedirs(mine)
+        if not (self.state_dir / f"consumer-{consumer_id}.json").exists():
+            self.heartbeat("consumer", consumer_id, {})
+        n = self._return_to_ready(mine, remove_dir=False)
+        if n:
+            log.warning("consumer %s: returned %d shards left claimed by its previous life", consumer_id, n)
+        self._adopted.add(consumer_id)
+
+    def _claimed_path_parts(self, path: Path) -> tuple[Path, str]:
+        path = Path(path)
+        if path.parent.parent != self.claimed_dir or not _is_shard_name(path.name):
+            raise ValueError(f"not a claimed shard path of this spool: {path}")
+        return path.parent, path.name
+
+    def ack(self, claimed_path: Path, *, delete: bool = True) -> Path | None:
+        """Delete a shard whose samples are trained (after the optimizer step that used them). Renamed to
+        a hidden trash name first, so a crash mid-delete never leaves a half shard that looks claimed.
+
+        The rename is the ack. ``delete=False`` returns the trash path for the caller to remove later with
+        ``remove_trash`` (freeing a 1.6 GB shard of tmpfs pages takes tens of ms: a training loop hands it
+        to a background thread); None if the shard was already gone."""
+        owner_dir, name = self._claimed_path_parts(claimed_path)
+        trash = owner_dir / f"{ACK_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+        try:
+            os.rename(claimed_path, trash)
+        except FileNotFoundError:
+            log.warning("ack: %s is gone (recovered as dead and re-delivered?)", claimed_path)
+            return None
+        if not delete:
+            return trash
+        _remove(trash)
+        return None
+
+    @staticmethod
+    def remove_trash(trash: Path) -> None:
+        """Finish an ``ack(..., delete=False)``."""
+        _remove(trash)
+
+    def release(self, claimed_path: Path) -> None:
+        """Give a claimed shard back to ready/ unprocessed (e.g. on a clean shutdown)."""
+        _, name = self._claimed_path_parts(claimed_path)
+        try:
+            os.rename(claimed_path, self.ready_dir / name)
+        except FileNotFoundError:
+            log.warning("release: %s is gone (recovered as dead?)", claimed_path)
+
+    def quarantine(self, path: Path, why: str) -> Path:
+        """Move a shard that cannot be decoded out of the flow; <name>.why says why (one line, with a
+        timestamp). Returns the new path (the old one, with a warning, if the shard vanished meanwhile)."""
+        path = Path(path)
+        dest = self.quarantine_dir / path.name
+        if dest.exists():
+            dest = self.quarantine_dir / f"{time.time_ns()}-{path.name}"
+        reason = " ".join(str(why).split())
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        # The .why first: a crash in between leaves the shard where it was (recovered, retried), never an
+        # unexplained shard in quarantine/.
+        why_path = dest.with_name(dest.name + ".why")
+        _atomic_write_text(why_path, f"{stamp} {reason}\n")
+        try:
+            os.rename(path, dest)
+        except FileNotFoundError:
+            why_path.unlink(missing_ok=True)
+            log.warning("quarantine: %s is gone (recovered as dead and re-delivered?)", path)
+            return path
+        log.warning("quarantined %s: %s", path.name, reason)
+        return dest
+
+    def recover_dead_claims(self, *, heartbeat_timeout_s: float = 60.0) -> int:
+        """Move shards claimed by dead consumers back to ready/; returns how many. Any consumer may call
+        it (races are safe: each rename has one winner). Claims of a consumer with no heartbeat file are
+        left alone until its claimed dir is older than the timeout."""
+        n = 0
+        now = time.time()
+        for d in self._scan_dirs(self.claimed_dir):
+            hb = self._read_json(self.state_dir / f"consumer-{d.name}.json")
+            if hb is not None:
+                dead = not heartbeat_alive(hb, timeout_s=heartbeat_timeout_s, now=now)
+            else:
+                try:
+                    dead = now - os.stat(d).st_mtime > heartbeat_timeout_s
+                except FileNotFoundError:
+                    continue
+            if dead and d.name not in self._adopted:
+                moved = self._return_to_ready(d, remove_dir=True)
+                if moved:
+                    log.warning("recovered %d shards claimed by dead consumer %s", moved, d.name)
+                n += moved
+        return n
+
+    def _return_to_ready(self, owner_dir: Path, *, remove_dir: bool) -> int:
+        n = 0
+        try:
+            entries = os.listdir(owner_dir)
+        except FileNotFoundError:
+            return 0
+        for name in entries:
+            if name.startswith(ACK_PREFIX):
+                _remove(owner_dir / name)  # an ack interrupted mid-delete: finish it
+            elif _is_shard_name(name):
+                try:
+                    os.rename(owner_dir / name, self.ready_dir / name)
+                    n += 1
+                except FileNotFoundError:
+                    pass  # another consumer recovered it first
+        if remove_dir:
+            try:
+                owner_dir.rmdir()
+            except OSError:
+                pass  # not empty (the owner came back) or already removed
+        return n
+
+    # ---- state: heartbeats and counters ----
+
+    def heartbeat(self, role: str, proc_id: str, counters: dict) -> None:
+        """Atomically write state/<role>-<id>.json: pid, host, time, process start time, the counters
+        and their rates per second over the last few seconds."""
+        if not _ROLE_RE.match(role):
+            raise ValueError(f"role must be lowercase letters, got {role!r}")
+        _check_id("proc_id", proc_id)
+        now = time.time()
+        key = (role, proc_id)
+        numeric = {
+            k: v for k, v in counters.items() if isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        with self._lock:
+            ref_t, ref_c = self._rate_ref.setdefault(key, (self._started, {k: 0 for k in numeric}))
+            if now - ref_t >= _RATE_WINDOW_S or key not in self._rates:
+                dt = max(now - ref_t, 1e-9)
+                self._rates[key] = {k: (v - ref_c.get(k, 0)) / dt for k, v in numeric.items()}
+                if now - ref_t >= _RATE_WINDOW_S:
+                    self._rate_ref[key] = (now, numeric)
+            rates = self._rates[key]
+        st = _proc_stat(os.getpid())
+        hb = {
+            "role": role,
+            "id": proc_id,
+            "pid": os.getpid(),
+            "host": HOST,
+            "boot_id": BOOT_ID,
+            "start_ticks": st[1] if st else None,
+            "started": self._started,
+            "time": now,
+            "counters": counters,
+            "rates": rates,
+        }
+        _atomic_write_text(self.state_dir / f"{role}-{proc_id}.json", json.dumps(hb) + "\n")
+
+    def heartbeats(self) -> list[dict]:
+        out = []
+        for name in sorted(os.listdir(self.state_dir)):
+            if name.endswith(".json") and not name.startswith(".") and name != "producers.json":
+                hb = self._read_json(self.state_dir / name)
+                if hb is not None and "role" in hb:
+                    out.append(hb)
+        return out
+
+    @staticmethod
+    def _read_json(path: Path) -> dict | None:
+        try:
+            return json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    # ---- byte accounting and stats ----
+
+    @staticmethod
+    def _scan_dirs(parent: Path) -> list[Path]:
+        try:
+            with os.scandir(parent) as it:
+                return [Path(e.path) for e in it if e.is_dir(follow_symlinks=False)]
+        except FileNotFoundError:
+            return []
+
+    @staticmethod
+    def _scan_names(d: Path) -> Iterator[str]:
+        try:
+            with os.scandir(d) as it:
+                names = [e.name for e in it if _is_shard_name(e.name)]
+        except FileNotFoundError:
+            return iter(())
+        return iter(names)
+
+    def _scan(self, states: tuple[str, ...]) -> list[tuple[str, str, str, int]]:
+        """(state, owner, entry name, bytes) for every entry (ack trash included: it still takes space).
+        Published shards never change, so their size is cached by (name, inode) and a poll costs one
+        scandir per directory; tmp/ and quarantine/ are walked. States are scanned in flow order
+        (tmp -> ready -> claimed) so a shard moving during the scan is never missed, and names are
+        unique among live shards, so one seen twice is counted once (in its later state)."""
+        out: dict[str, tuple[str, str, str, int]] = {}
+        seen: set[tuple[str, int]] = set()
+        for state in states:
+            dirs = self._scan_dirs(self.claimed_dir) if state == "claimed" else [self.root / state]
+            cached = state in ("ready", "claimed")
+            for d in dirs:
+                try:
+                    with os.scandir(d) as it:
+                        entries = [
+                            (e.name, e.path, e.inode()) for e in it if not e.name.endswith((".tmp", ".why"))
+                        ]
+                except FileNotFoundError:
+                    continue
+                owner = d.name if state == "claimed" else ""
+                for name, path, inode in entries:
+                    if not cached:
+                        size = _entry_nbytes(path)
+                    elif (size := self._size_cache.get((name, inode))) is None:
+                        size = _entry_nbytes(path)
+                        with self._lock:
+                            self._size_cache[(name, inode)] = size
+                    seen.add((name, inode))
+                    out["q/" + name if state == "quarantine" else name] = (state, owner, name, size)
+        if "ready" in states and "claimed" in states:  # a full scan: forget shards that are gone
+            with self._lock:
+                self._size_cache = {k: v for k, v in self._size_cache.items() if k in seen}
+        return list(out.values())
+
+    def ready_bytes(self) -> int:
+        return sum(s for *_, s in self._scan(("ready",)))
+
+    def total_bytes(self) -> int:
+        """Bytes in tmp+ready+claimed (what backpressure limits)."""
+        return sum(s for *_, s in self._scan(("tmp", "ready", "claimed")))
+
+    def stats(self, *, heartbeat_timeout_s: float = 60.0) -> dict:
+        """Shards and bytes per state and per bucket, per-consumer claims, process heartbeats (pid, age,
+        alive, counters, rates) and producer completion. JSON-serializable (bucket keys become str)."""
+        states: dict[str, dict] = {s: {"shards": 0, "bytes": 0, "buckets": {}} for s in self.STATES}
+        claimed_by: dict[str, dict] = {}
+        for state, owner, name, size in self._scan(self.STATES):
+            try:
+                bucket: int | str = parse_shard_name(name)[0]
+            except ValueError:
+                bucket = "other"  # trash of an ack in progress, stray files
+            row = states[state]
+            row["shards"] += bucket != "other"
+            row["bytes"] += size
+            b = row["buckets"].setdefault(bucket, {"shards": 0, "bytes": 0})
+            b["shards"] += bucket != "other"
+            b["bytes"] += size
+            if state == "claimed":
+                c = claimed_by.setdefault(owner, {"shards": 0, "bytes": 0})
+                c["shards"] += bucket != "other"
+                c["bytes"] += size
+        now = time.time()
+        procs = []
+        for hb in self.heartbeats():
+            procs.append(
+                {
+                    "role": hb.get("role"),
+                    "id": hb.get("id"),
+                    "pid": hb.get("pid"),
+                    "host": hb.get("host"),
+                    "age_s": now - float(hb.get("time", 0.0)),
+                    "alive": heartbeat_alive(hb, timeout_s=heartbeat_timeout_s, now=now),
+                    "counters": hb.get("counters", {}),
+                    "rates": hb.get("rates", {}),
+                }
+            )
+        return {
+            "root": str(self.root),
+            "time": now,
+            "states": states,
+            "total_bytes": sum(states[s]["bytes"] for s in ("tmp", "ready", "claimed")),
+            "claimed_by": claimed_by,
+            "processes": procs,
+            "producers": {"registered": self.registered_producers(), "done": self.done_producers()},
+            "producers_done": self.producers_done(),
+            "drained": self.producers_done()
+            and not any(states[s]["shards"] for s in ("tmp", "ready", "claimed")),
+        }

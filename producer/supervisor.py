@@ -1,0 +1,280 @@
+"""TODO docstring: split from producer/cli.py."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+
+from dflash.producer.config import PROG, Worker
+
+log = logging.getLogger(__name__)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this worker when the dflash-produce parent dies, however it dies (Linux).
+
+    Why: a worker that outlives a parent killed with SIGKILL keeps publishing shards and finally writes its
+    DONE marker, possibly into the fresh spool of the pipeline's next life (run_all.sh --restarts wipes and
+    recreates it): consumers there would see "producers done" early and stop with samples never trained.
+    SIGKILL, not SIGTERM: an orphan must not publish even the shard it is writing.
+    """
+    if sys.platform != "linux":
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _worker_entry(cfg, cuda_index: int | None, events, log_level: str, parent_pid: int, go, abort) -> None:
+    """Spawned process body: own the device, run, report the outcome through `events`. After
+    tokenizing its slice it reports ("tokenized", summary) and waits for the parent's `go` (or `abort`:
+    the dataset yields no trainable sample) before loading the target."""
+    _die_with_parent(parent_pid)
+    if cuda_index is not None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        physical = visible.split(",")[cuda_index] if visible else str(cuda_index)
+        os.environ["CUDA_VISIBLE_DEVICES"] = physical
+    logging.basicConfig(
+        level=log_level, format=f"%(asctime)s {cfg.producer_id} %(levelname)s %(name)s: %(message)s"
+    )
+    stop = threading.Event()
+    first = []
+
+    def on_signal(signum, frame):
+        # Ctrl-C reaches a worker twice (SIGINT from the terminal, SIGTERM forwarded by the parent):
+        # only a signal well after the first one aborts without the clean stop.
+        if first and time.monotonic() - first[0] > 2.0:
+            raise KeyboardInterrupt
+        first.append(time.monotonic())
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    import torch._dynamo  # noqa: F401  - import in the main thread first (concurrent first imports crash)
+
+    from dflash.common.target.data import DataError
+    from dflash.producer.worker import run_producer
+
+    def tokenized(summary: dict) -> bool:
+        events.put(("tokenized", cfg.producer_id, summary))
+        while not go.wait(0.2):
+            if abort.is_set() or stop.is_set():
+                return False
+        return not abort.is_set()
+
+    wlog = logging.getLogger(__name__)
+    debug = logging.getLogger().isEnabledFor(logging.DEBUG)
+    try:
+        result = run_producer(
+            cfg,
+            stop=stop,
+            on_heartbeat=lambda hb: events.put(("hb", cfg.producer_id, hb)),
+            on_tokenized=tokenized,
+        )
+    except KeyboardInterrupt:  # a second signal: stop now, without the clean stop
+        events.put(("stopped", cfg.producer_id, {"done": False}))
+        sys.exit(130)
+    except (DataError, ValueError, OSError) as err:
+        events.put(("error", cfg.producer_id, f"{type(err).__name__}: {_one_line(err)}", 2))
+        wlog.error("producer %s failed: %s", cfg.producer_id, _one_line(err), exc_info=debug)
+        sys.exit(2)
+    except BaseException as err:
+        events.put(("error", cfg.producer_id, f"{type(err).__name__}: {_one_line(err)}", 1))
+        wlog.error("producer %s failed: %s", cfg.producer_id, _one_line(err), exc_info=debug)
+        sys.exit(1)
+    kind = "aborted" if result.get("aborted") else "done" if result["done"] else "stopped"
+    events.put((kind, cfg.producer_id, result))
+
+
+def _one_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
+class Progress:
+    """Aggregates worker heartbeats into one line (and a tqdm bar on a terminal)."""
+
+    def __init__(self, spool, ids: list[str], every_s: float):
+        self.spool, self.every_s = spool, every_s
+        self.hb: dict[str, dict] = {i: {} for i in ids}
+        self.t0 = self.last = time.monotonic()
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=0, unit="sample", desc="produce", dynamic_ncols=True)
+
+    def update(self, pid: str, hb: dict) -> None:
+        self.hb[pid] = hb
+        if self.bar is not None:
+            self.bar.total = int(sum(h.get("total", 0) for h in self.hb.values()))
+            self.bar.n = int(sum(h.get("samples", 0) + h.get("dropped", 0) for h in self.hb.values()))
+            self.bar.set_postfix_str(self._rates(), refresh=True)
+
+    def _rates(self) -> str:
+        from dflash.common.metrics import format_bytes, format_rate
+
+        tok_s = sum(h.get("tok_s", 0.0) for h in self.hb.values())
+        ready = sum(1 for _ in self.spool.ready_dir.iterdir()) if self.spool.ready_dir.is_dir() else 0
+        return f"{format_rate(tok_s)} tok/s | spool {ready} shards / {format_bytes(self.spool.total_bytes())}"
+
+    def maybe_print(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.bar is not None or (not force and now - self.last < self.every_s):
+            return
+        from dflash.common.metrics import format_duration
+
+        self.last = now
+        total = sum(h.get("total", 0) for h in self.hb.values())
+        done = sum(h.get("samples", 0) + h.get("dropped", 0) for h in self.hb.values())
+        rate = done / max(now - self.t0, 1e-9)
+        eta = f" | ETA {format_duration((total - done) / rate)}" if rate > 0 and total else ""
+        drop = sum(h.get("dropped", 0) for h in self.hb.values())
+        skip = sum(h.get("skipped", 0) for h in self.hb.values())
+        print(
+            f"[{format_duration(now - self.t0)}] samples {done}/{total} | {self._rates()} | "
+            f"dropped {drop} skipped {skip}{eta}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _merge_summaries(summaries: list[dict]) -> dict:
+    out = {"rows": 0, "ok": 0, "dropped": 0, "skipped": 0, "reasons": {}, "first": {}}
+    for sm in summaries:
+        for k in ("rows", "ok", "dropped", "skipped"):
+            out[k] += int(sm.get(k, 0))
+        for r, n in sm.get("reasons", {}).items():
+            out["reasons"][r] = out["reasons"].get(r, 0) + n
+        for r, ex in sm.get("first", {}).items():
+            row = lambda e: int(e.split()[1].rstrip(":")) if e.startswith("row ") else 1 << 62  # noqa: E731
+            if r not in out["first"] or row(ex) < row(out["first"][r]):
+                out["first"][r] = ex
+    out["reasons"] = dict(sorted(out["reasons"].items(), key=lambda kv: -kv[1]))
+    return out
+
+
+def _supervise(cfgs, workers: list[Worker], spool, args) -> int:
+    from dflash.common.target.data import format_drops
+
+    ctx = mp.get_context("spawn")
+    events = ctx.Queue()
+    go, abort = ctx.Event(), ctx.Event()
+    procs = {}
+    for cfg, w in zip(cfgs, workers, strict=True):
+        proc = ctx.Process(
+            target=_worker_entry,
+            args=(cfg, w.cuda_index, events, args.log_level, os.getpid(), go, abort),
+            name=w.producer_id,
+        )
+        proc.start()
+        procs[w.producer_id] = proc
+    progress = Progress(spool, list(procs), args.progress_s)
+    outcome: dict[str, tuple] = {}
+    tokenized: dict[str, dict] = {}
+    no_data: str | None = None
+    stopping = False
+
+    def on_signal(signum, frame):
+        nonlocal stopping
+        stopping = True
+        for p in procs.values():
+            if p.is_alive() and p.pid is not None:
+                os.kill(p.pid, signal.SIGTERM)
+
+    def decide() -> None:
+        """Every worker tokenized (or died): go on, or abort when the dataset yields nothing to train."""
+        nonlocal no_data
+        summary = _merge_summaries(list(tokenized.values()))
+        print(f"{PROG}: {summary['ok']} trainable rows; {format_drops(summary)}", file=sys.stderr, flush=True)
+        if summary["ok"] == 0 and args.num_nodes == 1 and len(tokenized) == len(procs):
+            no_data = f"no trainable sample in dataset {args.dataset}: {format_drops(summary)}"
+            abort.set()
+        elif len(tokenized) == len(procs):  # what this node's slices give, for the consumers' plan
+            campaign = {k: sum(int(t["campaign"][k]) for t in tokenized.values()) for k in ("samples", "tokens", "loss_tokens")}  # fmt: skip
+            spool.write_campaign(
+                args.node_rank,
+                {**campaign, "epochs": args.epochs, "node_rank": args.node_rank, "num_nodes": args.num_nodes},
+            )
+        go.set()
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while any(p.is_alive() for p in procs.values()) or not events.empty():
+            try:
+                kind, pid, payload, *rest = events.get(timeout=0.5)
+            except queue.Empty:
+                kind = None
+            if kind == "hb":
+                progress.update(pid, payload)
+            elif kind == "tokenized":
+                tokenized[pid] = payload
+            elif kind is not None:
+                outcome[pid] = (kind, payload, *rest)
+                if kind == "error":
+                    log.error("worker %s failed: %s (the other workers finish their slices)", pid, payload)
+            if not go.is_set() and not stopping:  # a stop: the waiting workers see it and end
+                pending = [
+                    i for i, p in procs.items() if i not in tokenized and p.is_alive() and i not in outcome
+                ]
+                if not pending:
+                    decide()
+            progress.maybe_print()
+        for p in procs.values():
+            p.join()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        progress.close()
+    if no_data is not None:
+        print(f"{PROG}: error: {no_data}", file=sys.stderr, flush=True)
+        return 2
+    progress.maybe_print(force=True)
+    failed, codes = [], []
+    for pid, p in procs.items():
+        kind, payload, *rest = outcome.get(pid, (None, None))
+        if kind == "error":
+            failed.append(f"{pid}: {payload}")
+            codes.append(rest[0] if rest else 1)
+        elif kind is None and not stopping:  # died without a word: kill -9, OOM killer, segfault
+            failed.append(f"{pid}: exited with code {p.exitcode} without a report")
+            codes.append(1)
+        elif kind == "done" and p.exitcode != 0 and not stopping:
+            failed.append(f"{pid}: exited with code {p.exitcode} after its last shard")
+            codes.append(1)
+    if failed:
+        code = 2 if all(c == 2 for c in codes) else 1
+        print(
+            f"{PROG}: error: {len(failed)} worker(s) failed: " + "; ".join(failed),
+            file=sys.stderr,
+            flush=True,
+        )
+        return code
+    if len(outcome) < len(procs) or any(o[0] != "done" for o in outcome.values()):  # a late signal is no stop
+        print(
+            f"{PROG}: stopped before the end (no DONE markers for stopped workers)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 130
+    totals = {
+        k: sum(int(o[1].get(k, 0)) for o in outcome.values())
+        for k in ("samples", "tokens", "shards", "dropped", "bad", "short", "skipped")
+    }
+    print(f"{PROG}: done: " + " ".join(f"{k}={v}" for k, v in totals.items()), file=sys.stderr, flush=True)
+    return 0

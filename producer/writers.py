@@ -1,0 +1,193 @@
+"""TODO docstring: split from producer/worker.py."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dflash.producer.buckets import Batch
+from dflash.producer.config import ProducerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Job:
+    """One forward batch on its way to the writer thread."""
+
+    batch: Batch
+    hidden: torch.Tensor  # bf16 [T, K*H] on the host (a view of a pinned buffer on CUDA)
+    event: torch.cuda.Event | None
+    buffer: torch.Tensor | None  # the pinned buffer to give back after writing
+    seq: int  # shard sequence number (assigned by the main thread)
+
+
+class Counters:
+    """Thread-safe counters reported in heartbeats and metrics."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.values: dict[str, float] = dict.fromkeys(
+            ("total", "samples", "tokens", "shards", "bytes", "dropped", "bad", "short", "skipped",
+             "fwd_samples", "fwd_tokens", "padded_tokens"), 0,
+        )  # fmt: skip
+
+    def add(self, **kv: float) -> None:
+        with self._lock:
+            for k, v in kv.items():
+                self.values[k] = self.values.get(k, 0) + v
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self.values)
+
+
+def shard_of(batch: Batch, hidden: torch.Tensor, meta_kw: dict):
+    """The Shard of one forward batch: its samples back to back, their features ``hidden`` [T, K*H]."""
+    from dflash.common.contract.shard import Shard, ShardMeta
+
+    samples = batch.samples
+    lengths = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
+    cu = np.zeros(len(samples) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=cu[1:])
+    return Shard(
+        input_ids=torch.from_numpy(np.concatenate([s.input_ids for s in samples])),
+        loss_mask=torch.from_numpy(np.concatenate([s.loss_mask for s in samples])),
+        cu_seqlens=torch.from_numpy(cu),
+        sample_index=torch.tensor([s.sample_index for s in samples], dtype=torch.int64),
+        hidden=hidden,
+        meta=ShardMeta(bucket=batch.bucket, **meta_kw),
+    )
+
+
+class _Writers:
+    """`cfg.writer_threads` threads that encode and publish shards; they never run model code.
+
+    Several threads because one zarr+zstd writer encodes ~1 GB/s of bf16 on an H200 host (measured,
+    docs/producer.md), less than an 8B target produces (~33K tok/s x 40 KB); the codec work runs
+    outside the GIL, so threads scale. Shards may be published out of order; names stay unique because
+    the main thread assigns sequence numbers.
+    """
+
+    def __init__(self, cfg: ProducerConfig, meta_kw: dict, counters: Counters, stop: threading.Event):
+        from dflash.common.contract.shard import CodecConfig
+        from dflash.common.contract.spool import Spool
+
+        self.cfg, self.meta_kw, self.counters, self.stop = cfg, meta_kw, counters, stop
+        self.codec = CodecConfig.parse(cfg.codec) if cfg.codec else None
+        self.jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=2)
+        self.free: queue.Queue[torch.Tensor] = queue.Queue()
+        self.error: BaseException | None = None
+        self.seq = Spool(cfg.spool).next_seq(cfg.producer_id)
+        self._admit_lock = threading.Lock()  # one budget admission at a time
+        self._inflight_lock = threading.Lock()
+        self._inflight = 0  # bytes reserved by shards admitted past the budget check and not yet published
+        self.threads = [
+            threading.Thread(target=self._run, name=f"shard-writer-{cfg.producer_id}-{i}", daemon=True)
+            for i in range(cfg.writer_threads)
+        ]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def alive(self) -> bool:
+        return any(t.is_alive() for t in self.threads)
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq - 1
+
+    def close(self) -> None:
+        """Finish queued jobs (dropped when stopping) and join the threads."""
+        for _ in self.threads:
+            self.jobs.put(None)
+        for t in self.threads:
+            t.join()
+
+    def _run(self) -> None:
+        from dflash.common.contract.spool import Spool
+
+        spool = Spool(self.cfg.spool)  # one per thread: Spool caches are not shared across threads
+        while (job := self.jobs.get()) is not None:
+            t0 = time.monotonic()
+            try:
+                if self.error is None and not self.stop.is_set():
+                    self._write(spool, job)
+            except BaseException as err:  # noqa: BLE001 - reported to the main thread, which re-raises
+                self.error = self.error or err
+                self.stop.set()
+            finally:
+                if job.buffer is not None:
+                    self.free.put(job.buffer)
+                self.counters.add(writer_busy_s=time.monotonic() - t0)
+
+    def _admit(self, spool, reserved: int) -> bool:
+        """Wait for room in the spool budget, then reserve ``reserved`` bytes; False when stopping.
+
+        The check counts the shards this producer's other writer threads are still writing: each thread
+        alone would pass a check made before the others' bytes land, and the spool would overshoot by one
+        shard per thread. A shard is admitted past the budget only when none of its producer is in
+        flight, so the spool stays under budget + one shard per producer.
+        """
+        with self._admit_lock:
+            while True:
+                # read what is in flight BEFORE scanning: no shard is admitted while we hold the lock, so a
+                # shard counted here as in flight either is still in flight or, published since, is seen by
+                # the scan. Read after the scan, a shard published between the two counts nowhere (a busy
+                # box's CI once saw two shards past the budget that way).
+                with self._inflight_lock:
+                    pending = self._inflight
+                if not spool.wait_for_budget(self.cfg.budget_bytes, should_stop=self.stop.is_set):
+                    return False
+                if pending == 0 or spool.total_bytes() + pending <= self.cfg.budget_bytes:
+                    break
+                if self.stop.wait(0.05):
+                    return False
+            with self._inflight_lock:
+                self._inflight += reserved
+            return True
+
+    def _write(self, spool, job: _Job) -> None:
+        from dflash.common.contract.names import shard_name
+        from dflash.common.contract.shard import write_shard
+
+        if job.event is not None:
+            t0 = time.monotonic()
+            job.event.synchronize()  # the D2H copy (and so the forward) of this batch is done
+            self.counters.add(d2h_wait_s=time.monotonic() - t0)
+        samples = job.batch.samples
+        shard = shard_of(job.batch, job.hidden, self.meta_kw)
+        cu = shard.cu_seqlens.numpy()
+        t0 = time.monotonic()
+        reserved = _shard_bytes_bound(shard)
+        if not self._admit(spool, reserved):
+            return
+        try:
+            t1 = time.monotonic()
+            tmp = spool.new_tmp_path(shard_name(job.batch.bucket, self.cfg.producer_id, job.seq))
+            nbytes = write_shard(tmp, shard, self.codec, chunk_bytes=self.cfg.chunk_bytes)
+            spool.publish(tmp, nbytes=nbytes)
+        finally:
+            with self._inflight_lock:
+                self._inflight -= reserved
+        self.counters.add(
+            samples=len(samples), tokens=int(cu[-1]), shards=1, bytes=nbytes,
+            budget_wait_s=t1 - t0, write_s=time.monotonic() - t1,
+        )  # fmt: skip
+
+
+def _shard_bytes_bound(shard) -> int:
+    """An upper bound of a shard's bytes on disk: its raw arrays (compression may expand incompressible
+    chunks by a fraction of a percent) plus the zarr metadata files."""
+    raw = sum(
+        t.numel() * t.element_size()
+        for t in (shard.input_ids, shard.loss_mask, shard.cu_seqlens, shard.sample_index, shard.hidden)
+    )
+    return raw + raw // 64 + (64 << 10)

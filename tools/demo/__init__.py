@@ -1,0 +1,1 @@
+"""``dflash-demo``: the whole pipeline on the CPU from an embedded default."""

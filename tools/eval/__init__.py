@@ -1,0 +1,1 @@
+"""``dflash-eval``: speculative decoding with a drafter against its target, and ``--watch``."""

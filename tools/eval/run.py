@@ -1,0 +1,248 @@
+"""TODO docstring: split from common/drafter/decode.py."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dflash.common.drafter.decode import (
+    DrafterProposer,
+    EvalReport,
+    greedy_generate,
+    speculative_generate,
+    summarize,
+)
+from dflash.common.target.runner import TargetRunner
+from dflash.tools.eval.cli import PROG
+
+log = logging.getLogger(__name__)
+
+
+def format_table(r: EvalReport) -> str:
+    rows = [
+        ("prompts", f"{r.prompts}"),
+        ("generated tokens", f"{r.generated_tokens}"),
+        ("verify steps", f"{r.verify_steps}"),
+        ("tau (tokens / verify step)", f"{r.tau:.3f}"),
+        ("target forwards / token", f"{r.target_forwards_per_token:.3f}"),
+        ("wall time [s]", f"{r.wall_s:.2f}"),
+        ("tokens / s", f"{r.tokens_per_s:.1f}"),
+    ]
+    if r.baseline:
+        rows += [
+            ("baseline tokens / s", f"{r.baseline['tokens_per_s']:.1f}"),
+            ("speedup", f"{r.baseline['speedup']:.2f}x"),
+            ("prompts differing from greedy", f"{r.baseline['mismatched_prompts']}"),
+        ]
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines.append("acceptance by block position (k: P[draft k accepted]):")
+    lines.append("  " + "  ".join(f"{k}:{p:.2f}" for k, p in enumerate(r.accept_rate) if k > 0))
+    return "\n".join(lines)
+
+
+def _prompt_messages(row: dict) -> list[dict[str, str]] | None:
+    """The conversation up to its first assistant turn: OpenAI `messages`, ShareGPT `conversations`, the
+    public DFlash benchmark's `turns` (first turn) or a plain `prompt`/`text` string."""
+    roles = {"human": "user", "gpt": "assistant", "chatgpt": "assistant"}
+    turns = row.get("messages") or row.get(
+        "conversations"
+    )  # mixed-schema files fill absent columns with None
+    if isinstance(turns, list):
+        msgs = []
+        for t in turns:
+            if not isinstance(t, dict):
+                return None
+            role = t.get("role") or t.get("from")
+            role = roles.get(role, role)
+            if role == "assistant":
+                break
+            content = t.get("content") if t.get("content") is not None else t.get("value")
+            if role not in ("system", "user") or not isinstance(content, str):
+                return None
+            msgs.append({"role": role, "content": content})
+        return msgs if any(m["role"] == "user" for m in msgs) else None
+    if isinstance(row.get("turns"), list) and row["turns"] and isinstance(row["turns"][0], str):
+        return [{"role": "user", "content": row["turns"][0]}]
+    text = row.get("prompt") or row.get("text")
+    return [{"role": "user", "content": text}] if isinstance(text, str) and text else None
+
+
+def load_prompts(
+    dataset: str, tokenizer: Any, *, num_prompts: int, max_prompt_tokens: int | None = None
+) -> list[torch.Tensor]:
+    """The first `num_prompts` usable rows as token ids (chat template + generation prompt). Rows without a
+    user turn, or longer than `max_prompt_tokens`, are skipped (counted in the log)."""
+    from dflash.common.target.data import DataConfig, load_raw_dataset
+
+    ds = load_raw_dataset(DataConfig(dataset=dataset))
+    prompts, skipped = [], 0
+    for row in ds:
+        if len(prompts) >= num_prompts:
+            break
+        if "_raw_json" in row:  # rows of mixed types, stored as JSON text (producer.data)
+            row = json.loads(row["_raw_json"])
+        msgs = _prompt_messages(row)
+        if msgs is None:
+            skipped += 1
+            continue
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template(
+                msgs, add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+        else:
+            ids = tokenizer("\n".join(m["content"] for m in msgs))["input_ids"]
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            skipped += 1
+            continue
+        prompts.append(torch.tensor(ids, dtype=torch.long))
+    if skipped:
+        log.info("skipped %d rows (no user turn, or prompt too long)", skipped)
+    if not prompts:
+        raise ValueError(f"dataset {dataset}: no usable prompts")
+    return prompts
+
+
+def stop_tokens(tokenizer: Any, model: nn.Module) -> list[int]:
+    ids = set()
+    for value in (
+        getattr(tokenizer, "eos_token_id", None),
+        getattr(model.generation_config, "eos_token_id", None),
+    ):
+        if value is not None:
+            ids.update(value if isinstance(value, list) else [value])
+    return sorted(int(i) for i in ids)
+
+
+def evaluate(
+    target: nn.Module,
+    drafter: nn.Module,
+    prompts: Sequence[torch.Tensor],
+    *,
+    max_new_tokens: int,
+    stop_token_ids: Sequence[int] = (),
+    block_size: int | None = None,
+    baseline: bool = False,
+) -> EvalReport:
+    """Decode every prompt with `drafter` (and, with `baseline`, with plain greedy) -> the report.
+    `target` and `drafter` are ready on one device, in eval mode; prompts are token ids [P] each."""
+    runner = TargetRunner(target, drafter.config.target_layer_ids)
+    proposer = DrafterProposer(drafter)
+    block = block_size or proposer.block_size
+    try:
+        # untimed warm-up: the first CUDA calls pay for kernel loading and cuBLAS/allocator setup
+        speculative_generate(
+            runner, proposer, prompts[0], max_new_tokens=min(8, max_new_tokens), block_size=block
+        )
+        greedy_generate(runner, prompts[0], max_new_tokens=min(8, max_new_tokens))
+        kw = {"max_new_tokens": max_new_tokens, "stop_token_ids": stop_token_ids}
+        gens = [speculative_generate(runner, proposer, p, block_size=block, **kw) for p in prompts]
+        base = [greedy_generate(runner, p, **kw) for p in prompts] if baseline else None
+    finally:
+        runner.close()
+    return summarize(gens, block, base)
+
+
+def check_args(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
+    """Flag checks that need no model (ValueError, one line) -> the resolved (device, dtype)."""
+    for name in ("num_prompts", "max_new_tokens", "max_prompt_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.block_size is not None and args.block_size < 2:
+        raise ValueError(f"--block-size must be >= 2, got {args.block_size}")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device available")
+    dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
+        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
+    )
+    return device, dtype
+
+
+def load_target(
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> tuple[Any, nn.Module, list[torch.Tensor]]:
+    """(tokenizer, target in eval mode on `device`, the held-out prompts as token ids) from the flags."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
+    prompts = load_prompts(
+        args.dataset, tokenizer, num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens
+    )
+    return tokenizer, target, prompts
+
+
+def evaluate_args(
+    args: argparse.Namespace, target: nn.Module, tokenizer: Any, drafter: nn.Module, prompts: list
+) -> EvalReport:
+    """`evaluate` with the decoding flags: what every ``dflash-eval`` mode (one drafter, --watch) runs."""
+    return evaluate(
+        target,
+        drafter,
+        prompts,
+        max_new_tokens=args.max_new_tokens,
+        stop_token_ids=[] if args.ignore_eos else stop_tokens(tokenizer, target),
+        block_size=args.block_size,
+        baseline=args.baseline,
+    )
+
+
+def user_error(err: BaseException) -> None:
+    """Print the one-line ``dflash-eval: error: ...`` and exit 2 (README, "Errors and exit codes")."""
+    from dflash.common.checkpoints.redact import redact
+
+    text = redact(str(err)).strip()
+    print(f"{PROG}: error: {text.splitlines()[0] if text else type(err).__name__}", file=sys.stderr)
+    sys.exit(2)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """The evaluation of ``dflash-eval``'s parsed flags (eval_cli.build_parser); exit 2 on a user error."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s eval %(levelname)s %(message)s", datefmt="%H:%M:%S"
+    )
+    if getattr(args, "watch", None):
+        from dflash.tools.eval.watch import run_watch
+
+        return run_watch(args)
+    from dflash.common.drafter.hf_format import ExportError, load_exported_drafter, read_export_config
+    from dflash.common.target.data import DataError
+
+    try:
+        device, dtype = check_args(args)
+        read_export_config(args.drafter)  # a wrong folder fails before the target is loaded
+        tokenizer, target, prompts = load_target(args, device, dtype)
+        drafter = load_exported_drafter(args.drafter, target, device=device, dtype=dtype)
+        report = evaluate_args(args, target, tokenizer, drafter, prompts)
+    except (ExportError, DataError, ValueError, OSError) as err:
+        user_error(err)
+    print(format_table(report))
+    if args.json:
+        text = json.dumps(
+            {
+                **asdict(report),
+                "target": args.target,
+                "drafter": args.drafter,
+                "device": str(device),
+                "dtype": str(dtype).removeprefix("torch."),
+                "max_new_tokens": args.max_new_tokens,
+            },
+            indent=2,
+        )
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+    return 0

@@ -1,0 +1,1 @@
+"""``dflash-export``: a training checkpoint to a HF-style drafter folder."""

@@ -1,0 +1,97 @@
+"""TODO docstring: split from common/drafter/hf_format.py."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from dflash.common.checkpoints.load import load_checkpoint_weights
+from dflash.common.drafter.config import DrafterConfig
+from dflash.common.drafter.hf_format import ExportError, export_drafter
+from dflash.tools.export.cli import PROG
+
+log = logging.getLogger(__name__)
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+
+
+def parse_checkpoint_url(url: str, *, run: str | None, step: int | None) -> tuple[str, str, int | None]:
+    """(store url, run, step) from the CLI: with --run, `url` is the store; without, `url` ends in the run
+    (`<store>/<run>`) or in a step directory (`<store>/<run>/step-<n>`)."""
+    if run is not None:
+        return url, run, step
+    parts = url.rstrip("/").rsplit("/", 1)
+    if len(parts) != 2 or not parts[1] or parts[0].endswith(":/"):
+        raise ExportError(f"{url}: expected <store>/<run> or <store>/<run>/step-<n> (or pass --run)")
+    head, last = parts
+    match = _STEP_DIR.match(last)
+    if match is None:
+        return head, last, step
+    if step is not None and step != int(match.group(1)):
+        raise ExportError(f"--step {step} contradicts the step directory {last}")
+    store_url, _, run_name = head.rpartition("/")
+    if not store_url or not run_name or store_url.endswith(":/"):
+        raise ExportError(f"{url}: a step directory url needs <store>/<run>/step-<n>")
+    return store_url, run_name, int(match.group(1))
+
+
+def checkpoint_drafter_config(meta: dict, run: str) -> DrafterConfig:
+    """The drafter's shape as a checkpoint's meta.json records it (``config.drafter``)."""
+    saved = meta.get("config") or {}
+    if not isinstance(saved.get("drafter"), dict):
+        raise ExportError(
+            f"checkpoint {run} step {meta.get('step')}: meta.json config has no 'drafter' entry"
+        )
+    try:
+        return DrafterConfig.from_dict(saved["drafter"])
+    except (TypeError, ValueError) as err:
+        raise ExportError(f"checkpoint {run} step {meta.get('step')}: bad drafter config: {err}") from None
+
+
+def export_checkpoint(
+    store_url: str,
+    run: str,
+    out_dir: str | Path,
+    *,
+    step: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    overwrite: bool = False,
+) -> Path:
+    """Export one training checkpoint (the drafter config is the one recorded in its meta.json)."""
+    model_state, meta = load_checkpoint_weights(store_url, run, step)
+    config = checkpoint_drafter_config(meta, run)
+    target = ((meta.get("config") or {}).get("train") or {}).get("target")
+    metadata = {"dflash_run": run, "dflash_step": str(meta.get("step"))}
+    if target:
+        metadata["dflash_target"] = str(target)
+    return export_drafter(model_state, config, out_dir, dtype=dtype, metadata=metadata, overwrite=overwrite)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """The export of ``dflash-export``'s parsed flags (export_cli.build_parser); exit 2 on a user error."""
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s export %(levelname)s %(message)s", datefmt="%H:%M:%S"
+    )
+    from dflash.common.checkpoints.layout import CheckpointError
+    from dflash.common.checkpoints.redact import redact
+    from dflash.common.checkpoints.store import CheckpointStoreError
+
+    try:
+        store_url, run, step = parse_checkpoint_url(args.checkpoint, run=args.run, step=args.step)
+        out = export_checkpoint(
+            store_url, run, args.out_dir, step=step, dtype=DTYPES[args.dtype], overwrite=args.overwrite
+        )
+    except (ExportError, CheckpointError, CheckpointStoreError, ValueError, OSError) as err:
+        print(f"{PROG}: error: {redact(str(err)).splitlines()[0]}", file=sys.stderr)
+        sys.exit(2)  # a user or input error (README, "Errors and exit codes")
+    print(out)
+    return 0

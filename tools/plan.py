@@ -1,0 +1,300 @@
+"""dflash-plan: how many of a node's GPUs should produce hidden states and how many should train.
+
+Model. A node has N GPUs sharing one spool: p producers and c = N - p consumers (p, c >= 1).
+- Producers are independent: together they make ``p * P`` tok/s (P = one producer GPU's rate).
+- Consumers are one DDP group across all nodes: ``c * C * eff(c * nodes)`` tok/s per node, where C is one
+  consumer GPU's rate when training alone and ``eff(n) = e ** log2(n)``: every doubling of the group keeps
+  a fraction e of per-GPU throughput (gradient all-reduce, stragglers). e defaults to 0.95; measure it by
+  running the same config with 1 and 2+ consumers.
+- The spool decouples the two sides, so the pipeline runs at the slower one:
+  ``end_to_end = nodes * min(p * P, c * C * eff(c * nodes))``. The plan picks the p that maximizes it
+  (ties: the one with more headroom on the other side, then fewer consumers).
+
+Rates from a run dir: per process, the median ``tok_s`` of its metrics records after dropping the first
+``warmup_frac`` of them (compile, cache warm-up); per GPU, the mean over processes. A consumer file whose
+records carry ``world_size`` > 1 holds the all-reduced rate of the whole group (rank 0 logs for all):
+it is divided by ``world_size``; without it, each ``consumer-<rank>.jsonl`` is one rank. A measured consumer
+rank rate already includes ``eff(c0)`` of its c0-rank group, so it is divided by that to get C. In a
+coupled run the faster side is throttled (producers by spool backpressure, consumers by an empty spool),
+so its measured rate is only a lower bound — the tool says so when the two totals are close.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash.common.cli.help import DefaultsHelpFormatter
+from dflash.common.metrics import format_rate, read_run_metrics
+
+log = logging.getLogger(__name__)
+
+DEFAULT_DDP_EFFICIENCY = 0.95
+THROTTLE_NOTE_RATIO = 0.85  # measured totals closer than this: one side was probably throttled
+
+
+def ddp_efficiency(num_consumers: int, per_doubling: float) -> float:
+    """Fraction of per-GPU consumer throughput kept in a DDP group of ``num_consumers`` (1.0 for one)."""
+    return per_doubling ** math.log2(num_consumers)
+
+
+@dataclass(kw_only=True)
+class PlanConfig:
+    num_gpus: int
+    """GPUs per node, split between producers and consumers (both sides need at least one)."""
+    producer_tok_s: float
+    """Tokens/s of one producer GPU."""
+    consumer_tok_s: float
+    """Tokens/s of one consumer GPU training alone (no DDP loss)."""
+    ddp_efficiency: float = DEFAULT_DDP_EFFICIENCY
+    """Per-GPU consumer throughput kept per doubling of the DDP group, in (0, 1]."""
+    nodes: int = 1
+    """Identical nodes, each with its own spool; their consumers form one DDP group."""
+
+    def __post_init__(self) -> None:
+        if self.num_gpus < 2:
+            raise ValueError(f"num_gpus={self.num_gpus}: need at least 2 (one producer, one consumer)")
+        for name in ("producer_tok_s", "consumer_tok_s"):
+            v = getattr(self, name)
+            if not (v > 0 and math.isfinite(v)):
+                raise ValueError(f"{name}={v}: must be a positive rate")
+        if not 0 < self.ddp_efficiency <= 1:
+            raise ValueError(f"ddp_efficiency={self.ddp_efficiency}: must be in (0, 1]")
+        if self.nodes < 1:
+            raise ValueError(f"nodes={self.nodes}: must be >= 1")
+
+
+@dataclass(kw_only=True)
+class Split:
+    producers: int
+    consumers: int
+    producer_tok_s: float  # all nodes
+    consumer_tok_s: float  # all nodes
+    end_to_end_tok_s: float
+    bottleneck: str  # "producers" | "consumers" | "balanced"
+
+
+def plan_splits(cfg: PlanConfig) -> list[Split]:
+    """Every split p + c = num_gpus (p = 1 .. N-1), in order of p."""
+    out = []
+    for p in range(1, cfg.num_gpus):
+        c = cfg.num_gpus - p
+        prod = cfg.nodes * p * cfg.producer_tok_s
+        cons = cfg.nodes * c * cfg.consumer_tok_s * ddp_efficiency(c * cfg.nodes, cfg.ddp_efficiency)
+        neck = (
+            "balanced"
+            if math.isclose(prod, cons, rel_tol=1e-9)
+            else ("producers" if prod < cons else "consumers")
+        )
+        out.append(
+            Split(
+                producers=p,
+                consumers=c,
+                producer_tok_s=prod,
+                consumer_tok_s=cons,
+                end_to_end_tok_s=min(prod, cons),
+                bottleneck=neck,
+            )
+        )
+    return out
+
+
+def best_split(splits: list[Split]) -> Split:
+    """Max end-to-end; ties -> more headroom on the non-bottleneck side, then fewer consumers."""
+    return max(
+        splits, key=lambda s: (s.end_to_end_tok_s, max(s.producer_tok_s, s.consumer_tok_s), -s.consumers)
+    )
+
+
+# ---- measured rates ----------------------------------------------------------------------------------
+
+
+def steady_rate(records: list[dict[str, Any]], *, warmup_frac: float = 0.25) -> float | None:
+    """Median ``tok_s`` of one process after dropping the first ``warmup_frac`` of its records."""
+    vals = [
+        r["tok_s"]
+        for r in records
+        if "event" not in r
+        and isinstance(r.get("tok_s"), int | float)
+        and math.isfinite(r["tok_s"])
+        and r["tok_s"] > 0
+    ]
+    if not vals:
+        return None
+    skip = min(len(vals) - 1, math.ceil(warmup_frac * len(vals)))
+    return statistics.median(vals[skip:])
+
+
+@dataclass(kw_only=True)
+class MeasuredRates:
+    producer_tok_s: float | None  # per producer GPU
+    consumer_tok_s: float | None  # per consumer GPU, normalized to a 1-GPU group
+    num_producers: int
+    num_consumers: int
+    producer_total_tok_s: float | None  # as measured, all processes
+    consumer_total_tok_s: float | None
+
+
+def measure_rates(
+    run_dir: str | Path,
+    *,
+    warmup_frac: float = 0.25,
+    ddp_efficiency_per_doubling: float = DEFAULT_DDP_EFFICIENCY,
+) -> MeasuredRates:
+    """Per-GPU producer and consumer rates from ``run_dir/metrics/*.jsonl`` (see the module docstring)."""
+    metrics = read_run_metrics(Path(run_dir) / "metrics")
+    prod: list[float] = []
+    cons: list[float] = []  # per consumer GPU, as measured in a group of c0
+    c0, cons_total = 0, 0.0
+    for stem, recs in sorted(metrics.items()):
+        role = stem.partition("-")[0]
+        rate = steady_rate(recs, warmup_frac=warmup_frac) if role in ("producer", "consumer") else None
+        if rate is None:
+            continue
+        if role == "producer":
+            prod.append(rate)
+            continue
+        ws = next((r["world_size"] for r in reversed(recs) if isinstance(r.get("world_size"), int)), 1)
+        if ws > 1:  # the all-reduced rate of the whole group: this one file stands for all ranks
+            cons, c0, cons_total = [rate / ws], ws, rate
+            break
+        cons.append(rate)
+        c0, cons_total = c0 + 1, cons_total + rate
+    eff = ddp_efficiency(c0, ddp_efficiency_per_doubling) if c0 else 1.0
+    return MeasuredRates(
+        producer_tok_s=statistics.fmean(prod) if prod else None,
+        consumer_tok_s=statistics.fmean(cons) / eff if cons else None,
+        num_producers=len(prod),
+        num_consumers=c0,
+        producer_total_tok_s=sum(prod) if prod else None,
+        consumer_total_tok_s=cons_total if cons else None,
+    )
+
+
+# ---- CLI ---------------------------------------------------------------------------------------------
+
+
+def render(cfg: PlanConfig, splits: list[Split], best: Split, measured: MeasuredRates | None) -> str:
+    lines = []
+    if measured is not None:
+        lines.append(
+            f"measured: {measured.num_producers} producer(s) {format_rate(measured.producer_total_tok_s)} tok/s, "
+            f"{measured.num_consumers} consumer(s) {format_rate(measured.consumer_total_tok_s)} tok/s"
+        )
+        a, b = measured.producer_total_tok_s, measured.consumer_total_tok_s
+        if a and b and min(a, b) / max(a, b) >= THROTTLE_NOTE_RATIO:
+            faster = "producer" if a > b else "consumer"
+            lines.append(
+                f"note: the measured totals are close: the {faster} side was probably throttled by the other "
+                f"(spool backpressure / empty spool), so its rate is a lower bound; measure it alone to be sure"
+            )
+    lines.append(
+        f"inputs: {cfg.num_gpus} GPUs/node x {cfg.nodes} node(s); per GPU: producer {format_rate(cfg.producer_tok_s)} "
+        f"tok/s, consumer {format_rate(cfg.consumer_tok_s)} tok/s; DDP efficiency {cfg.ddp_efficiency:g} per doubling"
+    )
+    lines.append(
+        f"best: {best.producers} producers + {best.consumers} consumers per node -> "
+        f"{format_rate(best.end_to_end_tok_s)} tok/s end-to-end (bottleneck: {best.bottleneck})"
+    )
+    lines.append("")
+    lines.append(
+        f"  {'prod':>4} {'cons':>4} {'prod tok/s':>11} {'cons tok/s':>11} {'end-to-end':>11}  bottleneck"
+    )
+    for s in splits:
+        mark = "*" if s is best else " "
+        lines.append(
+            f"{mark} {s.producers:>4} {s.consumers:>4} {format_rate(s.producer_tok_s):>11} "
+            f"{format_rate(s.consumer_tok_s):>11} {format_rate(s.end_to_end_tok_s):>11}  {s.bottleneck}"
+        )
+    return "\n".join(lines)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dflash-plan",
+        description="Choose the producer/consumer GPU split from measured or given per-GPU rates.",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    p.add_argument("run_dir", nargs="?", help="a run dir whose metrics give the rates (flags override)")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs per node to split")
+    p.add_argument("--nodes", type=int, default=1, help="identical nodes (consumers form one DDP group)")
+    p.add_argument(
+        "--producer-tok-s", type=float, help="tokens/s of one producer GPU (default: measured from RUN_DIR)"
+    )
+    p.add_argument(
+        "--consumer-tok-s",
+        type=float,
+        help="tokens/s of one consumer GPU training alone (default: measured from RUN_DIR)",
+    )
+    p.add_argument(
+        "--ddp-efficiency",
+        type=float,
+        default=DEFAULT_DDP_EFFICIENCY,
+        help="per-GPU consumer throughput kept per doubling of the DDP group",
+    )
+    p.add_argument(
+        "--warmup-frac",
+        type=float,
+        default=0.25,
+        help="fraction of each process's first metrics records skipped as warm-up",
+    )
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    try:
+        measured = None
+        prod, cons = args.producer_tok_s, args.consumer_tok_s
+        if args.run_dir is not None:
+            if not Path(args.run_dir).is_dir():
+                raise ValueError(f"run dir {args.run_dir} does not exist")
+            if not 0 <= args.warmup_frac < 1:
+                raise ValueError(f"--warmup-frac={args.warmup_frac}: must be in [0, 1)")
+            measured = measure_rates(
+                args.run_dir, warmup_frac=args.warmup_frac, ddp_efficiency_per_doubling=args.ddp_efficiency
+            )
+            prod = prod if prod is not None else measured.producer_tok_s
+            cons = cons if cons is not None else measured.consumer_tok_s
+        missing = [f for f, v in (("--producer-tok-s", prod), ("--consumer-tok-s", cons)) if v is None]
+        if missing:
+            where = f"no such rates in {args.run_dir}/metrics; " if args.run_dir else ""
+            raise ValueError(f"{where}give {' and '.join(missing)} (or a RUN_DIR with metrics)")
+        cfg = PlanConfig(
+            num_gpus=args.gpus,
+            producer_tok_s=prod,
+            consumer_tok_s=cons,
+            ddp_efficiency=args.ddp_efficiency,
+            nodes=args.nodes,
+        )
+    except ValueError as e:
+        print(f"dflash-plan: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    splits = plan_splits(cfg)
+    best = best_split(splits)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "config": asdict(cfg),
+                    "best": asdict(best),
+                    "splits": [asdict(s) for s in splits],
+                    "measured": asdict(measured) if measured else None,
+                },
+                indent=2,
+            )
+        )
+    else:
+        print(render(cfg, splits, best, measured))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,310 @@
+"""dflash-spool: look at a spool or a shard without touching either.
+
+    dflash-spool stats DIR [--json]     shards and bytes per state x bucket, claims per consumer,
+                                        process heartbeats with their counters and rates, DONE producers
+    dflash-spool inspect SHARD [--json] a shard's metadata, sample/token counts, codec, bytes on disk
+                                        and compression ratio (raw array bytes / bytes on disk)
+
+    dflash-spool prepare DIR --run NAME [--fresh]
+                                        before a launch (ops/run_all.sh, holding the spool's launch lock):
+                                        refuse a spool of another run or one a live process uses; discard
+                                        what a previous launch left in the flow (see docs/reliability.md)
+
+stats and inspect are read-only (``Spool(create=False)``), so they are safe on a live run. User errors
+print one line on stderr and exit with status 2, like argparse's own errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from dflash.common.cli.help import DefaultsHelpFormatter
+from dflash.common.contract.spool import LOCK_PREFIX, Spool, SpoolError, describe_run
+
+PROG = "dflash-spool"
+EXIT_USAGE = 2
+_DTYPE_BYTES = {"bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "bfloat16": 2, "float16": 2}
+_DTYPE_BYTES |= {"uint32": 4, "int32": 4, "float32": 4, "uint64": 8, "int64": 8, "float64": 8}
+
+
+class UserError(Exception):
+    """Printed as one line ``dflash-spool: error: ...``; exit status 2."""
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def fmt_num(x: float) -> str:
+    if isinstance(x, int) or float(x).is_integer():
+        return f"{int(x)}"
+    return f"{x:.3g}" if abs(x) < 100 else f"{x:.0f}"
+
+
+def _table(rows: list[list[str]], *, right: set[int]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(
+            c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        ).rstrip()
+        for r in rows
+    ]
+
+
+# ---- stats ----
+
+
+def spool_stats(root: str) -> dict[str, Any]:
+    try:
+        return Spool(root, create=False).stats()
+    except SpoolError as e:
+        raise UserError(str(e)) from None
+    except OSError as e:  # e.g. permission denied
+        raise UserError(f"cannot read spool {root}: {e.strerror or e}") from None
+
+
+def format_stats(st: dict[str, Any]) -> str:
+    states = st["states"]
+    buckets = sorted({b for row in states.values() for b in row["buckets"] if b != "other"})
+    has_other = any("other" in row["buckets"] for row in states.values())
+    head = ["state", "shards", "bytes"] + [f"b{b}" for b in buckets] + (["other"] if has_other else [])
+    rows = [head]
+    for state, row in states.items():
+        cells = [state, str(row["shards"]), fmt_bytes(row["bytes"])]
+        for b in buckets + (["other"] if has_other else []):
+            cell = row["buckets"].get(b)
+            cells.append(f"{cell['shards']} / {fmt_bytes(cell['bytes'])}" if cell else "-")
+        rows.append(cells)
+    prod = st["producers"]
+    done = "drained" if st.get("drained") else ("producers done" if st["producers_done"] else "producing")
+    out = [
+        f"spool {st['root']}",
+        f"total {fmt_bytes(st['total_bytes'])} in tmp+ready+claimed; "
+        f"producers {len(prod['done'])}/{len(prod['registered'])} done ({done})",
+        "",
+        *_table(rows, right=set(range(1, len(head)))),
+    ]
+    if buckets:
+        out.append("(bucket cells: shards / bytes)")
+    if st["claimed_by"]:
+        claims = ", ".join(
+            f"{c}: {v['shards']} ({fmt_bytes(v['bytes'])})" for c, v in sorted(st["claimed_by"].items())
+        )
+        out += ["", f"claimed by  {claims}"]
+    if st["processes"]:
+        rows = [["role", "id", "pid", "host", "alive", "heartbeat", "counters (rate/s)"]]
+        for p in sorted(st["processes"], key=lambda p: (str(p["role"]), str(p["id"]))):
+            counters = []
+            for k, v in p["counters"].items():
+                rate = p["rates"].get(k)
+                counters.append(
+                    f"{k}={fmt_num(v) if isinstance(v, int | float) else v}"
+                    + (f" ({fmt_num(rate)}/s)" if rate is not None else "")
+                )
+            age = p["age_s"]
+            rows.append(
+                [str(p["role"]), str(p["id"]), str(p["pid"]), str(p["host"]), "yes" if p["alive"] else "no",
+                 f"{age:.1f}s ago" if math.isfinite(age) else "?", "  ".join(counters) or "-"]
+            )  # fmt: skip
+        out += ["", *_table(rows, right={2})]
+    if prod["registered"]:
+        pending = sorted(set(prod["registered"]) - set(prod["done"]))
+        out += [
+            "",
+            f"producers registered: {' '.join(prod['registered'])}"
+            + (f"; not done: {' '.join(pending)}" if pending else ""),
+        ]
+    return "\n".join(out)
+
+
+# ---- inspect ----
+
+
+def shard_info(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{path}: no such shard")
+    from dflash.common.contract.shard import (  # torch + zarr: only for inspect
+        ShardFormatError,
+        read_shard_meta,
+    )
+
+    try:
+        meta = read_shard_meta(p)
+    except ShardFormatError as e:
+        raise UserError(str(e)) from None
+    except OSError as e:
+        raise UserError(f"cannot read shard {path}: {e.strerror or e}") from None
+    arrays = meta.get("arrays", {})
+    raw_total = 0
+    for name, a in arrays.items():
+        raw = math.prod(a["shape"]) * _DTYPE_BYTES.get(a["dtype"], 0)
+        a["raw_bytes"] = raw
+        a["disk_bytes"] = _tree_bytes(p / name)
+        raw_total += raw
+    disk = int(meta["nbytes"])
+    return {
+        "path": str(p.absolute()),
+        "meta": {k: v for k, v in meta.items() if k not in ("arrays", "nbytes")},
+        "arrays": arrays,
+        "num_samples": meta.get("num_samples", arrays.get("sample_index", {}).get("shape", [None])[0]),
+        "num_tokens": meta.get("num_tokens", arrays.get("input_ids", {}).get("shape", [None])[0]),
+        "codec": meta.get("codec"),
+        "raw_bytes": raw_total,
+        "disk_bytes": disk,
+        "compression_ratio": raw_total / disk if disk else None,
+    }
+
+
+def _tree_bytes(path: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        total += sum(os.lstat(os.path.join(dirpath, f)).st_size for f in files)
+    return total
+
+
+def format_inspect(info: dict[str, Any]) -> str:
+    meta = info["meta"]
+    ratio = info["compression_ratio"]
+    out = [
+        f"shard {info['path']}",
+        *(f"  {k}: {json.dumps(v) if isinstance(v, list | dict) else v}" for k, v in meta.items()),
+        f"samples {info['num_samples']}, tokens {info['num_tokens']}, codec {info['codec']}",
+        f"bytes on disk {fmt_bytes(info['disk_bytes'])}, raw {fmt_bytes(info['raw_bytes'])}, "
+        f"compression ratio {f'{ratio:.2f}x' if ratio else '?'}",
+        "",
+    ]
+    rows = [["array", "shape", "dtype", "chunks", "raw", "on disk", "ratio"]]
+    for name, a in info["arrays"].items():
+        r = a["raw_bytes"] / a["disk_bytes"] if a["disk_bytes"] else None
+        rows.append(
+            [name, "x".join(map(str, a["shape"])), a["dtype"], "x".join(map(str, a["chunks"])),
+             fmt_bytes(a["raw_bytes"]), fmt_bytes(a["disk_bytes"]), f"{r:.2f}x" if r else "-"]
+        )  # fmt: skip
+    out += _table(rows, right={4, 5, 6})
+    return "\n".join(out)
+
+
+# ---- prepare (the one command that writes) ----
+
+
+def prepare(root: str, run: str, *, fresh: bool) -> str:
+    """Make ``root`` ready for a new launch of ``run``; returns the line to print. The caller holds
+    ``lock-launch`` (ops/run_all.sh). Refuses (UserError) a spool bound to another run unless ``fresh``,
+    and any spool a live producer or consumer uses.
+
+    Why discard the leftovers rather than reuse them: a consumer of the new launch may train a leftover
+    shard before a producer of the new launch has looked at the spool; the producer would then re-produce
+    those samples (they are in no checkpoint yet) and a second consumer of the group could train them
+    again. Starting from an empty flow, the checkpoint's trained set is the only thing both sides read,
+    so each untrained sample is produced and trained once; the price is re-producing at most one spool
+    budget."""
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    try:
+        spool = Spool(path)
+        live = {k: v for k, v in spool.live_locks().items() if k != "launch"}
+        if live:
+            name, who = next(iter(live.items()))
+            raise UserError(f"spool {spool.root} is in use by a live process: {who} holds lock-{name}")
+        rec = spool.read_run()
+        if rec is not None and rec.get("run") != run and not fresh:
+            raise UserError(
+                f"spool {spool.root} belongs to {describe_run(rec)}; this launch is run {run!r}: use another "
+                "--spool, or --fresh-spool to discard it"
+            )
+        if fresh:
+            for e in list(os.scandir(spool.root)):
+                if not e.name.startswith(LOCK_PREFIX):
+                    p = Path(e.path)
+                    if p.is_dir() and not p.is_symlink():
+                        import shutil
+
+                        shutil.rmtree(p)
+                    else:
+                        p.unlink()
+            spool = Spool(path)
+            spool.bind_run({"run": run})
+            return f"spool {spool.root}: fresh, bound to run {run!r}"
+        gone = spool.discard_flow()
+        spool.bind_run({"run": run})
+    except SpoolError as e:
+        raise UserError(str(e)) from None
+    except OSError as e:
+        raise UserError(f"cannot prepare spool {root}: {e.strerror or e}") from None
+    if rec is None:
+        return f"spool {spool.root}: new, bound to run {run!r}"
+    return (
+        f"spool {spool.root}: run {run!r} continues; discarded {gone['shards']} shards ({gone['samples']} "
+        "samples) left by its previous launch: producers re-produce what the checkpoint has not trained"
+    )
+
+
+# ---- entry point ----
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line (argparse prints the usage too), exit 2
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog=PROG,
+        description="Look at a dflash spool or shard (read-only), or prepare a spool for a launch.",
+        formatter_class=DefaultsHelpFormatter,
+    )
+    sub = p.add_subparsers(
+        dest="cmd",
+        required=True,
+        parser_class=_Parser,
+        help="what to do (dflash-spool <command> --help for its options)",
+    )
+    fmt = {"formatter_class": DefaultsHelpFormatter}
+    s = sub.add_parser("stats", help="shards/bytes per state and bucket, processes, rates", **fmt)
+    s.add_argument("dir", help="the spool directory (e.g. /dev/shm/dflash/<run>)")
+    s.add_argument("--json", action="store_true", help="print Spool.stats() as JSON")
+    i = sub.add_parser("inspect", help="metadata, counts, codec and compression of one shard", **fmt)
+    i.add_argument("shard", help="a shard directory (<name>.zarr)")
+    i.add_argument("--json", action="store_true", help="print the result as JSON")
+    r = sub.add_parser("prepare", help="before a launch: check the spool's run, discard leftovers", **fmt)
+    r.add_argument("dir", help="the spool directory (created if missing)")
+    r.add_argument("--run", required=True, help="the run this launch belongs to")
+    r.add_argument("--fresh", action="store_true", help="discard everything, whatever run it belonged to")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cmd == "prepare":
+            text = prepare(args.dir, args.run, fresh=args.fresh)
+        elif args.cmd == "stats":
+            st = spool_stats(args.dir)
+            text = json.dumps(st, indent=2, default=str) if args.json else format_stats(st)
+        else:
+            info = shard_info(args.shard)
+            text = json.dumps(info, indent=2, default=str) if args.json else format_inspect(info)
+    except UserError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        print(text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `dflash-spool stats DIR | head`
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
