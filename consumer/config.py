@@ -1,88 +1,105 @@
-"""The consumer's configuration: one validated dataclass, filled from the command line."""
+"""The consumer's configuration: one validated dataclass, the single source of ``dflash-consume``'s flags."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+from dflash.common.cli.flags import flag
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """Everything one consumer process needs. Defaults follow ARCHITECTURE.md §5."""
+    """Everything one consumer process needs; each field is also its ``dflash-consume`` flag
+    (``--field-name``, help = the docstring below it: dflash.common.cli.flags). Defaults follow the public
+    DFlash recipe (docs/architecture.md, "The drafter")."""
 
     spool: str
-    """Spool directory the producers write into."""
+    """spool directory the producers write into"""
     target: str
-    """Target model folder (config.json + safetensors) or hub id: the drafter is sized from its config and
-    borrows its frozen embedding and lm_head (read alone from the safetensors, never the whole model)."""
+    """target model folder or hub id: the drafter is sized from its config and borrows its frozen
+    embedding and lm_head (read alone from the safetensors, never the whole model)"""
     run: str = "default"
-    """Run name: the checkpoint folder under the store and the trained-sample set's key."""
+    """run name: the checkpoint folder under the store and the trained-sample set's key (on the command
+    line, default: the spool's run, else 'default')"""
     run_dir: str | None = None
-    """Where metrics (JSONL), plots and logs go; None = no files."""
-    device: str = "cpu"
-    """'cpu', 'cuda' or 'cuda:N'."""
+    """folder for metrics JSONL, plots and logs (default: none written)"""
+    device: str = field(default="cpu", metadata=flag(cli=False))
+    """'cpu', 'cuda' or 'cuda:N' (the command line's --gpu)"""
     checkpoint: str | None = None
-    """Checkpoint store: s3://bucket/prefix or a local folder; None = no checkpoints."""
-    resume: str = "auto"
-    """'auto' = latest good checkpoint if any (falls back past a corrupt one), 'none' = start fresh."""
+    """checkpoint store: s3://bucket/prefix or a local folder (default: no checkpoints)"""
+    resume: str = field(default="auto", metadata=flag(choices=("auto", "none")))
+    """auto: resume from the latest good checkpoint of the run (falling back past a corrupt one); none:
+    start from scratch"""
     save_every: int = 500
+    """checkpoint every N steps (and at the end, and on SIGTERM)"""
     keep_last: int = 3
+    """checkpoints to keep in the store (older ones are deleted)"""
     max_steps: int | None = None
-    """Stop after this many optimizer steps (counting resumed ones); None = until the spool is drained."""
+    """stop after N optimizer steps, counting resumed ones (default: when the spool is drained)"""
     total_steps: int | None = None
-    """Length of the cosine schedule; default max_steps, else 10 000."""
+    """cosine schedule length (default: max-steps, else the campaign's length from the data, else 10000)"""
     num_layers: int = 5
+    """draft decoder layers"""
     block_size: int = 16
+    """tokens per draft block: the anchor token plus block-size - 1 predicted positions"""
     context_tokens: int = 4096
-    """Tokens in the packed context stream of one step (fixed: the step's shapes never change)."""
+    """packed context tokens per step (fixed: the step's shapes never change)"""
     num_anchors: int = 256
-    """Anchor (block) slots per step (fixed)."""
+    """anchor blocks per step (fixed shape)"""
     max_anchors_per_doc: int = 256
+    """at most this many of a step's anchor blocks from one document (so long documents do not dominate)"""
     gamma: float = 7.0
+    """loss weight decay over block positions: exp(-(k-1)/gamma)"""
     lr: float = 6e-4
+    """peak AdamW learning rate (after warmup, then cosine decay)"""
     warmup_ratio: float = 0.04
+    """fraction of the schedule's steps spent in linear learning-rate warmup, in [0, 1)"""
     eval_every: int = 500
-    """Steps between decode-order τ evaluations on the spool's held-out shards (0: never); also before the
-    first step of a fresh run and after the last (common/drafter/decode_tau.py)."""
+    """steps between decode-order acceptance-length evaluations on the held-out shards the producers
+    spool with --eval-samples (also before the first step and after the last; 0: never)"""
     eval_budget: float = 0.03
-    """Largest share of the run's wall time the periodic evaluations may take: one that would exceed it is
-    skipped (the first and the last always run; they are the before and after of the run)."""
-    weight_decay: float = 0.0
+    """largest share of the run's time periodic evaluations may take; one that would exceed it is
+    skipped and said in the log (the first and the last always run)"""
+    weight_decay: float = field(default=0.0, metadata=flag(cli=False))
+    """AdamW weight decay (the public recipe: none)"""
     grad_clip: float = 1.0
+    """clip the gradient's global L2 norm to this"""
     loss_chunk_tokens: int = 2048
-    """Query tokens per lm_head + cross-entropy chunk (bounds logits memory to chunk x vocab)."""
+    """query tokens per lm_head + cross-entropy chunk (bounds logits memory to chunk x vocab)"""
     mask_token_id: int | None = None
+    """token id of the draft mask (default: chosen from the tokenizer, docs/training.md)"""
     target_layer_ids: list[int] | None = None
-    """Override; default = the layer ids recorded in the shards."""
+    """target layers the producers captured, e.g. 1,9,17,25,33 (default: K=5 from 1 to L-3)"""
     seed: int = 0
+    """random seed of the drafter init and anchor sampling (each rank offsets it by its rank)"""
     log_every: int = 10
+    """console/metrics line every N steps"""
     wandb_project: str | None = None
+    """log to this wandb project (offline unless WANDB_API_KEY is set; default: no wandb)"""
     bucket: str | None = "random"
-    """Claim policy: 'random' (default: mixes lengths in training order), 'oldest' (lowest name first),
-    'fullest', or a bucket number. Steps have fixed shapes whatever the policy."""
-    heartbeat_timeout_s: float = 60.0
+    """claim policy: random (mixes lengths in training order), oldest (lowest name first), fullest, or a
+    bucket number; steps have fixed shapes whatever the policy"""
+    heartbeat_timeout_s: float = field(default=60.0, metadata=flag(name="--heartbeat-timeout"))
+    """seconds before a silent consumer's claims are recovered"""
     pool_streams: int = 4
-    """Samples held for packing, in streams' worth of tokens (host memory: pool_streams x context_tokens x
-    K*H x 2 bytes, ~0.8 GB at 32B-class width): more choice, fuller streams."""
+    """samples held for packing, in streams' worth of tokens (host memory: pool-streams x context-tokens
+    x K*H x 2 bytes, ~0.8 GB at 32B-class width): more choice, fuller streams"""
     min_split_tokens: int = 256
-    """A stream with at least this many empty slots is filled with the head of a longer document, whose tail
-    goes into a later stream (see ShardFeed._best_fit); 0 = never split documents."""
+    """fill a stream with at least this many empty slots with the head of a longer document, its tail
+    going into a later stream; 0 = never split"""
     fill_wait_s: float = 2.0
-    """Seconds to wait for enough samples to fill a stream before packing a short one (a starved pool
-    would otherwise make half-empty streams; waiting forever could deadlock against a small budget)."""
+    """seconds to wait for enough samples to fill a stream before packing a short one"""
     prefetch_steps: int = 2
-    """Steps the input pipeline packs and copies ahead of the one training (host + device memory per step:
-    one stream's hidden states)."""
-    precision: str = "auto"
-    """'amp': fp32 parameters and Adam state, bf16 autocast on CUDA; 'bf16': bf16 parameters and Adam state
-    (the reference step's; fastest, but measured to learn worse than fp32 master weights); 'fp32': no
-    autocast; 'auto' = amp on CUDA, fp32 on the CPU (bf16 matmuls are slow there). Measurements and the
-    choice: docs/training.md."""
-    compile: bool = True
-    """torch.compile each draft decoder layer (with flex_attention inside on CUDA) once per process."""
-    compile_backend: str = "inductor"
-    """'inductor' (production), 'aot_eager' (traces like inductor, no codegen: CPU tests), 'eager'."""
+    """steps packed and copied to the GPU ahead of the one training"""
+    precision: str = field(default="auto", metadata=flag(choices=("auto", "bf16", "amp", "fp32")))
+    """parameters and Adam state: amp (fp32 + bf16 autocast), bf16 (fastest, but measured to learn worse),
+    fp32; auto = amp on CUDA, fp32 on the CPU (docs/training.md)"""
+    compile: bool = field(default=True, metadata=flag(negate=True, help="debug only: run the draft layers uncompiled"))
+    """torch.compile each draft decoder layer (with flex_attention inside on CUDA) once per process"""
+    compile_backend: str = field(default="inductor", metadata=flag(choices=("inductor", "aot_eager", "eager")))
+    """torch.compile backend (aot_eager: traces like inductor without code generation, for CPU tests)"""
     cpu_threads: int | None = None
-    """torch intra-op threads on CPU (None = torch's default); several CPU processes share the cores."""
+    """torch threads per CPU consumer (default: torch's own choice; several CPU processes share the cores)"""
 
     def __post_init__(self) -> None:
         for name in (
@@ -152,7 +169,7 @@ class TrainConfig:
 
     def param_dtype(self, device_type: str):
         """The drafter's parameter dtype for ``precision`` on this device."""
-        import torch
+        import torch  # not at the top: the CLI imports this config before parsing its flags
 
         # auto: fp32 parameters and Adam state everywhere (on CUDA with bf16 autocast, i.e. amp): pure bf16
         # is faster but measured to learn worse (docs/training.md, tests/test_precision.py)

@@ -28,40 +28,15 @@ from pathlib import Path
 import torch
 
 from dflash.common.contract.sample_set import SampleSet
-from dflash.common.contract.shard import ShardFormatError, read_shard, read_shard_meta
+from dflash.common.contract.shard import ShardFormatError
+from dflash.common.contract.shard_reader import read_shard, read_shard_meta
 from dflash.common.contract.spool import Spool
 from dflash.common.drafter.batch import PackedSamples, pack_samples
+from dflash.consumer.packing import Sample, best_fit
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class Sample:
-    """One document held by the feed, or a piece of one (see ``ShardFeed._best_fit``)."""
-
-    input_ids: torch.Tensor  # int64 [L]
-    loss_mask: torch.Tensor  # bool [L]
-    hidden: torch.Tensor  # bf16 [L, K*H]
-    sample_index: int
-    shard: Path
-    start: int = 0  # position of this piece's first token in its document
-    last_piece: bool = True  # False for the head of a split document: the sample is not trained yet
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.numel())
-
-    def split(self, n: int) -> tuple[Sample, Sample]:
-        """(first n tokens, the rest) as two pieces of the same document."""
-        head = Sample(
-            self.input_ids[:n], self.loss_mask[:n], self.hidden[:n], self.sample_index, self.shard,
-            start=self.start, last_piece=False,
-        )
-        tail = Sample(
-            self.input_ids[n:], self.loss_mask[n:], self.hidden[n:], self.sample_index, self.shard,
-            start=self.start + n, last_piece=self.last_piece,
-        )
-        return head, tail
 
 
 @dataclass
@@ -366,38 +341,8 @@ class ShardFeed:
         )
 
     def _best_fit(self) -> list[Sample]:
-        """The oldest sample first (no starvation), then repeatedly the largest sample that still fits.
-
-        Largest-first leaves the pool rich in short samples, which close the last gaps of later streams.
-        Whole documents alone cannot fill streams when long documents outnumber the fillers (measured: 84 %
-        of the slots on a real 8B run; 89-96 % in simulation with bucketed shards and pools of 8 streams).
-        So when at least ``min_split_tokens`` stay empty, the oldest document that does not fit is SPLIT:
-        its head fills the stream exactly, its tail (positions continuing where the head ended) stays in
-        the pool for a later stream. What a split costs: the tail's anchors attend to the tail's own
-        context only (the target's hidden states they read already summarise the whole prefix), and the
-        head's last blocks have no labels past the cut. A split document counts as trained when its LAST
-        piece is committed; a crash between its pieces retrains the whole document (never loses it).
-        Pieces shorter than ``min_split_tokens`` are never made; None disables splitting.
-        """
-        room = self.context_tokens
-        chosen = [self._pool.pop(0)]
-        room -= chosen[0].num_tokens
-        for s in sorted(self._pool, key=lambda s: -s.num_tokens):
-            if s.num_tokens <= room:
-                chosen.append(s)
-                room -= s.num_tokens
-                if room == 0:
-                    break
-        picked = {id(s) for s in chosen}
-        self._pool = [s for s in self._pool if id(s) not in picked]
-        m = self.min_split_tokens
-        if m is not None and room >= m:
-            for i, s in enumerate(self._pool):
-                if s.num_tokens - room >= m:
-                    head, tail = s.split(room)
-                    chosen.append(head)
-                    self._pool[i] = tail
-                    break
+        """The pool's next stream (consumer/packing.py: ``best_fit``); the rest stays in the pool."""
+        chosen, self._pool = best_fit(self._pool, self.context_tokens, self.min_split_tokens)
         return chosen
 
     def commit(self) -> list[int]:

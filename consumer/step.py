@@ -1,4 +1,5 @@
-"""TODO docstring: split from consumer/trainer.py."""
+"""One training step's pieces, shared by the trainer and ops/bench/consumer_bench.py: the forward and
+backward, the optimizer and schedule, compiling the draft layers, the initial drafter, the step's stats."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import torch
 import torch._dynamo  # noqa: F401  first import in the main thread: concurrent first imports from threads crash
 
 from dflash.common.drafter.batch import DraftBatch
-from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.loss import DraftLossOutput, draft_loss
 from dflash.common.drafter.model import DFlashDrafter
 from dflash.consumer.campaign import WarmupCosine
@@ -109,12 +109,3 @@ def compile_drafter(model: DFlashDrafter, backend: str) -> None:
         layer.compile(backend=backend, dynamic=False)
 
 
-def initial_drafter(config: DrafterConfig, head, *, seed: int) -> DFlashDrafter:
-    """The drafter a fresh run starts from: weights drawn from `seed` (the consumer's ``--seed`` + rank).
-
-    One function for the trainer and for whoever needs the untrained drafter (the demo's "τ before
-    training"), so the two cannot drift apart. Seeding here repeats the trainer's own seeding, with nothing
-    random in between, so the weights are those of a fresh launch.
-    """
-    torch.manual_seed(seed)
-    return DFlashDrafter(config, head)

@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=ops/setup_venv.sh
 source ops/setup_venv.sh
-exec python -m dflash.tools.demo.demo "$@"
+exec python -m dflash.tools.demo.cli "$@"

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dflash.common.cli.flags import flag
+
 log = logging.getLogger(__name__)
 
 
@@ -30,14 +32,14 @@ class BucketConfig:
     """How samples are grouped into target forward batches."""
 
     batch_tokens: int = 32768
-    """Upper bound on rows x bucket length per forward batch (one sample longer than this runs alone)."""
-    buckets_per_octave: int = 16
+    """padded tokens per target forward: rows x bucket length (one sample longer than this runs alone)"""
+    buckets_per_octave: int = field(default=16, metadata=flag(cli=False))
     """Buckets per doubling of length (a power of two): width = 2**floor(log2(n-1)) / this."""
-    min_width: int = 16
+    min_width: int = field(default=16, metadata=flag(cli=False))
     """Smallest bucket width in tokens (a power of two, a multiple of pad_multiple)."""
-    pad_multiple: int = 8
+    pad_multiple: int = field(default=8, metadata=flag(cli=False))
     """A batch is padded to its longest sample rounded up to this."""
-    pool_batches: int = 4
+    pool_batches: int = field(default=4, metadata=flag(cli=False))
     """Batches' worth of samples pooled per bucket and sorted by length before cutting batches."""
 
     def __post_init__(self) -> None:

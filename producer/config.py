@@ -1,78 +1,106 @@
-"""TODO docstring: split from producer/worker.py."""
+"""The producer's configuration: the launch's flags (``LaunchConfig``) and each worker's config
+(``ProducerConfig``); together with DataConfig and BucketConfig they are the single source of
+``dflash-produce``'s flags (dflash.common.cli.flags). Standard library only: the CLI imports this before
+parsing."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
-from dflash.common.target.data import (
-    DataConfig,
-)
+from dflash.common.cli.flags import flag
+from dflash.common.target.data import DataConfig
 from dflash.producer.buckets import BucketConfig
 
 PROG = "dflash-produce"
 """The program name every line of the producer CLI and its supervisor starts with."""
 
-log = logging.getLogger(__name__)
 
 class UsageError(ValueError):
-    """A bad flag value (reported as one line)."""
-
+    """A bad flag value or input (reported as one line, exit 2)."""
 
 
 @dataclass(kw_only=True)
 class Worker:
+    """One producer process of this launch: its id in the spool, global rank and device."""
+
     producer_id: str
     rank: int
     device: str
     cuda_index: int | None = None
 
 
+@dataclass(kw_only=True)
+class LaunchConfig:
+    """What one ``dflash-produce`` launch runs on, beyond each worker's config."""
+
+    gpus: str = "0"
+    """GPUs, one producer each: 0-3 | 0,1 | cpu:N"""
+    spool: str | None = None
+    """spool directory (default /dev/shm/dflash/<run>)"""
+    run: str | None = None
+    """run name (checkpoint prefix; default: the spool folder's name)"""
+    checkpoint: str | None = None
+    """checkpoint store URL (s3://... or a path): skip samples already trained (default: skip none)"""
+    block_size: int = 16
+    """drafter block size: samples need 2x that many supervised tokens"""
+    budget_gb: float | None = None
+    """spool budget in GB (default: half the free space)"""
+    node_rank: int = 0
+    """this node's index (multi-node)"""
+    num_nodes: int = 1
+    """nodes running producers"""
+    progress_s: float = 10.0
+    """seconds between progress lines"""
+    log_level: str = "INFO"
+    """logging level (DEBUG adds tracebacks to errors)"""
+
 
 @dataclass(kw_only=True)
 class ProducerConfig:
     """Everything one producer process needs (the CLI builds one per GPU)."""
 
-    producer_id: str
+    producer_id: str = field(metadata=flag(cli=False))
     """Unique in the spool; appears in shard names ([A-Za-z0-9_.], no '-')."""
     model: str
-    """Target model path or hub id (from_pretrained)."""
-    spool: str
+    """target model path or hub id"""
+    spool: str = field(metadata=flag(cli=False))
     """Spool directory."""
-    data: DataConfig
-    buckets: BucketConfig = field(default_factory=BucketConfig)
-    rank: int = 0
+    data: DataConfig = field(metadata=flag(cli=False))
+    buckets: BucketConfig = field(default_factory=BucketConfig, metadata=flag(cli=False))
+    rank: int = field(default=0, metadata=flag(cli=False))
     """Global producer rank (node_rank * producers_per_node + local index)."""
-    world: int = 1
+    world: int = field(default=1, metadata=flag(cli=False))
     """Producers over all nodes; this one takes sample indices i with i % world == rank."""
-    device: str = "cpu"
+    device: str = field(default="cpu", metadata=flag(cli=False))
     """cpu | cuda | cuda:N."""
-    dtype: str = "auto"
-    """auto (bfloat16 on CUDA, float32 on CPU) | bfloat16 | float32."""
+    dtype: str = field(default="auto", metadata=flag(choices=("auto", "bfloat16", "float32")))
+    """target dtype (auto: bf16 on GPU, fp32 on CPU)"""
     layer_ids: list[int] | None = None
-    """Target layers to capture; None: dflash.common.target.layers.default_target_layer_ids(L)."""
+    """target layers to capture, e.g. 1,9,17,25,33 (default: K=5 from 1 to L-3)"""
     codec: str | None = None
-    """Codec spec for the hidden array (None: the shard module's default)."""
-    budget_bytes: int = 1 << 62
+    """hidden-state codec: none | zstd:<level>[:shuffle] (default: the shard format's default)"""
+    budget_bytes: int = field(default=1 << 62, metadata=flag(cli=False))
     """Spool budget: block before writing while the spool holds more bytes than this."""
-    skip: bytes | None = None
+    skip: bytes | None = field(default=None, metadata=flag(cli=False))
     """SampleSet.to_bytes() of already trained sample ids (from the latest checkpoint)."""
     epochs: int = 1
-    """Passes over the dataset (sample ids: dflash.common.contract.epochs)."""
+    """passes over the dataset; recorded in the spool's run record, so consumers and later launches agree"""
     shuffle_seed: int = 0
-    """Each epoch walks the rows in an order drawn from (shuffle_seed, epoch)."""
+    """each epoch walks the dataset in an order drawn from (this seed, epoch)"""
     eval_samples: int = 0
-    """Rows held out for evaluation (dflash.common.contract.epochs): never trained, spooled once into eval/."""
+    """rows held out for evaluation (drawn by --shuffle-seed, never trained): their hidden states go to
+    the spool's eval/ once, and consumers report the decode-order acceptance length on them"""
     run_dir: str | None = None
-    """If set, append heartbeat counters to <run_dir>/metrics/producer-<id>.jsonl."""
-    target_name: str | None = None
+    """write metrics/producer-<id>.jsonl here (default: no metrics files)"""
+    target_name: str | None = field(default=None, metadata=flag(cli=False))
     """Model id recorded in shard metadata (default: `model`)."""
-    heartbeat_s: float = 5.0
+    heartbeat_s: float = field(default=5.0, metadata=flag(cli=False))
+    """Seconds between heartbeats (spool state, metrics, the CLI's progress)."""
     writer_threads: int = 2
-    """Threads encoding and publishing shards (one encodes ~1 GB/s of bf16: see _Writers)."""
-    chunk_bytes: int = 8 << 20
+    """shard writer threads per producer (one encodes ~1 GB/s of bf16)"""
+    chunk_bytes: int = field(default=8 << 20, metadata=flag(cli=False))
     """Bytes per `hidden` chunk in the shards written (larger chunks: less per-chunk overhead)."""
-    num_threads: int | None = None
+    num_threads: int | None = field(default=None, metadata=flag(cli=False))
     """torch CPU threads (CPU producers share the machine)."""
 
     def __post_init__(self) -> None:
@@ -99,7 +127,7 @@ class ProducerConfig:
 
     def torch_dtype(self):
         """The target's torch dtype (torch is imported here, not at the top: the CLI parses flags first)."""
-        import torch
+        import torch  # not at the top: the CLI imports this config before parsing its flags
 
         if self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32

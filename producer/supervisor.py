@@ -1,7 +1,16 @@
-"""TODO docstring: split from producer/cli.py."""
+"""The ``dflash-produce`` parent: spawn one worker process per device, relay their heartbeats as progress,
+decide after tokenization whether the dataset gives anything to train, and turn their outcomes into the
+launch's exit status.
+
+The protocol between parent and workers is a queue of events: ("tokenized", id, summary) once a worker's
+slice is tokenized (it then waits for ``go`` or ``abort``), ("hb", id, heartbeat) while it runs, then one of
+("done" | "stopped" | "aborted", id, counters) or ("error", id, message, exit code). A worker that dies
+without a word (kill -9, OOM killer) is noticed by its exit code.
+"""
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing as mp
 import os
@@ -11,7 +20,13 @@ import sys
 import threading
 import time
 
-from dflash.producer.config import PROG, Worker
+from tqdm import tqdm
+
+from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, one_line
+from dflash.common.metrics import format_bytes, format_duration, format_rate
+from dflash.common.target.chat import format_drops
+from dflash.producer.config import PROG, LaunchConfig
+from dflash.producer.launch import Launch
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +41,6 @@ def _die_with_parent(parent_pid: int) -> None:
     """
     if sys.platform != "linux":
         return
-    import ctypes
 
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
@@ -84,34 +98,27 @@ def _worker_entry(cfg, cuda_index: int | None, events, log_level: str, parent_pi
         )
     except KeyboardInterrupt:  # a second signal: stop now, without the clean stop
         events.put(("stopped", cfg.producer_id, {"done": False}))
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     except (DataError, ValueError, OSError) as err:
-        events.put(("error", cfg.producer_id, f"{type(err).__name__}: {_one_line(err)}", 2))
-        wlog.error("producer %s failed: %s", cfg.producer_id, _one_line(err), exc_info=debug)
-        sys.exit(2)
+        events.put(("error", cfg.producer_id, f"{type(err).__name__}: {one_line(err)}", EXIT_USAGE))
+        wlog.error("producer %s failed: %s", cfg.producer_id, one_line(err), exc_info=debug)
+        sys.exit(EXIT_USAGE)
     except BaseException as err:
-        events.put(("error", cfg.producer_id, f"{type(err).__name__}: {_one_line(err)}", 1))
-        wlog.error("producer %s failed: %s", cfg.producer_id, _one_line(err), exc_info=debug)
-        sys.exit(1)
+        events.put(("error", cfg.producer_id, f"{type(err).__name__}: {one_line(err)}", EXIT_FAILURE))
+        wlog.error("producer %s failed: %s", cfg.producer_id, one_line(err), exc_info=debug)
+        sys.exit(EXIT_FAILURE)
     kind = "aborted" if result.get("aborted") else "done" if result["done"] else "stopped"
     events.put((kind, cfg.producer_id, result))
 
 
-def _one_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
-
-
 class Progress:
     """Aggregates worker heartbeats into one line (and a tqdm bar on a terminal)."""
-
     def __init__(self, spool, ids: list[str], every_s: float):
         self.spool, self.every_s = spool, every_s
         self.hb: dict[str, dict] = {i: {} for i in ids}
         self.t0 = self.last = time.monotonic()
         self.bar = None
         if sys.stderr.isatty():
-            from tqdm import tqdm
 
             self.bar = tqdm(total=0, unit="sample", desc="produce", dynamic_ncols=True)
 
@@ -123,8 +130,6 @@ class Progress:
             self.bar.set_postfix_str(self._rates(), refresh=True)
 
     def _rates(self) -> str:
-        from dflash.common.metrics import format_bytes, format_rate
-
         tok_s = sum(h.get("tok_s", 0.0) for h in self.hb.values())
         ready = sum(1 for _ in self.spool.ready_dir.iterdir()) if self.spool.ready_dir.is_dir() else 0
         return f"{format_rate(tok_s)} tok/s | spool {ready} shards / {format_bytes(self.spool.total_bytes())}"
@@ -133,8 +138,6 @@ class Progress:
         now = time.monotonic()
         if self.bar is not None or (not force and now - self.last < self.every_s):
             return
-        from dflash.common.metrics import format_duration
-
         self.last = now
         total = sum(h.get("total", 0) for h in self.hb.values())
         done = sum(h.get("samples", 0) + h.get("dropped", 0) for h in self.hb.values())
@@ -154,7 +157,8 @@ class Progress:
             self.bar.close()
 
 
-def _merge_summaries(summaries: list[dict]) -> dict:
+def merge_summaries(summaries: list[dict]) -> dict:
+    """The workers' tokenization summaries as one: counts summed, reasons by count, the earliest example."""
     out = {"rows": 0, "ok": 0, "dropped": 0, "skipped": 0, "reasons": {}, "first": {}}
     for sm in summaries:
         for k in ("rows", "ok", "dropped", "skipped"):
@@ -169,112 +173,120 @@ def _merge_summaries(summaries: list[dict]) -> dict:
     return out
 
 
-def _supervise(cfgs, workers: list[Worker], spool, args) -> int:
-    from dflash.common.target.data import format_drops
+def _say(text: str) -> None:
+    print(f"{PROG}: {text}", file=sys.stderr, flush=True)
 
-    ctx = mp.get_context("spawn")
-    events = ctx.Queue()
-    go, abort = ctx.Event(), ctx.Event()
-    procs = {}
-    for cfg, w in zip(cfgs, workers, strict=True):
-        proc = ctx.Process(
-            target=_worker_entry,
-            args=(cfg, w.cuda_index, events, args.log_level, os.getpid(), go, abort),
-            name=w.producer_id,
-        )
-        proc.start()
-        procs[w.producer_id] = proc
-    progress = Progress(spool, list(procs), args.progress_s)
-    outcome: dict[str, tuple] = {}
-    tokenized: dict[str, dict] = {}
-    no_data: str | None = None
-    stopping = False
 
-    def on_signal(signum, frame):
-        nonlocal stopping
-        stopping = True
-        for p in procs.values():
+class Supervisor:
+    """The workers of one launch, from spawn to exit status."""
+    def __init__(self, prepared: Launch, launch: LaunchConfig):
+        self.prepared, self.launch = prepared, launch
+        ctx = mp.get_context("spawn")
+        self.events = ctx.Queue()
+        self.go, self.abort = ctx.Event(), ctx.Event()
+        self.procs: dict[str, mp.Process] = {}
+        for cfg, w in zip(prepared.configs, prepared.workers, strict=True):
+            proc = ctx.Process(
+                target=_worker_entry,
+                args=(cfg, w.cuda_index, self.events, launch.log_level, os.getpid(), self.go, self.abort),
+                name=w.producer_id,
+            )
+            proc.start()
+            self.procs[w.producer_id] = proc
+        self.progress = Progress(prepared.spool, list(self.procs), launch.progress_s)
+        self.outcome: dict[str, tuple] = {}
+        self.tokenized: dict[str, dict] = {}
+        self.no_data: str | None = None
+        self.stopping = False
+
+    def on_signal(self, signum, frame) -> None:
+        self.stopping = True
+        for p in self.procs.values():
             if p.is_alive() and p.pid is not None:
                 os.kill(p.pid, signal.SIGTERM)
 
-    def decide() -> None:
+    def decide(self) -> None:
         """Every worker tokenized (or died): go on, or abort when the dataset yields nothing to train."""
-        nonlocal no_data
-        summary = _merge_summaries(list(tokenized.values()))
-        print(f"{PROG}: {summary['ok']} trainable rows; {format_drops(summary)}", file=sys.stderr, flush=True)
-        if summary["ok"] == 0 and args.num_nodes == 1 and len(tokenized) == len(procs):
-            no_data = f"no trainable sample in dataset {args.dataset}: {format_drops(summary)}"
-            abort.set()
-        elif len(tokenized) == len(procs):  # what this node's slices give, for the consumers' plan
-            campaign = {k: sum(int(t["campaign"][k]) for t in tokenized.values()) for k in ("samples", "tokens", "loss_tokens")}  # fmt: skip
-            spool.write_campaign(
-                args.node_rank,
-                {**campaign, "epochs": args.epochs, "node_rank": args.node_rank, "num_nodes": args.num_nodes},
+        summary = merge_summaries(list(self.tokenized.values()))
+        _say(f"{summary['ok']} trainable rows; {format_drops(summary)}")
+        everyone = len(self.tokenized) == len(self.procs)
+        if summary["ok"] == 0 and self.launch.num_nodes == 1 and everyone:
+            self.no_data = f"no trainable sample in dataset {self.prepared.data.dataset}: {format_drops(summary)}"
+            self.abort.set()
+        elif everyone:  # what this node's slices give, for the consumers' plan
+            campaign = {k: sum(int(t["campaign"][k]) for t in self.tokenized.values()) for k in ("samples", "tokens", "loss_tokens")}  # fmt: skip
+            epochs = self.prepared.configs[0].epochs
+            self.prepared.spool.write_campaign(
+                self.launch.node_rank,
+                {**campaign, "epochs": epochs, "node_rank": self.launch.node_rank, "num_nodes": self.launch.num_nodes},
             )
-        go.set()
+        self.go.set()
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        while any(p.is_alive() for p in procs.values()) or not events.empty():
+    def watch(self) -> None:
+        """Relay events until every worker has ended and the queue is empty."""
+        while any(p.is_alive() for p in self.procs.values()) or not self.events.empty():
             try:
-                kind, pid, payload, *rest = events.get(timeout=0.5)
+                kind, pid, payload, *rest = self.events.get(timeout=0.5)
             except queue.Empty:
                 kind = None
             if kind == "hb":
-                progress.update(pid, payload)
+                self.progress.update(pid, payload)
             elif kind == "tokenized":
-                tokenized[pid] = payload
+                self.tokenized[pid] = payload
             elif kind is not None:
-                outcome[pid] = (kind, payload, *rest)
+                self.outcome[pid] = (kind, payload, *rest)
                 if kind == "error":
                     log.error("worker %s failed: %s (the other workers finish their slices)", pid, payload)
-            if not go.is_set() and not stopping:  # a stop: the waiting workers see it and end
+            if not self.go.is_set() and not self.stopping:  # a stop: the waiting workers see it and end
                 pending = [
-                    i for i, p in procs.items() if i not in tokenized and p.is_alive() and i not in outcome
+                    i for i, p in self.procs.items() if i not in self.tokenized and p.is_alive() and i not in self.outcome
                 ]
                 if not pending:
-                    decide()
-            progress.maybe_print()
-        for p in procs.values():
+                    self.decide()
+            self.progress.maybe_print()
+        for p in self.procs.values():
             p.join()
+
+    def exit_status(self) -> int:
+        """0 done, 2 user error (every failure a user error, or no data), 1 a failure, 130 stopped."""
+        if self.no_data is not None:
+            _say(f"error: {self.no_data}")
+            return EXIT_USAGE
+        self.progress.maybe_print(force=True)
+        failed, codes = [], []
+        for pid, p in self.procs.items():
+            kind, payload, *rest = self.outcome.get(pid, (None, None))
+            if kind == "error":
+                failed.append(f"{pid}: {payload}")
+                codes.append(rest[0] if rest else EXIT_FAILURE)
+            elif kind is None and not self.stopping:  # died without a word: kill -9, OOM killer, segfault
+                failed.append(f"{pid}: exited with code {p.exitcode} without a report")
+                codes.append(EXIT_FAILURE)
+            elif kind == "done" and p.exitcode != 0 and not self.stopping:
+                failed.append(f"{pid}: exited with code {p.exitcode} after its last shard")
+                codes.append(EXIT_FAILURE)
+        if failed:
+            _say(f"error: {len(failed)} worker(s) failed: " + "; ".join(failed))
+            return EXIT_USAGE if all(c == EXIT_USAGE for c in codes) else EXIT_FAILURE
+        if len(self.outcome) < len(self.procs) or any(o[0] != "done" for o in self.outcome.values()):
+            _say("stopped before the end (no DONE markers for stopped workers)")  # a late signal is no stop
+            return EXIT_INTERRUPTED
+        totals = {
+            k: sum(int(o[1].get(k, 0)) for o in self.outcome.values())
+            for k in ("samples", "tokens", "shards", "dropped", "bad", "short", "skipped")
+        }
+        _say("done: " + " ".join(f"{k}={v}" for k, v in totals.items()))
+        return 0
+
+
+def supervise(prepared: Launch, launch: LaunchConfig) -> int:
+    """Run the launch's workers to their end; the launch's exit status."""
+    sup = Supervisor(prepared, launch)
+    old = {s: signal.signal(s, sup.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        sup.watch()
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        progress.close()
-    if no_data is not None:
-        print(f"{PROG}: error: {no_data}", file=sys.stderr, flush=True)
-        return 2
-    progress.maybe_print(force=True)
-    failed, codes = [], []
-    for pid, p in procs.items():
-        kind, payload, *rest = outcome.get(pid, (None, None))
-        if kind == "error":
-            failed.append(f"{pid}: {payload}")
-            codes.append(rest[0] if rest else 1)
-        elif kind is None and not stopping:  # died without a word: kill -9, OOM killer, segfault
-            failed.append(f"{pid}: exited with code {p.exitcode} without a report")
-            codes.append(1)
-        elif kind == "done" and p.exitcode != 0 and not stopping:
-            failed.append(f"{pid}: exited with code {p.exitcode} after its last shard")
-            codes.append(1)
-    if failed:
-        code = 2 if all(c == 2 for c in codes) else 1
-        print(
-            f"{PROG}: error: {len(failed)} worker(s) failed: " + "; ".join(failed),
-            file=sys.stderr,
-            flush=True,
-        )
-        return code
-    if len(outcome) < len(procs) or any(o[0] != "done" for o in outcome.values()):  # a late signal is no stop
-        print(
-            f"{PROG}: stopped before the end (no DONE markers for stopped workers)",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 130
-    totals = {
-        k: sum(int(o[1].get(k, 0)) for o in outcome.values())
-        for k in ("samples", "tokens", "shards", "dropped", "bad", "short", "skipped")
-    }
-    print(f"{PROG}: done: " + " ".join(f"{k}={v}" for k, v in totals.items()), file=sys.stderr, flush=True)
-    return 0
+        sup.progress.close()
+    return sup.exit_status()

@@ -24,16 +24,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash.common.contract.epochs import Epochs
+from dflash.common.contract.names import shard_name
 from dflash.common.contract.sample_set import SampleSet
+from dflash.common.contract.shard_writer import write_shard
+from dflash.common.contract.spool import Spool
+from dflash.common.drafter.layers import default_target_layer_ids
+from dflash.common.metrics import MetricsLog
 from dflash.common.target.capture import LayerCapture, find_decoder
-from dflash.common.target.data import (
-    check_tokenizer,
-    load_raw_dataset,
-    slice_indices,
-    tokenize_slice,
-)
+from dflash.common.target.chat import campaign_counts, check_tokenizer, drop_summary, tokenize_slice
+from dflash.common.target.data import conversation_column, load_raw_dataset, slice_indices
 from dflash.producer.buckets import Batch, Bucketer, Sample
 from dflash.producer.config import ProducerConfig
 from dflash.producer.writers import Counters, _Job, _Writers, shard_of
@@ -94,9 +96,6 @@ def write_held_out(
 ) -> int:
     """Forward the held-out samples and write them as eval shards into the spool's eval/ folder (no
     trainer claims them; consumers read them for the decode-order τ). Returns the samples written."""
-    from dflash.common.contract.names import shard_name
-    from dflash.common.contract.shard import write_shard
-
     device = torch.device(cfg.device)
     meta_kw = dict(target_model=cfg.target_name or cfg.model, layer_ids=capture.layer_ids,
                    hidden_size=capture.hidden_size, producer_id=cfg.producer_id)  # fmt: skip
@@ -128,7 +127,6 @@ def _forward_batch(capture: LayerCapture, batch: Batch, device: torch.device, pa
 
 class _Heartbeat:
     """Rate-limited heartbeat: spool state file, metrics JSONL, and a callback (the CLI's progress)."""
-
     def __init__(self, cfg: ProducerConfig, spool, counters: Counters, on_heartbeat: Callable | None):
         self.cfg, self.spool, self.counters, self.on_heartbeat = cfg, spool, counters, on_heartbeat
         self.device = torch.device(cfg.device)
@@ -136,7 +134,6 @@ class _Heartbeat:
         self.last_tokens = 0.0
         self.metrics = None
         if cfg.run_dir:
-            from dflash.common.metrics import MetricsLog
 
             self.metrics = MetricsLog(Path(cfg.run_dir) / "metrics" / f"producer-{cfg.producer_id}.jsonl")
 
@@ -170,7 +167,6 @@ class _Heartbeat:
 
 
 def _load_target(cfg: ProducerConfig) -> LayerCapture:
-    from transformers import AutoModelForCausalLM
 
     kw: dict = {"dtype": cfg.torch_dtype()}
     if cfg.device.startswith("cuda"):
@@ -178,7 +174,6 @@ def _load_target(cfg: ProducerConfig) -> LayerCapture:
     model = AutoModelForCausalLM.from_pretrained(cfg.model, **kw).eval()
     num_layers = len(find_decoder(model)[1])
     if cfg.layer_ids is None:
-        from dflash.common.target.layers import default_target_layer_ids
 
         layer_ids = default_target_layer_ids(num_layers)
     else:
@@ -203,9 +198,6 @@ def run_producer(
     tokenized, before the target loads; returning False aborts (no DONE marker, result "aborted": True):
     dflash-produce uses it to stop a run whose dataset yields no trainable sample.
     """
-    from transformers import AutoTokenizer
-
-    from dflash.common.contract.spool import Spool
 
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
@@ -234,7 +226,6 @@ def run_producer(
     # total - samples - dropped = what is left to produce
     counters.add(**counts, total=len(ids) + counts["dropped"])
     if on_tokenized is not None:
-        from dflash.common.target.data import campaign_counts, conversation_column, drop_summary
 
         summary = drop_summary(
             tok_ds, ds, conversation_column(ds, cfg.data.format), min_loss_tokens=cfg.data.min_loss_tokens
@@ -278,8 +269,6 @@ def produce(
 ) -> dict:
     """The producer loop over ready-made samples (run_producer's core; the benchmark calls it directly):
     buckets -> forward -> D2H -> writer thread -> spool; DONE marker if it ran to the end."""
-    from dflash.common.contract.spool import Spool
-
     stop = stop or threading.Event()
     counters = counters or Counters()
     spool = Spool(cfg.spool)
@@ -310,24 +299,9 @@ def produce(
                 packed = _forward_batch(capture, batch, device, pad_id)
                 num_tokens = packed.shape[0]
                 t_wait = time.monotonic()
-                if device.type == "cuda":
-                    buf = _blocking(writer, stop, heartbeat, lambda t: writer.free.get(timeout=t))
-                    if buf is None:
-                        break
-                    host = buf[:num_tokens]
-                    host.copy_(packed, non_blocking=True)
-                    event = torch.cuda.Event()
-                    event.record()
-                    job = _Job(batch=batch, hidden=host, event=event, buffer=buf, seq=writer.next_seq())
-                else:
-                    job = _Job(batch=batch, hidden=packed, event=None, buffer=None, seq=writer.next_seq())
-                del packed
-                if not _blocking(
-                    writer, stop, heartbeat, lambda t, job=job: writer.jobs.put(job, timeout=t) or True
-                ):
-                    if job.buffer is not None:
-                        writer.free.put(job.buffer)
+                if not _hand_off(batch, packed, writer, stop, heartbeat, device):
                     break
+                del packed
                 # launch_s: host time to queue the forward (async on CUDA); main_wait_s: blocked on the writer.
                 counters.add(
                     fwd_samples=len(batch.samples),
@@ -351,6 +325,30 @@ def produce(
     result = {**counters.snapshot(), "done": finished, "padding_waste": bucketer.padding_waste}
     log.info("producer %s %s: %s", cfg.producer_id, "done" if finished else "stopped", result)
     return result
+
+
+def _hand_off(batch: Batch, packed: torch.Tensor, writer: _Writers, stop, heartbeat, device: torch.device) -> bool:
+    """Queue one forward's features for the writer threads; False when stopping (or the writer failed).
+
+    On CUDA the features are copied into a free pinned buffer with an async D2H copy and an event the
+    writer waits on, so the main thread never blocks on the GPU here and queues the next forward at once.
+    """
+    if device.type == "cuda":
+        buf = _blocking(writer, stop, heartbeat, lambda t: writer.free.get(timeout=t))
+        if buf is None:
+            return False
+        host = buf[: packed.shape[0]]
+        host.copy_(packed, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        job = _Job(batch=batch, hidden=host, event=event, buffer=buf, seq=writer.next_seq())
+    else:
+        job = _Job(batch=batch, hidden=packed, event=None, buffer=None, seq=writer.next_seq())
+    if not _blocking(writer, stop, heartbeat, lambda t: writer.jobs.put(job, timeout=t) or True):
+        if job.buffer is not None:
+            writer.free.put(job.buffer)
+        return False
+    return True
 
 
 def _all_batches(samples: Iterable[Sample], bucketer: Bucketer) -> Iterator[Batch]:

@@ -1,4 +1,6 @@
-"""TODO docstring: split from producer/worker.py."""
+"""The producer's shard writers: threads that wait for a batch's device-to-host copy, encode it as a shard
+(zarr + zstd, outside the GIL) and publish it into the spool under its byte budget. They never run model
+code, so the forward of the next batch overlaps the writing of this one."""
 
 from __future__ import annotations
 
@@ -11,6 +13,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dflash.common.contract.names import shard_name
+from dflash.common.contract.shard import CodecConfig, Shard, ShardMeta
+from dflash.common.contract.shard_writer import write_shard
+from dflash.common.contract.spool import Spool
 from dflash.producer.buckets import Batch
 from dflash.producer.config import ProducerConfig
 
@@ -20,7 +26,6 @@ log = logging.getLogger(__name__)
 @dataclass
 class _Job:
     """One forward batch on its way to the writer thread."""
-
     batch: Batch
     hidden: torch.Tensor  # bf16 [T, K*H] on the host (a view of a pinned buffer on CUDA)
     event: torch.cuda.Event | None
@@ -30,7 +35,6 @@ class _Job:
 
 class Counters:
     """Thread-safe counters reported in heartbeats and metrics."""
-
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.values: dict[str, float] = dict.fromkeys(
@@ -50,8 +54,6 @@ class Counters:
 
 def shard_of(batch: Batch, hidden: torch.Tensor, meta_kw: dict):
     """The Shard of one forward batch: its samples back to back, their features ``hidden`` [T, K*H]."""
-    from dflash.common.contract.shard import Shard, ShardMeta
-
     samples = batch.samples
     lengths = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
     cu = np.zeros(len(samples) + 1, dtype=np.int64)
@@ -74,10 +76,7 @@ class _Writers:
     outside the GIL, so threads scale. Shards may be published out of order; names stay unique because
     the main thread assigns sequence numbers.
     """
-
     def __init__(self, cfg: ProducerConfig, meta_kw: dict, counters: Counters, stop: threading.Event):
-        from dflash.common.contract.shard import CodecConfig
-        from dflash.common.contract.spool import Spool
 
         self.cfg, self.meta_kw, self.counters, self.stop = cfg, meta_kw, counters, stop
         self.codec = CodecConfig.parse(cfg.codec) if cfg.codec else None
@@ -112,7 +111,6 @@ class _Writers:
             t.join()
 
     def _run(self) -> None:
-        from dflash.common.contract.spool import Spool
 
         spool = Spool(self.cfg.spool)  # one per thread: Spool caches are not shared across threads
         while (job := self.jobs.get()) is not None:
@@ -155,8 +153,6 @@ class _Writers:
             return True
 
     def _write(self, spool, job: _Job) -> None:
-        from dflash.common.contract.names import shard_name
-        from dflash.common.contract.shard import write_shard
 
         if job.event is not None:
             t0 = time.monotonic()

@@ -103,7 +103,8 @@ def eligible_lengths(
     """Row -> tokens of every sample the producers keep (a clean tokenization pass, the producers' settings)."""
     from transformers import AutoTokenizer
 
-    from dflash.common.target.data import DataConfig, load_raw_dataset, tokenize_slice
+    from dflash.common.target.chat import tokenize_slice
+    from dflash.common.target.data import DataConfig, load_raw_dataset
 
     cfg = DataConfig(
         dataset=str(data), max_length=max_length, min_loss_tokens=min_loss_tokens, cache_dir=str(cache)

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from dflash.common.contract.names import shard_name
-from dflash.common.contract.shard import Shard, ShardMeta, write_shard
+from dflash.common.contract.shard import Shard, ShardMeta
+from dflash.common.contract.shard_writer import write_shard
 from dflash.common.contract.spool import Spool
 
 REPO = Path(__file__).resolve().parents[1]

@@ -121,7 +121,7 @@ def test_template_failures_are_a_reason_of_their_own(tiny_tokenizer):
     """A chat template that raises for a row: that row is dropped as "template error", the others pass."""
     import datasets
 
-    from dflash.common.target.data import _Tokenize, drop_summary
+    from dflash.common.target.chat import _Tokenize, drop_summary
 
     class Fussy:  # the real tokenizer, but its template refuses one conversation
         def __init__(self, tok):
@@ -166,8 +166,9 @@ def test_quarantined_samples_are_said_and_the_next_launch_trains_them(tmp_path, 
     (and the metrics, and dflash-status) how many samples were lost; the next launch of the run
     (ops/run_all.sh, the same spool and checkpoint) produces exactly those and trains them."""
     from dflash.common.checkpoints.load import load_checkpoint
-    from dflash.common.contract.shard import read_sample_index
-    from dflash.tools.status import collect, render
+    from dflash.common.contract.shard_reader import read_sample_index
+    from dflash.tools.status import collect
+    from dflash.tools.status_render import render
 
     rows = _demo_rows(16)
     data = tmp_path / "data.jsonl"

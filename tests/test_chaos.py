@@ -366,7 +366,8 @@ def _eligible(data: Path, target: Path, cache: Path) -> set[int]:
     """The samples producers keep, from a clean single tokenization pass with the producers' settings."""
     from transformers import AutoTokenizer
 
-    from dflash.common.target.data import DataConfig, load_raw_dataset, tokenize_slice
+    from dflash.common.target.chat import tokenize_slice
+    from dflash.common.target.data import DataConfig, load_raw_dataset
 
     cfg = DataConfig(
         dataset=str(data), max_length=MAX_LENGTH, min_loss_tokens=MIN_LOSS_TOKENS, cache_dir=str(cache)

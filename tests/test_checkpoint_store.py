@@ -10,7 +10,6 @@ import shutil
 import botocore.exceptions
 import pytest
 
-from dflash.common.checkpoints.redact import redact, redact_config
 from dflash.common.checkpoints.s3 import S3Options, S3Store
 from dflash.common.checkpoints.store import (
     CheckpointStoreError,
@@ -18,6 +17,7 @@ from dflash.common.checkpoints.store import (
     StoreKeyNotFoundError,
     open_store,
 )
+from dflash.common.redact import redact, redact_config
 
 FAST = S3Options(backoff_s=0.01, max_backoff_s=0.05, multipart_threshold_mb=5, multipart_chunk_mb=5)
 

@@ -111,8 +111,8 @@ def test_help_is_plain_text(probes, name):
 
 
 def test_export_dtype_choices_match_the_exporter():
-    """export_cli lists the dtype names without importing torch; they must be the exporter's."""
-    from dflash.tools.export.cli import DTYPE_NAMES
+    """the export config lists the dtype names without importing torch; they must be the exporter's."""
+    from dflash.tools.export.config import DTYPE_NAMES
     from dflash.tools.export.run import DTYPES
 
     assert sorted(DTYPE_NAMES) == sorted(DTYPES)

@@ -10,7 +10,7 @@ import torch
 from test_evaluate import OracleProposer, _manual_greedy
 
 from dflash.common.drafter.config import DrafterConfig
-from dflash.common.drafter.decode import DrafterProposer, speculative_generate, summarize
+from dflash.common.drafter.decode import DrafterProposer, summarize
 from dflash.common.drafter.decode_tau import (
     HeldOutDoc,
     batched_teacher_forced_generate,
@@ -21,6 +21,7 @@ from dflash.common.drafter.decode_tau import (
 from dflash.common.drafter.model import DFlashDrafter
 from dflash.common.target.head import load_target_head
 from dflash.common.target.runner import TargetRunner
+from dflash.common.target.speculative import speculative_generate
 from dflash.tools.demo.assets import build_tiny_target, demo_dataset_path, tiny_target_dir
 from dflash.tools.eval.run import load_prompts
 
@@ -154,7 +155,7 @@ def test_the_batched_walk_equals_each_document_walked_alone(setup, drafter):
 
 
 def test_periodic_evaluations_keep_to_their_share_of_the_run():
-    from dflash.common.drafter.decode_tau import EvalBudget
+    from dflash.consumer.held_out import EvalBudget
 
     budget = EvalBudget(0.03)
     assert budget.allows(0.0)  # nothing measured yet: the first one runs

@@ -12,7 +12,7 @@ import sys
 from pipeline_helpers import cpu_env
 
 from dflash.common.metrics import read_metrics
-from dflash.tools.demo.demo import QUICK
+from dflash.tools.demo.config import QUICK
 
 # Measured on a shared 2-core box (docs/benchmarks.md): quick runs (2 epochs, ~117 steps) give held-out
 # τ 1.00 before and 1.17 after (the full demo, 12 epochs: ~1.4). MIN_TAU_GAIN is half the measured gain:
@@ -53,7 +53,7 @@ def test_demo_trains_a_better_drafter_talks_checkpoints_to_s3_and_leaves_nothing
         [
             sys.executable,
             "-m",
-            "dflash.tools.demo.demo",
+            "dflash.tools.demo.cli",
             "--quick",
             "--run-dir",
             str(run_dir),

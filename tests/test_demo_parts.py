@@ -66,7 +66,7 @@ def test_the_split_files_hold_the_spooled_held_out_rows_and_the_rest(tmp_path):
 
 def test_untrained_drafter_is_the_consumers_initialization(tmp_path, tiny_target):
     """The demo's "τ before" drafter has the very weights a fresh dflash-consume starts from."""
-    from dflash.common.drafter.hf_format import load_exported_drafter
+    from dflash.common.target.attach import load_exported_drafter
     from dflash.consumer.config import TrainConfig
     from dflash.consumer.trainer import Trainer
     from dflash.tools.demo.evaluation import export_initial_drafter

@@ -13,9 +13,9 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from dflash.common.drafter.batch import build_draft_batch, pack_samples
 from dflash.common.drafter.config import DrafterConfig, choose_mask_token_id
+from dflash.common.drafter.layers import default_target_layer_ids
 from dflash.common.drafter.model import DFlashDrafter, TargetHead
 from dflash.common.target.head import load_target_head
-from dflash.common.target.layers import default_target_layer_ids
 
 # eager flex_attention on CPU (the cross-check backend) warns that it is unfused; expected here
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -59,7 +59,7 @@ def test_default_target_layer_ids_match_public_rule():
 
 
 def test_drafter_config_uses_the_producers_layer_rule():
-    """The drafter's default context layers are the producer's (one rule, dflash.common.target.layers)."""
+    """The drafter's default context layers are the producer's (one rule, dflash.common.drafter.layers)."""
     from transformers import Qwen3Config
 
     cfg = DrafterConfig.from_target_config(
@@ -278,12 +278,14 @@ class RecordingSafeOpen:
 def test_load_target_head_reads_only_embed_and_lm_head(tmp_path, monkeypatch, tied, sharded):
     import safetensors
 
+    from dflash.common.target import head as head_mod
+
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(tiny_target_config(tie_word_embeddings=tied, num_hidden_layers=2))
     model.save_pretrained(tmp_path, max_shard_size="20KB" if sharded else "1GB")
     assert (tmp_path / "model.safetensors.index.json").exists() == sharded
     recorder = RecordingSafeOpen(safetensors.safe_open)
-    monkeypatch.setattr(safetensors, "safe_open", recorder)
+    monkeypatch.setattr(head_mod, "safe_open", recorder)  # the name head.py reads with
     head = load_target_head(tmp_path, dtype=torch.float32)
     assert head.tied == tied
     assert sorted(recorder.read) == sorted(

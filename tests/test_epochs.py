@@ -9,7 +9,8 @@ import pytest
 
 from dflash.common.contract.epochs import Campaign, Epochs
 from dflash.common.contract.sample_set import SampleSet
-from dflash.common.target.data import campaign_counts, slice_indices
+from dflash.common.target.chat import campaign_counts
+from dflash.common.target.data import slice_indices
 from dflash.consumer.campaign import WarmupCosine
 from dflash.producer.worker import plan_epochs
 

@@ -12,16 +12,11 @@ import torch
 
 from dflash.common.drafter.batch import build_draft_batch, pack_samples
 from dflash.common.drafter.config import DrafterConfig
-from dflash.common.drafter.decode import (
-    DrafterProposer,
-    Generation,
-    greedy_generate,
-    speculative_generate,
-    summarize,
-)
+from dflash.common.drafter.decode import DrafterProposer, Generation, summarize
 from dflash.common.drafter.model import DFlashDrafter, TargetHead
 from dflash.common.target.head import load_target_head
 from dflash.common.target.runner import TargetRunner
+from dflash.common.target.speculative import greedy_generate, speculative_generate
 from dflash.tools.demo.assets import (
     build_tiny_target,
     demo_dataset_path,
@@ -444,7 +439,8 @@ def test_cuda_lossless_fp32_and_bf16_report(tmp_path, tokenizer):
     """On CUDA: fp32 speculative decoding equals greedy decoding token for token; the bf16 export path runs
     end to end (bf16 numbers are reported, not asserted: a 16-token verify forward and a 1-token forward
     round differently, so greedy ties can flip)."""
-    from dflash.common.drafter.hf_format import export_drafter, load_exported_drafter
+    from dflash.common.drafter.hf_format import export_drafter
+    from dflash.common.target.attach import load_exported_drafter
     from dflash.tools.eval.run import evaluate, format_table
 
     msgs = [

@@ -21,9 +21,9 @@ from dflash.common.drafter.hf_format import (
     drafter_config_from_export,
     export_config,
     export_drafter,
-    load_exported_drafter,
 )
 from dflash.common.drafter.model import DFlashDrafter
+from dflash.common.target.attach import load_exported_drafter
 from dflash.common.target.head import load_target_head
 from dflash.tools.demo.assets import build_tiny_target
 from dflash.tools.export.cli import main

@@ -34,7 +34,8 @@ from ledger_audit import read_jsonl
 from pipeline_helpers import BIN, REPO, consume_cmd, cpu_env
 
 from dflash.common.contract.names import shard_name
-from dflash.common.contract.shard import Shard, ShardMeta, write_shard
+from dflash.common.contract.shard import Shard, ShardMeta
+from dflash.common.contract.shard_writer import write_shard
 from dflash.common.contract.spool import Spool
 from dflash.tools.demo.assets import demo_dataset_path
 
@@ -79,7 +80,8 @@ def _eligible(data: Path, target: Path, cache: Path, *, max_length: int) -> set[
     """Samples a producer keeps (min_loss_tokens = 2 x block size, as dflash-produce sets it)."""
     from transformers import AutoTokenizer
 
-    from dflash.common.target.data import DataConfig, load_raw_dataset, tokenize_slice
+    from dflash.common.target.chat import tokenize_slice
+    from dflash.common.target.data import DataConfig, load_raw_dataset
 
     cfg = DataConfig(dataset=str(data), max_length=max_length, min_loss_tokens=32, cache_dir=str(cache))
     ds = load_raw_dataset(cfg)
@@ -755,7 +757,8 @@ def test_fuzzed_rows_never_crash_tokenization_and_bad_rows_are_counted(tiny_toke
     import datasets
 
     from dflash.common.contract.epochs import Epochs
-    from dflash.common.target.data import _RAW, _Tokenize
+    from dflash.common.target.chat import _Tokenize
+    from dflash.common.target.data import _RAW
     from dflash.producer.worker import _samples, plan_epochs
 
     max_length, min_loss = 64, 8

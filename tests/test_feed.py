@@ -9,7 +9,8 @@ import torch
 
 from dflash.common.contract.names import shard_name
 from dflash.common.contract.sample_set import SampleSet
-from dflash.common.contract.shard import Shard, ShardMeta, write_shard
+from dflash.common.contract.shard import Shard, ShardMeta
+from dflash.common.contract.shard_writer import write_shard
 from dflash.common.contract.spool import Spool
 from dflash.consumer.feed import ShardFeed
 

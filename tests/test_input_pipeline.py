@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from dflash.common.contract.names import shard_name
-from dflash.common.contract.shard import Shard, ShardMeta, write_shard
+from dflash.common.contract.shard import Shard, ShardMeta
+from dflash.common.contract.shard_writer import write_shard
 from dflash.common.contract.spool import Spool
 from dflash.common.drafter.batch import DraftBatch, build_draft_batch, pack_samples
 from dflash.consumer.feed import ShardFeed

@@ -15,10 +15,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash.common.contract.sample_set import SampleSet
-from dflash.common.contract.shard import read_shard
+from dflash.common.contract.shard_reader import read_shard
 from dflash.common.target.capture import LayerCapture
-from dflash.common.target.data import tokenize_conversations
-from dflash.producer.cli import main, parse_gpus
+from dflash.common.target.chat import tokenize_conversations
+from dflash.producer.cli import main
+from dflash.producer.launch import parse_gpus
 from dflash.tools.demo.assets import demo_dataset_path, materialize_tiny_target
 
 MAX_LENGTH = 128

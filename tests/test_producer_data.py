@@ -9,16 +9,18 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from dflash.common.target.chat import (
+    check_tokenizer,
+    has_generation_tags,
+    tokenize_conversations,
+    tokenize_slice,
+)
 from dflash.common.target.data import (
     DataConfig,
     DataError,
-    check_tokenizer,
     conversation_column,
-    has_generation_tags,
     load_raw_dataset,
     slice_indices,
-    tokenize_conversations,
-    tokenize_slice,
 )
 from dflash.tools.demo.assets import demo_dataset_path, tiny_target_dir
 

@@ -27,7 +27,7 @@ def test_bf16_capture_equals_hidden_states_on_cuda():
 
 
 def test_produce_on_cuda_stores_each_samples_states(tmp_path):
-    from dflash.common.contract.shard import read_shard
+    from dflash.common.contract.shard_reader import read_shard
     from dflash.producer.config import ProducerConfig
     from dflash.producer.worker import produce
 

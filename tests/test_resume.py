@@ -19,7 +19,7 @@ import time
 from pipeline_helpers import REPO, cpu_env
 
 from dflash.common.checkpoints.load import list_steps, load_checkpoint
-from dflash.common.contract.shard import read_shard
+from dflash.common.contract.shard_reader import read_shard
 from dflash.consumer.campaign import WarmupCosine
 
 RUN = "resume"

@@ -20,11 +20,9 @@ from dflash.common.contract.shard import (
     ShardFormatError,
     ShardMeta,
     hidden_chunk_rows,
-    read_shard,
-    read_shard_meta,
-    shard_nbytes,
-    write_shard,
 )
+from dflash.common.contract.shard_reader import read_shard, read_shard_meta, shard_nbytes
+from dflash.common.contract.shard_writer import write_shard
 
 CODECS = ["none", "zstd:1", "zstd:3", "zstd:1:shuffle", "zstd:3:shuffle"]
 LAYER_IDS = [1, 4]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from dflash.common.contract import liveness, spool_scan
 from dflash.common.contract import spool as spool_mod
 from dflash.common.contract.liveness import heartbeat_alive
 from dflash.common.contract.names import parse_shard_name, shard_name
@@ -280,10 +281,10 @@ def _write_heartbeat(sp: Spool, cid: str, **override) -> None:
         "role": "consumer",
         "id": cid,
         "pid": os.getpid(),
-        "host": spool_mod.HOST,
-        "boot_id": spool_mod.BOOT_ID,
+        "host": liveness.HOST,
+        "boot_id": liveness.BOOT_ID,
     }
-    hb["start_ticks"] = spool_mod._proc_stat(os.getpid())[1]
+    hb["start_ticks"] = liveness._proc_stat(os.getpid())[1]
     hb["time"] = time.time()
     hb.update(override)
     (sp.state_dir / f"consumer-{cid}.json").write_text(json.dumps(hb))
@@ -301,12 +302,12 @@ def test_recover_dead_claims_by_pid_reuse_staleness_and_missing_heartbeat(tmp_pa
     claimer = Spool(tmp_path)
     now = time.time()
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])
-    while spool_mod._proc_stat(zombie.pid)[0] != "Z":
+    while liveness._proc_stat(zombie.pid)[0] != "Z":
         time.sleep(0.01)
     cases = {
         "gone": {"pid": _dead_pid()},
         "zombie": {"pid": zombie.pid, "start_ticks": None},
-        "reused": {"start_ticks": spool_mod._proc_stat(os.getpid())[1] - 1},  # our pid, another process
+        "reused": {"start_ticks": liveness._proc_stat(os.getpid())[1] - 1},  # our pid, another process
         "stale": {"time": now - 100},
         "rebooted": {"boot_id": "another-boot"},
         "alive": {},
@@ -330,9 +331,9 @@ def test_recover_dead_claims_by_pid_reuse_staleness_and_missing_heartbeat(tmp_pa
 
 
 def test_heartbeat_alive_rules():
-    me = {"pid": os.getpid(), "host": spool_mod.HOST, "boot_id": spool_mod.BOOT_ID, "time": time.time()}
+    me = {"pid": os.getpid(), "host": liveness.HOST, "boot_id": liveness.BOOT_ID, "time": time.time()}
     assert heartbeat_alive(me, timeout_s=10)
-    assert heartbeat_alive({**me, "start_ticks": spool_mod._proc_stat(os.getpid())[1]}, timeout_s=10)
+    assert heartbeat_alive({**me, "start_ticks": liveness._proc_stat(os.getpid())[1]}, timeout_s=10)
     assert not heartbeat_alive({**me, "pid": _dead_pid()}, timeout_s=10)
     assert not heartbeat_alive({**me, "time": time.time() - 11}, timeout_s=10)
 
@@ -398,8 +399,8 @@ def test_byte_accounting_per_state_and_bucket_and_cache(tmp_path, monkeypatch):
 
     # published shards are measured once; later polls only list directories (tmp/ is always walked)
     calls = []
-    real = spool_mod._entry_nbytes
-    monkeypatch.setattr(spool_mod, "_entry_nbytes", lambda p: calls.append(p) or real(p))
+    real = spool_scan._entry_nbytes
+    monkeypatch.setattr(spool_scan, "_entry_nbytes", lambda p: calls.append(p) or real(p))
     (t / "part2").write_bytes(b"\0" * 23)
     assert sp.total_bytes() == b1 + b2 + b3 + 100
     assert calls == [str(t)]
@@ -467,7 +468,7 @@ def test_heartbeat_state_and_rates(tmp_path, monkeypatch):
     clock[0] = 1002.0
     sp.heartbeat("producer", "p0", {"samples": 10, "tokens": 400, "note": "x"})
     hb = json.loads((sp.state_dir / "producer-p0.json").read_text())
-    assert hb["pid"] == os.getpid() and hb["host"] == spool_mod.HOST and hb["time"] == 1002.0
+    assert hb["pid"] == os.getpid() and hb["host"] == liveness.HOST and hb["time"] == 1002.0
     assert hb["counters"] == {"samples": 10, "tokens": 400, "note": "x"}
     assert hb["rates"] == {"samples": 5.0, "tokens": 200.0}
     clock[0] = 1010.0
@@ -504,7 +505,7 @@ def test_writer_killed_mid_write_in_process_simulation_leaves_ready_clean(tmp_pa
 
 def test_zombie_detection_sees_a_killed_unreaped_child():
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    hb = {"pid": p.pid, "host": spool_mod.HOST, "boot_id": spool_mod.BOOT_ID, "time": time.time()}
+    hb = {"pid": p.pid, "host": liveness.HOST, "boot_id": liveness.BOOT_ID, "time": time.time()}
     assert heartbeat_alive(hb, timeout_s=60)
     os.kill(p.pid, signal.SIGKILL)
     deadline = time.monotonic() + 30  # bounds the wait (below the 60 s staleness: the pid check decides)
@@ -517,7 +518,9 @@ def test_zombie_detection_sees_a_killed_unreaped_child():
 def test_undecodable_real_shard_is_quarantined_with_the_reader_error(tmp_path):
     import torch
 
-    from dflash.common.contract.shard import Shard, ShardFormatError, ShardMeta, read_shard, write_shard
+    from dflash.common.contract.shard import Shard, ShardFormatError, ShardMeta
+    from dflash.common.contract.shard_reader import read_shard
+    from dflash.common.contract.shard_writer import write_shard
 
     sp = Spool(tmp_path)
     for seq in range(3):

@@ -13,7 +13,9 @@ import torch
 
 from dflash.common.contract.codecs import CodecConfig
 from dflash.common.contract.names import shard_name
-from dflash.common.contract.shard import Shard, ShardMeta, shard_nbytes, write_shard
+from dflash.common.contract.shard import Shard, ShardMeta
+from dflash.common.contract.shard_reader import shard_nbytes
+from dflash.common.contract.shard_writer import write_shard
 from dflash.common.contract.spool import Spool
 from dflash.tools.spool_cli import main
 

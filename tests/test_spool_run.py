@@ -12,7 +12,8 @@ import pytest
 
 from dflash.common.contract.liveness import lock_is_held
 from dflash.common.contract.names import shard_name
-from dflash.common.contract.spool import RunMismatchError, Spool, SpoolBusyError
+from dflash.common.contract.spool import Spool
+from dflash.common.contract.spool_records import RunMismatchError, SpoolBusyError
 from dflash.tools.spool_cli import main as spool_main
 
 IDENT = {
@@ -73,7 +74,8 @@ def test_a_lock_is_refused_while_its_holder_lives_and_free_once_it_is_killed(tmp
 def _publish(sp: Spool, producer: str, seq: int, where: str = "ready") -> None:
     import torch
 
-    from dflash.common.contract.shard import Shard, ShardMeta, write_shard
+    from dflash.common.contract.shard import Shard, ShardMeta
+    from dflash.common.contract.shard_writer import write_shard
 
     t = 8
     shard = Shard(

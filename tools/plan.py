@@ -26,16 +26,18 @@ import json
 import logging
 import math
 import statistics
-import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash.common.cli.exits import fail
+from dflash.common.cli.flags import add_flags, flag, from_args
 from dflash.common.cli.help import DefaultsHelpFormatter
 from dflash.common.metrics import format_rate, read_run_metrics
 
 log = logging.getLogger(__name__)
 
+PROG = "dflash-plan"
 DEFAULT_DDP_EFFICIENCY = 0.95
 THROTTLE_NOTE_RATIO = 0.85  # measured totals closer than this: one side was probably throttled
 
@@ -47,16 +49,16 @@ def ddp_efficiency(num_consumers: int, per_doubling: float) -> float:
 
 @dataclass(kw_only=True)
 class PlanConfig:
-    num_gpus: int
-    """GPUs per node, split between producers and consumers (both sides need at least one)."""
-    producer_tok_s: float
-    """Tokens/s of one producer GPU."""
-    consumer_tok_s: float
-    """Tokens/s of one consumer GPU training alone (no DDP loss)."""
-    ddp_efficiency: float = DEFAULT_DDP_EFFICIENCY
-    """Per-GPU consumer throughput kept per doubling of the DDP group, in (0, 1]."""
+    num_gpus: int = field(metadata=flag(name="--gpus"))
+    """GPUs per node to split between producers and consumers (both sides need at least one)"""
     nodes: int = 1
-    """Identical nodes, each with its own spool; their consumers form one DDP group."""
+    """identical nodes, each with its own spool (consumers form one DDP group)"""
+    producer_tok_s: float = field(metadata=flag(required=False))
+    """tokens/s of one producer GPU (on the command line, default: measured from RUN_DIR)"""
+    consumer_tok_s: float = field(metadata=flag(required=False))
+    """tokens/s of one consumer GPU training alone, no DDP loss (default: measured from RUN_DIR)"""
+    ddp_efficiency: float = DEFAULT_DDP_EFFICIENCY
+    """per-GPU consumer throughput kept per doubling of the DDP group, in (0, 1]"""
 
     def __post_init__(self) -> None:
         if self.num_gpus < 2:
@@ -216,36 +218,26 @@ def render(cfg: PlanConfig, splits: list[Split], best: Split, measured: Measured
     return "\n".join(lines)
 
 
+@dataclass(kw_only=True)
+class PlanInputs:
+    """Where ``dflash-plan`` takes its rates from and how it prints the plan."""
+
+    run_dir: str | None = field(default=None, metadata=flag(positional=True, nargs="?"))
+    """a run dir whose metrics give the rates (flags override)"""
+    warmup_frac: float = 0.25
+    """fraction of each process's first metrics records skipped as warm-up"""
+    json: bool = False
+    """print the plan as JSON"""
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="dflash-plan",
+        prog=PROG,
         description="Choose the producer/consumer GPU split from measured or given per-GPU rates.",
         formatter_class=DefaultsHelpFormatter,
     )
-    p.add_argument("run_dir", nargs="?", help="a run dir whose metrics give the rates (flags override)")
-    p.add_argument("--gpus", type=int, required=True, help="GPUs per node to split")
-    p.add_argument("--nodes", type=int, default=1, help="identical nodes (consumers form one DDP group)")
-    p.add_argument(
-        "--producer-tok-s", type=float, help="tokens/s of one producer GPU (default: measured from RUN_DIR)"
-    )
-    p.add_argument(
-        "--consumer-tok-s",
-        type=float,
-        help="tokens/s of one consumer GPU training alone (default: measured from RUN_DIR)",
-    )
-    p.add_argument(
-        "--ddp-efficiency",
-        type=float,
-        default=DEFAULT_DDP_EFFICIENCY,
-        help="per-GPU consumer throughput kept per doubling of the DDP group",
-    )
-    p.add_argument(
-        "--warmup-frac",
-        type=float,
-        default=0.25,
-        help="fraction of each process's first metrics records skipped as warm-up",
-    )
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_flags(p, PlanInputs)
+    add_flags(p, PlanConfig, defaults={"producer_tok_s": None, "consumer_tok_s": None})
     return p
 
 
@@ -268,16 +260,9 @@ def main(argv: list[str] | None = None) -> None:
         if missing:
             where = f"no such rates in {args.run_dir}/metrics; " if args.run_dir else ""
             raise ValueError(f"{where}give {' and '.join(missing)} (or a RUN_DIR with metrics)")
-        cfg = PlanConfig(
-            num_gpus=args.gpus,
-            producer_tok_s=prod,
-            consumer_tok_s=cons,
-            ddp_efficiency=args.ddp_efficiency,
-            nodes=args.nodes,
-        )
+        cfg = from_args(PlanConfig, args, producer_tok_s=prod, consumer_tok_s=cons)
     except ValueError as e:
-        print(f"dflash-plan: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        fail(PROG, e)
     splits = plan_splits(cfg)
     best = best_split(splits)
     if args.json:

@@ -12,6 +12,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
 from dflash.common.metrics import average_tok_s, mean_acc, read_run_metrics
 
 log = logging.getLogger(__name__)
@@ -66,8 +69,6 @@ def _summed_rate(
 
 def _save(fig: Any, path: Path) -> Path:
     """Write via a temp name + rename so a reader (a browser, `--watch`) never sees a half-written PNG."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
     FigureCanvasAgg(fig)
     tmp = path.with_name(f".{path.name}.tmp")
     fig.savefig(tmp, format="png", dpi=100)
@@ -86,8 +87,6 @@ def _per_rank_plot(
 ):
     """One line per rank of ``ykey`` over steps; ``events`` = (event name, key, label) adds those events'
     points (e.g. the held-out decode-order τ next to the in-loop τ)."""
-    from matplotlib.figure import Figure
-
     fig = Figure(figsize=(8, 4.5))
     ax = fig.add_subplot()
     drawn = False
@@ -119,8 +118,6 @@ def _per_rank_plot(
 def write_plots(run_dir: str | Path) -> list[Path]:
     """Write ``loss.png``, ``tau.png``, ``throughput.png`` and ``acc_by_position.png`` (each only when its
     data exists) into ``run_dir/plots/``; returns the paths written."""
-    from matplotlib.figure import Figure
-
     run_dir = Path(run_dir)
     metrics = read_run_metrics(run_dir / "metrics")
     consumers = {s.partition("-")[2]: r for s, r in metrics.items() if s.startswith("consumer-")}

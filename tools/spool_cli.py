@@ -20,12 +20,16 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash.common.cli.flags import add_flags, flag
 from dflash.common.cli.help import DefaultsHelpFormatter
-from dflash.common.contract.spool import LOCK_PREFIX, Spool, SpoolError, describe_run
+from dflash.common.contract.spool import Spool, SpoolError
+from dflash.common.contract.spool_records import LOCK_PREFIX, describe_run
 
 PROG = "dflash-spool"
 EXIT_USAGE = 2
@@ -35,7 +39,6 @@ _DTYPE_BYTES |= {"uint32": 4, "int32": 4, "float32": 4, "uint64": 8, "int64": 8,
 
 class UserError(Exception):
     """Printed as one line ``dflash-spool: error: ...``; exit status 2."""
-
 
 def fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -134,10 +137,9 @@ def shard_info(path: str) -> dict[str, Any]:
     p = Path(path)
     if not p.exists():
         raise UserError(f"{path}: no such shard")
-    from dflash.common.contract.shard import (  # torch + zarr: only for inspect
-        ShardFormatError,
-        read_shard_meta,
-    )
+    # zarr only for `inspect`: `stats` and `prepare` answer without it
+    from dflash.common.contract.shard import ShardFormatError
+    from dflash.common.contract.shard_reader import read_shard_meta
 
     try:
         meta = read_shard_meta(p)
@@ -228,7 +230,6 @@ def prepare(root: str, run: str, *, fresh: bool) -> str:
                 if not e.name.startswith(LOCK_PREFIX):
                     p = Path(e.path)
                     if p.is_dir() and not p.is_symlink():
-                        import shutil
 
                         shutil.rmtree(p)
                     else:
@@ -258,6 +259,36 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
+@dataclass(kw_only=True)
+class StatsArgs:
+    dir: str = field(metadata=flag(positional=True))
+    """the spool directory (e.g. /dev/shm/dflash/<run>)"""
+    json: bool = False
+    """print Spool.stats() as JSON"""
+
+@dataclass(kw_only=True)
+class InspectArgs:
+    shard: str = field(metadata=flag(positional=True))
+    """a shard directory (<name>.zarr)"""
+    json: bool = False
+    """print the result as JSON"""
+
+@dataclass(kw_only=True)
+class PrepareArgs:
+    dir: str = field(metadata=flag(positional=True))
+    """the spool directory (created if missing)"""
+    run: str
+    """the run this launch belongs to"""
+    fresh: bool = False
+    """discard everything, whatever run it belonged to"""
+
+COMMANDS = {
+    "stats": (StatsArgs, "shards/bytes per state and bucket, processes, rates"),
+    "inspect": (InspectArgs, "metadata, counts, codec and compression of one shard"),
+    "prepare": (PrepareArgs, "before a launch: check the spool's run, discard leftovers"),
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog=PROG,
@@ -270,17 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
         parser_class=_Parser,
         help="what to do (dflash-spool <command> --help for its options)",
     )
-    fmt = {"formatter_class": DefaultsHelpFormatter}
-    s = sub.add_parser("stats", help="shards/bytes per state and bucket, processes, rates", **fmt)
-    s.add_argument("dir", help="the spool directory (e.g. /dev/shm/dflash/<run>)")
-    s.add_argument("--json", action="store_true", help="print Spool.stats() as JSON")
-    i = sub.add_parser("inspect", help="metadata, counts, codec and compression of one shard", **fmt)
-    i.add_argument("shard", help="a shard directory (<name>.zarr)")
-    i.add_argument("--json", action="store_true", help="print the result as JSON")
-    r = sub.add_parser("prepare", help="before a launch: check the spool's run, discard leftovers", **fmt)
-    r.add_argument("dir", help="the spool directory (created if missing)")
-    r.add_argument("--run", required=True, help="the run this launch belongs to")
-    r.add_argument("--fresh", action="store_true", help="discard everything, whatever run it belonged to")
+    for name, (cls, text) in COMMANDS.items():
+        add_flags(sub.add_parser(name, help=text, formatter_class=DefaultsHelpFormatter), cls)
     return p
 
 

@@ -12,27 +12,35 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
-import socket
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash.common.cli.exits import fail
+from dflash.common.cli.flags import add_flags, flag, from_args
 from dflash.common.cli.help import DefaultsHelpFormatter
-from dflash.common.contract.liveness import HOST, heartbeat_alive
-from dflash.common.contract.spool import Spool, SpoolError
+from dflash.common.contract.spool import Spool
 from dflash.common.metrics import (
     average_tok_s,
-    format_bytes,
-    format_duration,
-    format_rate,
     mean_acc,
     read_run_metrics,
 )
+from dflash.tools.status_render import render
+from dflash.tools.status_sources import (
+    StatusError,
+    _isnum,
+    find_spool_dir,
+    pid_alive,
+    read_pids,
+    read_run_json,
+    spool_stats,
+)
 
 log = logging.getLogger(__name__)
+PROG = "dflash-status"
 
 STATES = Spool.STATES  # ("tmp", "ready", "claimed", "quarantine")
 _COUNTERS = (
@@ -42,125 +50,14 @@ _COUNTERS = (
 ROLES = ("producer", "consumer")  # processes; other metrics files (ledger-r<rank>: trained samples) are not
 # The trainer names its consumer id r<rank>-<pid> (unique per incarnation); its metrics file is per rank.
 _CONSUMER_ID_RE = re.compile(r"^r(\d+)-\d+$")
-ETA_UNKNOWN = "ETA unknown: producers have not reported their dataset size yet"
 ETA_WINDOW_S = 300.0  # producer sample rate = slope of `samples` over this trailing window of metrics
 
-
-class StatusError(ValueError):
-    """A user error (bad run dir, unreadable run.json): printed as one line, exit status 2."""
 
 
 # ---- spool -------------------------------------------------------------------------------------------
 
 
-def spool_stats(root: str | Path, *, heartbeat_timeout_s: float = 120.0) -> dict[str, Any]:
-    """``Spool.stats()`` reshaped for this screen, without creating anything (``create=False``).
-
-    ``{"root", "exists", "error", "states": {state: {"shards", "bytes"}}, "buckets": {bucket: {state:
-    shards}}, "claimed_by": {consumer_id: shards}, "producers_registered", "producers_done", "processes":
-    [heartbeat rows of Spool.stats()]}``; ``exists`` False (and ``error`` set) for a missing or foreign dir.
-    """
-    out: dict[str, Any] = {
-        "root": str(root),
-        "exists": False,
-        "error": None,
-        "states": {s: {"shards": 0, "bytes": 0} for s in STATES},
-        "buckets": {},
-        "claimed_by": {},
-        "producers_registered": [],
-        "producers_done": [],
-        "processes": [],
-    }
-    try:
-        sp = Spool(root, create=False)
-        st = sp.stats(heartbeat_timeout_s=heartbeat_timeout_s)
-        pid_alive = {(str(hb["role"]), str(hb["id"])): _heartbeat_pid_alive(hb) for hb in sp.heartbeats()}
-    except (SpoolError, OSError) as e:  # missing, not a spool, or removed mid-scan (run cleaned up)
-        out["error"] = str(e)
-        return out
-    out["exists"] = True
-    for state in STATES:
-        row = st["states"].get(state, {"shards": 0, "bytes": 0, "buckets": {}})
-        out["states"][state] = {"shards": row["shards"], "bytes": row["bytes"]}
-        for bucket, b in row["buckets"].items():
-            if bucket != "other" and b["shards"]:
-                counts = out["buckets"].setdefault(str(bucket), {})
-                counts[state] = b["shards"]
-    out["buckets"] = dict(sorted(out["buckets"].items(), key=lambda kv: int(kv[0])))
-    out["claimed_by"] = {c: v["shards"] for c, v in sorted(st["claimed_by"].items())}
-    out["producers_registered"] = [str(p) for p in st["producers"]["registered"]]
-    out["producers_done"] = sorted(str(p) for p in st["producers"]["done"])
-    for hb in st["processes"]:
-        key = (str(hb["role"]), str(hb["id"]))
-        out["processes"].append({**hb, "time": st["time"] - hb["age_s"], "pid_alive": pid_alive.get(key)})
-    # samples lost to quarantine in this launch, as the consumers counted them (corrupt shards)
-    for k in ("samples_quarantined", "shards_quarantined"):
-        out[k] = sum(
-            int(hb.get("counters", {}).get(k) or 0) for hb in st["processes"] if hb.get("role") == "consumer"
-        )
-    return out
-
-
-def _heartbeat_pid_alive(hb: dict[str, Any]) -> bool | None:
-    """Whether the heartbeat's process still runs, whatever the heartbeat's age: True/False on this host
-    (pid and start time, as the spool checks them), None for another host's process (cannot tell)."""
-    if hb.get("host") != HOST or "pid" not in hb:
-        return None
-    return heartbeat_alive(hb, timeout_s=float("inf"))
-
-
 # ---- run directory -----------------------------------------------------------------------------------
-
-
-def read_run_json(run_dir: Path) -> dict[str, Any]:
-    f = run_dir / "run.json"
-    if not f.exists():
-        return {}
-    try:
-        data = json.loads(f.read_text())
-    except ValueError as e:
-        raise StatusError(f"{f} is not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise StatusError(f"{f} must hold a JSON object")
-    return data
-
-
-def find_spool_dir(run_dir: Path, override: str | Path | None = None) -> Path | None:
-    """``--spool`` wins; else ``run.json["spool"]`` (a relative path is taken relative to the run dir);
-    else None (status then shows metrics only)."""
-    if override is not None:
-        return Path(override)
-    spool = read_run_json(run_dir).get("spool")
-    return run_dir / spool if spool else None
-
-
-def read_pids(run_dir: Path) -> dict[str, int]:
-    """``RUN_DIR/pids``: one ``<name> <pid>`` per line (order of the two tokens does not matter)."""
-    out: dict[str, int] = {}
-    try:
-        lines = (run_dir / "pids").read_text().splitlines()
-    except FileNotFoundError:
-        return out
-    for line in lines:
-        toks = line.replace("=", " ").replace(":", " ").split()
-        nums = [t for t in toks if t.isdigit()]
-        names = [t for t in toks if not t.isdigit()]
-        if nums:
-            out[names[0] if names else f"pid-{nums[0]}"] = int(nums[0])
-    return out
-
-
-def pid_alive(pid: int | None, host: str | None) -> bool | None:
-    """True/False for a pid on this host; None when unknown (no pid, or another host's process)."""
-    if not pid or (host and host != socket.gethostname()):
-        return None
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _sample_rate(recs: list[dict[str, Any]], row: dict[str, Any]) -> float | None:
@@ -179,10 +76,6 @@ def _sample_rate(recs: list[dict[str, Any]], row: dict[str, Any]) -> float | Non
     if _isnum(tok_s) and _isnum(samples) and _isnum(tokens) and tokens > 0:
         return tok_s * samples / tokens
     return None
-
-
-def _isnum(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
 
 
 def _rank_key(row: dict[str, Any]) -> tuple:
@@ -395,155 +288,38 @@ def collect(
 # ---- rendering ---------------------------------------------------------------------------------------
 
 
-def _fmt(x: Any, spec: str) -> str:
-    return format(x, spec) if _isnum(x) else "-"
-
-
-def _consumer_lines(snap: dict[str, Any]) -> list[str]:
-    """What the consumers report beyond the process table: how full their packed streams are (the share
-    of context slots holding real tokens, from the latest step) and the samples lost to quarantine."""
-    t, spool = snap["training"], snap["spool"]
-    parts = []
-    if t and _isnum(t.get("fill")):
-        parts.append(f"stream fill {100 * t['fill']:.0f}% (context slots holding tokens)")
-    if spool and spool["exists"]:
-        parts.append(
-            f"lost to quarantine: {spool.get('samples_quarantined') or 0} samples "
-            f"in {spool.get('shards_quarantined') or 0} shard(s)"
-        )
-    return ["consumers: " + "  ".join(parts)] if parts else []
-
-
-def render(snap: dict[str, Any]) -> str:
-    """The one-screen text view of a ``collect`` snapshot."""
-    out = [f"dflash-status  {snap['run_dir']}  {time.strftime('%H:%M:%S', time.localtime(snap['time']))}"]
-    out.append("")
-    out.append(f"{'role':<9} {'id':<8} {'pid':>8} {'state':<7} {'hb age':>6} {'samples':>10} {'tok/s':>8}")
-    for p in snap["processes"]:
-        out.append(
-            f"{p['role']:<9} {p['id'] or '-':<8} {p['pid'] or '-':>8} {p['state']:<7} "
-            f"{format_duration(p['age_s']) if p['age_s'] is not None else '-':>6} "
-            f"{_fmt(p.get('samples'), 'd'):>10} {format_rate(p['tok_s']) if p.get('tok_s') is not None else '-':>8}"
-        )
-    if not snap["processes"]:
-        out.append("(no processes seen yet)")
-    else:
-        out.append("tok/s: producers' average since they started, consumers' last logging interval")
-    if snap.get("older_producers"):
-        old = snap["older_producers"]
-        out.append(f"earlier launches: {len(old)} producer(s) not shown ({', '.join(old)})")
-    out.append("")
-    spool = snap["spool"]
-    if spool is None:
-        out.append("spool: unknown (no run.json 'spool' and no --spool)")
-    elif not spool["exists"]:
-        out.append(f"spool: {spool['root']} (unreadable: {spool['error']})")
-    else:
-        st = spool["states"]
-        out.append(
-            f"spool: {spool['root']}  "
-            + "  ".join(f"{s}={st[s]['shards']}/{format_bytes(st[s]['bytes'])}" for s in STATES)
-        )
-        if spool["buckets"]:
-            out.append(
-                "  ready by bucket: "
-                + " ".join(
-                    f"{b}:{c.get('ready', 0)}"
-                    for b, c in sorted(spool["buckets"].items(), key=lambda x: int(x[0]))
-                )
-            )
-        if spool["claimed_by"]:
-            out.append("  claimed by: " + " ".join(f"{c}:{n}" for c, n in spool["claimed_by"].items()))
-        if st["quarantine"]["shards"]:
-            lost = spool.get("samples_quarantined") or 0
-            out.append(
-                f"  quarantined: {st['quarantine']['shards']} shards"
-                + (f" ({lost} samples lost to this launch)" if lost else "")
-                + ": not trained; the next launch of this run re-produces them (reasons: quarantine/*.why)"
-            )
-        reg = spool["producers_registered"]
-        if reg:
-            out.append(
-                f"  producers done: {len(set(spool['producers_done']) & set(map(str, reg)))}/{len(reg)}"
-            )
-    out.extend(_consumer_lines(snap))
-    t = snap["training"]
-    if t:
-        step = f"{t['step']}/{t['total_steps']}" if t.get("total_steps") else f"{t['step']}"
-        epoch = f" epoch={t['epoch']}/{t['epochs']}" if t.get("epoch") and t.get("epochs") else ""
-        out.append(
-            f"training (rank {t['rank']}): step={step}{epoch} loss={_fmt(t['loss'], '.3g')} "
-            f"acc={_fmt(t['acc'], '.2f')} τ={_fmt(t['tau'], '.2f')} lr={_fmt(t['lr'], '.1e')}  "
-            f"({format_duration(t['age_s'])} ago)"
-        )
-        if t.get("decode_tau") is not None:
-            out.append(
-                f"  held-out τ (decode order, what serving sees) {t['decode_tau']:.2f} at step "
-                f"{t['decode_tau_step']}; in-loop τ above is over uniform anchors (higher)"
-            )
-    r = snap["rates"]
-    line = (
-        f"rates: prod={format_rate(r['producer_tok_s'])} tok/s (average)  "
-        f"cons={format_rate(r['consumer_tok_s'])} tok/s"
-    )
-    if r["bottleneck"]:
-        line += f"  (bottleneck: {r['bottleneck']})"
-    out.append(line)
-    pr = snap["progress"]
-    if pr:
-        pct = f" ({100 * pr['fraction']:.1f}%)" if pr["fraction"] is not None else ""
-        eta = format_duration(pr["eta_s"]) if pr["eta_s"] is not None else "unknown (no producer running)"
-        if pr["eta_s"] == 0 and spool and spool["exists"]:
-            left = spool["states"]["ready"]["shards"] + spool["states"]["claimed"]["shards"]
-            eta = f"0s (producers finished; consumers draining {left} shard(s))" if left else "0s (done)"
-        out.append(f"progress: {pr['samples']}/{pr['planned_samples']} samples{pct}  ETA {eta}")
-    else:
-        out.append(f"progress: {ETA_UNKNOWN}")
-    c = snap["checkpoint"]
-    if c:
-        age = f" ({format_duration(c['age_s'])} ago)" if c.get("age_s") is not None else ""
-        out.append(f"checkpoint: step={c.get('step')} {c.get('url', '')}{age}")
-    else:
-        out.append("checkpoint: none yet")
-    out.append("")
-    out.append(f"run dir: {snap['run_dir']}")
-    for f in snap["logs"]:
-        out.append(f"  log: {f}")
-    return "\n".join(out)
-
-
 # ---- CLI ---------------------------------------------------------------------------------------------
+
+
+@dataclass(kw_only=True)
+class StatusConfig:
+    """What ``dflash-status`` shows, and how often (the single source of its flags)."""
+
+    run_dir: str = field(metadata=flag(positional=True))
+    """the run directory (logs/, metrics/, run.json)"""
+    spool: str | None = None
+    """spool directory (default: run.json 'spool')"""
+    watch: float | None = field(default=None, metadata=flag(nargs="?", const=5.0, metavar="SECS"))
+    """refresh every SECS seconds (5 when SECS is left out) until Ctrl-C (default: print once)"""
+    json: bool = False
+    """print the snapshot as JSON"""
+    plots: bool = False
+    """write PNG plots into RUN_DIR/plots/ and list them"""
+    stale_s: float = 120.0
+    """seconds: a process whose last heartbeat/metrics line is older than this is not counted as running"""
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="dflash-status",
+        prog=PROG,
         description="One screen on a live or finished dflash run: processes, spool, training, rates, ETA.",
         formatter_class=DefaultsHelpFormatter,
     )
-    p.add_argument("run_dir", help="the run directory (logs/, metrics/, run.json)")
-    p.add_argument("--spool", default=None, help="spool directory (default: run.json 'spool')")
-    p.add_argument(
-        "--watch",
-        nargs="?",
-        type=float,
-        const=5.0,
-        default=None,
-        metavar="SECS",
-        help="refresh every SECS seconds (5 when SECS is left out) until Ctrl-C (default: print once)",
-    )
-    p.add_argument("--json", action="store_true", help="print the snapshot as JSON")
-    p.add_argument("--plots", action="store_true", help="write PNG plots into RUN_DIR/plots/ and list them")
-    p.add_argument(
-        "--stale-s",
-        type=float,
-        default=120.0,
-        help="seconds: a process whose last heartbeat/metrics line is older than this is not counted as running",
-    )
+    add_flags(p, StatusConfig)
     return p
 
 
-def _show(args: argparse.Namespace, *, clear: bool) -> None:
+def _show(args: StatusConfig, *, clear: bool) -> None:
     snap = collect(args.run_dir, spool_dir=args.spool, stale_s=args.stale_s)
     text = json.dumps(snap, indent=2, default=str) if args.json else render(snap)
     if clear:
@@ -552,16 +328,16 @@ def _show(args: argparse.Namespace, *, clear: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    args = from_args(StatusConfig, _parser().parse_args(argv))
     if args.watch is not None and args.watch <= 0:
-        _die("--watch SECS must be > 0")
+        fail(PROG, "--watch SECS must be > 0")
     try:
         if args.plots:
             from dflash.tools.plots import write_plots  # matplotlib only when asked
 
             collect(args.run_dir, spool_dir=args.spool)  # validates RUN_DIR with the same errors
             paths = write_plots(args.run_dir)
-            print("\n".join(map(str, paths)) if paths else "dflash-status: no metrics to plot yet")
+            print("\n".join(map(str, paths)) if paths else f"{PROG}: no metrics to plot yet")
             return
         if args.watch is None:
             _show(args, clear=False)
@@ -570,14 +346,9 @@ def main(argv: list[str] | None = None) -> None:
             _show(args, clear=not args.json)
             time.sleep(args.watch)
     except StatusError as e:
-        _die(str(e))
+        fail(PROG, e)
     except KeyboardInterrupt:
         return
-
-
-def _die(msg: str) -> None:
-    print(f"dflash-status: error: {msg}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 if __name__ == "__main__":

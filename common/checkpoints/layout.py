@@ -1,4 +1,5 @@
-"""TODO docstring: split from common/checkpoints/save.py."""
+"""The checkpoint layout in a store: file names, step directory names, the ``latest`` and ``best``
+pointers, errors, and the helpers every reader and writer of it shares (docs/checkpoints.md)."""
 
 from __future__ import annotations
 

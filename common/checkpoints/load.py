@@ -1,4 +1,6 @@
-"""TODO docstring: split from common/drafter/hf_format.py."""
+"""Reading checkpoints: the latest good one (falling back past corrupt ones, every file checked against the
+sha256 in meta.json), a given step, the steps a store holds, the trained-sample set producers skip, and
+one checkpoint's weights alone (export, eval --watch)."""
 
 from __future__ import annotations
 
@@ -11,6 +13,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from dflash.common.checkpoints.layout import (
     _STEP_DIR,
@@ -33,9 +37,9 @@ from dflash.common.checkpoints.layout import (
     _sha256,
     step_dir_name,
 )
-from dflash.common.checkpoints.redact import redact
 from dflash.common.checkpoints.store import CheckpointStore, StoreKeyNotFoundError
 from dflash.common.contract.sample_set import SampleSet, SampleSetFormatError
+from dflash.common.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -44,15 +48,6 @@ def load_checkpoint_weights(store_url: str, run: str, step: int | None = None) -
     """(model_state, meta) of one checkpoint, downloading and verifying ONLY model.safetensors and meta.json
     (the optimizer state is twice the weights' size and export does not need it). Default step: `latest`.
     No fallback to an older checkpoint: an export must be of exactly the checkpoint asked for."""
-    from safetensors.torch import load_file
-
-    from dflash.common.checkpoints.layout import (
-        MODEL_FILE,
-        _as_store,
-        _check_run,
-        _read_latest_name,
-        step_dir_name,
-    )
 
     store = _as_store(store_url)
     _check_run(run)
@@ -172,8 +167,6 @@ def _torch_load(path: Path, url: str) -> Any:
 
 
 def _load_dir(store: CheckpointStore, run: str, name: str) -> LoadedCheckpoint:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     meta = _read_meta(store, run, name)
     url = store.url_for(f"{run}/{name}")

@@ -1,4 +1,8 @@
-"""TODO docstring: split from common/checkpoints/store.py."""
+"""The S3 checkpoint store (boto3): multipart uploads, retries with backoff on top of botocore's own, and
+one-line errors that say what to fix (missing bucket, denied, unreachable endpoint) without a secret.
+
+Credentials and the endpoint come from the standard AWS chain (``AWS_PROFILE``, ``AWS_ACCESS_KEY_ID``,
+instance roles, ``AWS_ENDPOINT_URL``), never from code or flags."""
 
 from __future__ import annotations
 
@@ -12,7 +16,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash.common.checkpoints.redact import redact, register_secret
+import boto3
+import botocore.session
+from boto3.exceptions import RetriesExceededError, S3UploadFailedError
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import (
+    BotoCoreError,
+    ClientError,
+    HTTPClientError,
+    IncompleteReadError,
+    NoCredentialsError,
+    PartialCredentialsError,
+    ProfileNotFound,
+)
+from botocore.exceptions import ConnectionError as BotoConnectionError
+
 from dflash.common.checkpoints.store import (
     CheckpointStore,
     CheckpointStoreError,
@@ -21,6 +40,7 @@ from dflash.common.checkpoints.store import (
     _check_key,
     _one_line,
 )
+from dflash.common.redact import redact, register_secret
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +49,6 @@ log = logging.getLogger(__name__)
 class S3Options:
     """Transfer and retry settings for :class:`S3Store`. Credentials and endpoint are NOT here: they come
     from the standard AWS chain (env vars, profiles, instance roles; ``AWS_ENDPOINT_URL``)."""
-
     max_attempts: int = 5
     """botocore attempts per HTTP request, the first one included (it retries throttling, 5xx and
     connection errors)."""
@@ -88,8 +107,6 @@ _data_loader: Any = None
 
 def _root_cause(err: BaseException) -> BaseException:
     """boto3 wraps ClientErrors of transfers (S3UploadFailedError, RetriesExceededError): unwrap them."""
-    from boto3.exceptions import RetriesExceededError, S3UploadFailedError
-
     seen = 0
     while seen < 10:
         seen += 1
@@ -103,7 +120,6 @@ def _root_cause(err: BaseException) -> BaseException:
 
 
 def _error_code(err: BaseException) -> tuple[str, int]:
-    from botocore.exceptions import ClientError
 
     if isinstance(err, ClientError):
         code = str(err.response.get("Error", {}).get("Code", ""))
@@ -113,8 +129,6 @@ def _error_code(err: BaseException) -> tuple[str, int]:
 
 
 def _is_transient(err: BaseException) -> bool:
-    from botocore.exceptions import ConnectionError as BotoConnectionError
-    from botocore.exceptions import HTTPClientError, IncompleteReadError
 
     if isinstance(err, BotoConnectionError | HTTPClientError | IncompleteReadError):
         return True
@@ -125,8 +139,6 @@ def _is_transient(err: BaseException) -> bool:
 def _botocore_session() -> Any:
     """A new botocore session (it reads the AWS environment now) that shares one data loader per
     process: parsing the S3 service model costs ~0.15 s per client otherwise."""
-    import botocore.session
-
     global _data_loader
     session = botocore.session.get_session()
     if _data_loader is None:
@@ -140,14 +152,9 @@ class S3Store(CheckpointStore):
     """``s3://bucket/prefix`` through boto3: TransferManager for files (multipart above a threshold,
     parallel parts), botocore per-request retries, and a jittered exponential backoff around each whole
     operation for outages longer than botocore's retries."""
-
     def __init__(
         self, bucket: str, prefix: str = "", *, options: S3Options | None = None, client: Any = None
     ):
-        import boto3
-        from boto3.s3.transfer import TransferConfig
-        from botocore.config import Config
-        from botocore.exceptions import BotoCoreError
 
         if not _BUCKET_NAME.match(bucket):
             raise ValueError(f"invalid S3 bucket name {bucket!r}")
@@ -221,13 +228,6 @@ class S3Store(CheckpointStore):
         raise AssertionError("unreachable")
 
     def _translate(self, what: str, key: str, err: BaseException) -> CheckpointStoreError:
-        from botocore.exceptions import (
-            BotoCoreError,
-            NoCredentialsError,
-            PartialCredentialsError,
-            ProfileNotFound,
-        )
-        from botocore.exceptions import ConnectionError as BotoConnectionError
 
         url = self.url_for(key)
         code, status = _error_code(err)

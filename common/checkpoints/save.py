@@ -1,4 +1,4 @@
-"""Checkpoints of the drafter's training state in a :mod:`dflash.common.checkpoints.store` store.
+"""Saving checkpoints of the drafter's training state in a :mod:`dflash.common.checkpoints.store` store.
 
 Layout (docs/checkpoints.md)::
 
@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 
 from dflash.common.checkpoints.layout import (
     _STEP_DIR,
@@ -62,12 +63,12 @@ from dflash.common.checkpoints.layout import (
     read_best_name,
     step_dir_name,
 )
-from dflash.common.checkpoints.redact import redact, redact_config
 from dflash.common.checkpoints.store import (
     CheckpointStore,
     CheckpointStoreError,
 )
 from dflash.common.contract.sample_set import SampleSet
+from dflash.common.redact import redact, redact_config
 
 log = logging.getLogger(__name__)
 
@@ -187,28 +188,9 @@ def save_checkpoint(
 
     name = step_dir_name(step)
     step_dir = f"{run}/{name}"
-    try:
-        latest = _read_latest_name(store, run)
-    except CheckpointCorruptError:
-        latest = None
-    if latest != name and store.list(step_dir + "/"):
-        log.info("removing leftovers of an unfinished checkpoint in %s", store.url_for(step_dir))
-        store.delete_prefix(step_dir + "/")
-
-    from safetensors.torch import save_file
-
+    _clear_unfinished(store, run, name)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="dflash-ckpt-") as tmp:
-        local = {f: Path(tmp, f) for f in DATA_FILES}
-        save_file(tensors, str(local[MODEL_FILE]), metadata={"format": "pt"})
-        torch.save(optimizer_state, local[OPTIMIZER_FILE])
-        torch.save(scheduler_state, local[SCHEDULER_FILE])
-        torch.save(rng_state, local[RNG_FILE])
-        local[TRAINED_FILE].write_bytes(trained.to_bytes())
-        files = {}
-        for fname, path in local.items():
-            files[fname] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
-            store.put_file(f"{step_dir}/{fname}", path)
+    files = _upload_files(store, step_dir, tensors, optimizer_state, scheduler_state, rng_state, trained)
     meta = {
         "format": FORMAT,
         "version": VERSION,
@@ -226,14 +208,37 @@ def save_checkpoint(
     store.put_bytes(f"{step_dir}/{META_FILE}", json.dumps(meta, indent=2, sort_keys=True).encode())
     store.put_bytes(f"{run}/{LATEST_FILE}", (name + "\n").encode())
     total = sum(f["bytes"] for f in files.values())
-    log.info(
-        "saved checkpoint %s (%.1f MB in %.1fs)",
-        store.url_for(step_dir),
-        total / 1e6,
-        time.monotonic() - started,
-    )
+    log.info("saved checkpoint %s (%.1f MB in %.1fs)", store.url_for(step_dir), total / 1e6, time.monotonic() - started)
     _prune(store, run, step, keep_last)
     return store.url_for(step_dir)
+
+
+def _clear_unfinished(store: CheckpointStore, run: str, name: str) -> None:
+    """Remove the files of an unfinished checkpoint of this step (a crash mid-upload), never the latest."""
+    step_dir = f"{run}/{name}"
+    try:
+        latest = _read_latest_name(store, run)
+    except CheckpointCorruptError:
+        latest = None
+    if latest != name and store.list(step_dir + "/"):
+        log.info("removing leftovers of an unfinished checkpoint in %s", store.url_for(step_dir))
+        store.delete_prefix(step_dir + "/")
+
+
+def _upload_files(store, step_dir, tensors, optimizer_state, scheduler_state, rng_state, trained) -> dict:
+    """Serialise the step's data files into a temp folder and upload each: {file: {bytes, sha256}}."""
+    with tempfile.TemporaryDirectory(prefix="dflash-ckpt-") as tmp:
+        local = {f: Path(tmp, f) for f in DATA_FILES}
+        save_file(tensors, str(local[MODEL_FILE]), metadata={"format": "pt"})
+        torch.save(optimizer_state, local[OPTIMIZER_FILE])
+        torch.save(scheduler_state, local[SCHEDULER_FILE])
+        torch.save(rng_state, local[RNG_FILE])
+        local[TRAINED_FILE].write_bytes(trained.to_bytes())
+        files = {}
+        for fname, path in local.items():
+            files[fname] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+            store.put_file(f"{step_dir}/{fname}", path)
+    return files
 
 
 def _prune(store: CheckpointStore, run: str, step: int, keep_last: int) -> None:

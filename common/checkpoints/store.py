@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from dflash.common.checkpoints.redact import redact
+from dflash.common.redact import redact
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

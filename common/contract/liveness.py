@@ -1,4 +1,8 @@
-"""TODO docstring: split from common/contract/spool.py."""
+"""Is a process of the spool still alive? Locks held by live launches, and heartbeats judged by pid, the
+process's start time and the machine's boot id (a recycled pid or a reboot never looks alive), or by age.
+
+Why more than a pid: a consumer that dies leaves claims that others must take back (at-least-once
+delivery), but taking them from a live consumer would train its samples twice."""
 
 from __future__ import annotations
 

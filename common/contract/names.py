@@ -1,4 +1,6 @@
-"""TODO docstring: split from common/contract/spool.py."""
+"""Shard names: ``b<bucket>-<producer>-s<seq>.zarr``. They sort by (bucket, producer, sequence), so a
+consumer can pick a bucket and a listing shows the flow in order; producer ids and roles are checked here
+once for every file name built from them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,7 @@
-"""The crash-safe spool between producers and consumers: one directory, POSIX renames (ARCHITECTURE §2).
+"""The spool's shard flow, over 400 lines on purpose: every state transition in one class, reviewed together.
+
+The crash-safe spool between producers and consumers is one directory and POSIX renames
+(docs/architecture.md); the run records and the read-only scans live in spool_records.py and spool_scan.py.
 
 Every state change of a shard is one ``os.rename`` inside one filesystem, so a process killed at any
 instant leaves each shard in exactly one state:
@@ -14,72 +17,34 @@ dies is moved back to ready/ by any other consumer (``recover_dead_claims``).
 
 from __future__ import annotations
 
-import fcntl
-import json
 import logging
 import os
 import random
-import re
 import shutil
-import stat
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
+
 from dflash.common.contract.liveness import (
-    BOOT_ID,
-    HOST,
-    SpoolLock,
-    _lock_holder,
-    _proc_stat,
     heartbeat_alive,
-    lock_is_held,
 )
 from dflash.common.contract.names import _check_id, _is_shard_name, parse_shard_name
+from dflash.common.contract.spool_records import (
+    RUN_FILE,
+    SpoolError,
+    SpoolRecords,
+    _atomic_write_text,
+)
+from dflash.common.contract.spool_scan import SpoolScan, _entry_nbytes
 
 log = logging.getLogger(__name__)
 
 DIR_MODE = 0o700
 ACK_PREFIX = ".ack-"  # a shard being deleted: renamed first, so a crash mid-delete never looks claimed
-_ROLE_RE = re.compile(r"^[a-z]+$")
-_RATE_WINDOW_S = 5.0
-
-
-class SpoolError(RuntimeError):
-    """The spool directory is missing, is not a spool, or an operation would break its invariants."""
-
-
-class RunMismatchError(SpoolError):
-    """The spool belongs to another run (or to this run with another model, dataset or plan)."""
-
-
-class SpoolBusyError(SpoolError):
-    """A live process of another launch holds the spool's lock for this role."""
-
-
-RUN_FILE = "run.json"
-LOCK_PREFIX = "lock-"
-IDENTITY_KEYS = ("run", "model", "layer_ids", "dataset", "plan")
-"""What makes two launches the same run (state/run.json): a launch that differs in any field that both
-sides record is another run. A consumer records only ``run``; a producer fills in the rest."""
-
-
-def describe_run(rec: dict) -> str:
-    """One phrase for a run record: ``run 'x' (model m, dataset d, 612 rows)``."""
-    parts = []
-    if rec.get("model"):
-        parts.append(f"model {rec['model']}")
-    ds = rec.get("dataset") or {}
-    if ds:
-        parts.append(f"dataset {ds.get('spec', '?')} [{str(ds.get('fingerprint', '?'))[:12]}]")
-    plan = rec.get("plan") or {}
-    if "rows" in plan:
-        parts.append(f"{plan['rows']} rows")
-    if rec.get("layer_ids") is not None:
-        parts.append(f"layers {rec['layer_ids']}")
-    return f"run {rec.get('run')!r}" + (f" ({', '.join(parts)})" if parts else "")
 
 
 def default_budget_bytes(root: str | Path, fraction: float = 0.5) -> int:
@@ -99,32 +64,6 @@ def _looks_like_spool(root: Path) -> bool:
     return all((root / d).is_dir() for d in ("tmp", "ready", "claimed", "quarantine", "state"))
 
 
-def _entry_nbytes(path: str) -> int:
-    """Apparent bytes of a file or a directory tree. Tolerates entries vanishing mid-walk (a tmp shard
-    being written or published): what moved is counted in its new state."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return 0
-    if not stat.S_ISDIR(st.st_mode):
-        return st.st_size
-    total, stack = 0, [path]
-    while stack:
-        try:
-            with os.scandir(stack.pop()) as it:
-                for e in it:
-                    try:
-                        if e.is_dir(follow_symlinks=False):
-                            stack.append(e.path)
-                        else:
-                            total += e.stat(follow_symlinks=False).st_size
-                    except FileNotFoundError:
-                        continue
-        except FileNotFoundError:
-            continue
-    return total
-
-
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path, ignore_errors=True)
@@ -132,22 +71,9 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
-# ---- process liveness (heartbeats name a pid; a pid can be reused, so also compare its start time) ----
-
-
-class Spool:
+class Spool(SpoolRecords, SpoolScan):
     """A spool directory. One object per process and role (consumers: one per consumer id); it may be
     shared by that process's threads (its caches are hints guarded by a lock)."""
-
-    STATES = ("tmp", "ready", "claimed", "quarantine")
-
     def __init__(self, root: str | Path, *, create: bool = True):
         self.root = Path(root).absolute()
         self.tmp_dir = self.root / "tmp"
@@ -184,89 +110,6 @@ class Spool:
                 continue
             os.chmod(d, DIR_MODE)
 
-    # ---- run identity and launch locks ----
-
-    def read_run(self) -> dict | None:
-        """state/run.json: the run this spool belongs to (None for a spool no launch has bound yet)."""
-        return self._read_json(self.state_dir / RUN_FILE)
-
-    def bind_run(self, identity: dict, *, who: str = "this launch") -> dict:
-        """Bind the spool to ``identity`` (``run`` plus any of model, layer_ids, dataset, plan) or check
-        it against the run already recorded. Fields recorded on both sides must be equal, else
-        RunMismatchError with one line naming both runs; fields the record lacks are filled in (a
-        consumer binds the run name first, the producer adds the rest). Returns the record."""
-        if not identity.get("run"):
-            raise ValueError("bind_run needs identity['run']")
-        ident = {k: identity[k] for k in IDENTITY_KEYS if identity.get(k) is not None}
-        path = self.state_dir / RUN_FILE
-        with self._lock:
-            for _ in range(10):
-                rec = self.read_run()
-                if rec is None:
-                    new = {**ident, "created": time.time(), "launches": 0}
-                    tmp = path.with_name(f".{RUN_FILE}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
-                    tmp.write_text(json.dumps(new) + "\n")
-                    try:
-                        os.link(tmp, path)  # exactly one creator wins
-                    except FileExistsError:
-                        continue
-                    finally:
-                        tmp.unlink(missing_ok=True)
-                    return new
-                differ = [k for k in IDENTITY_KEYS if k in ident and k in rec and ident[k] != rec[k]]
-                if differ:
-                    what = (
-                        "another run"
-                        if "run" in differ
-                        else f"the same run name with another {', '.join(differ)}"
-                    )
-                    raise RunMismatchError(
-                        f"spool {self.root} belongs to {describe_run(rec)}; {who} is {describe_run(ident)} "
-                        f"({what}): use another --spool, or discard this one (ops/run_all.sh --fresh-spool)"
-                    )
-                missing = {k: v for k, v in ident.items() if k not in rec}
-                if not missing:
-                    return rec
-                rec = {**rec, **missing}
-                _atomic_write_text(path, json.dumps(rec) + "\n")
-                return rec
-        raise SpoolError(f"spool {self.root}: could not bind state/{RUN_FILE} (concurrent writers?)")
-
-    def next_launch(self) -> int:
-        """Count a producer launch in state/run.json and return its number (1, 2, ...): producer ids carry
-        it, so shard names and DONE markers of different launches never collide. Call under the
-        producer's lock, after bind_run."""
-        with self._lock:
-            rec = self.read_run() or {}
-            n = int(rec.get("launches", 0)) + 1
-            _atomic_write_text(self.state_dir / RUN_FILE, json.dumps({**rec, "launches": n}) + "\n")
-            return n
-
-    def acquire_lock(self, name: str, holder: str) -> SpoolLock:
-        """Take ``<spool>/lock-<name>`` (flock, non-blocking) for the rest of this process's life, or raise
-        SpoolBusyError naming the live holder. ``holder`` (one line) is written into the file."""
-        _check_id("lock name", name)
-        path = self.root / f"{LOCK_PREFIX}{name}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise SpoolBusyError(
-                f"spool {self.root} is in use by a live launch: {_lock_holder(path)} holds {path.name}"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{holder} (pid {os.getpid()} on {HOST}, since {time.strftime('%H:%M:%S')})\n".encode())
-        return SpoolLock(path, fd)
-
-    def live_locks(self) -> dict[str, str]:
-        """Locks held by live processes right now: {lock name: holder line}."""
-        out = {}
-        for p in sorted(self.root.glob(f"{LOCK_PREFIX}*")):
-            if lock_is_held(p):
-                out[p.name[len(LOCK_PREFIX) :]] = _lock_holder(p)
-        return out
-
     def leftover_shards(self) -> list[Path]:
         """Published shards still in the flow (ready/ and claimed/): a previous launch's leftovers when no
         process of the run is live."""
@@ -281,7 +124,9 @@ class Spool:
         trained set, so they are produced again). Keeps state/run.json (the run's identity), the
         quarantine/*.why reasons and the lock files. Only when no process of the run is live (the caller
         holds the launch lock and checked ``live_locks``). Returns {"shards": n, "samples": m}."""
-        from dflash.common.contract.shard import ShardFormatError, read_shard_meta
+        # zarr only here: the spool itself never imports it (the spool CLI and the producers' checks stay fast)
+        from dflash.common.contract.shard import ShardFormatError
+        from dflash.common.contract.shard_reader import read_shard_meta
 
         shards = samples = 0
         for p in self.leftover_shards():
@@ -395,15 +240,6 @@ class Spool:
             log.info("spool back under budget after %.1f s", time.monotonic() - t0)
         return True
 
-    def register_producers(self, producer_ids: list[str]) -> None:
-        """The set of producers whose DONE markers mean 'no more shards' (state/producers.json)."""
-        ids = sorted({_check_id("producer_id", p) for p in producer_ids})
-        if not ids:
-            raise ValueError("register_producers needs at least one producer id")
-        old = self.registered_producers()
-        if old and old != ids:
-            log.info("registering producers %s (was %s)", ids, old)
-        _atomic_write_text(self.state_dir / "producers.json", json.dumps({"producers": ids}) + "\n")
 
     @property
     def eval_dir(self) -> Path:
@@ -428,46 +264,11 @@ class Spool:
 
     def eval_sample_ids(self):
         """Sample ids in the eval shards (a numpy int64 array)."""
-        import numpy as np
-
-        from dflash.common.contract.shard import read_sample_index
+        from dflash.common.contract.shard_reader import read_sample_index  # zarr: see discard_flow
 
         parts = [read_sample_index(p) for p in self.eval_shards()]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
-    def write_campaign(self, node_rank: int, record: dict) -> None:
-        """state/campaign-n<node>.json: what this node's producers' slices give per epoch (samples, tokens,
-        loss_tokens, epochs, num_nodes); the same on every launch of the run (see dflash.common.contract.epochs)."""
-        _atomic_write_text(self.state_dir / f"campaign-n{int(node_rank)}.json", json.dumps(record) + "\n")
-
-    def read_campaign(self) -> list[dict] | None:
-        """Every node's campaign record, or None until all ``num_nodes`` nodes have written theirs."""
-        recs = [r for p in sorted(self.state_dir.glob("campaign-n*.json")) if (r := self._read_json(p))]
-        if not recs or len({int(r["node_rank"]) for r in recs}) < int(recs[0].get("num_nodes", 1)):
-            return None
-        return recs
-
-    def registered_producers(self) -> list[str]:
-        try:
-            return list(json.loads((self.state_dir / "producers.json").read_text())["producers"])
-        except FileNotFoundError:
-            return []
-
-    def mark_done(self, producer_id: str) -> None:
-        """Write state/DONE-<id>; call after the producer's last publish."""
-        _check_id("producer_id", producer_id)
-        _atomic_write_text(self.state_dir / f"DONE-{producer_id}", f"{time.time():.3f}\n")
-
-    def clear_done(self, producer_id: str) -> None:
-        """Remove a stale DONE marker (a producer restarted on a resumed run)."""
-        (self.state_dir / f"DONE-{_check_id('producer_id', producer_id)}").unlink(missing_ok=True)
-
-    def done_producers(self) -> list[str]:
-        return sorted(n[len("DONE-") :] for n in os.listdir(self.state_dir) if n.startswith("DONE-"))
-
-    def producers_done(self) -> bool:
-        registered = self.registered_producers()
-        return bool(registered) and set(registered) <= set(self.done_producers())
 
     def is_drained(self) -> bool:
         """No shard will ever arrive again: producers done (checked first: they publish before DONE)
@@ -637,163 +438,3 @@ class Spool:
             except OSError:
                 pass  # not empty (the owner came back) or already removed
         return n
-
-    # ---- state: heartbeats and counters ----
-
-    def heartbeat(self, role: str, proc_id: str, counters: dict) -> None:
-        """Atomically write state/<role>-<id>.json: pid, host, time, process start time, the counters
-        and their rates per second over the last few seconds."""
-        if not _ROLE_RE.match(role):
-            raise ValueError(f"role must be lowercase letters, got {role!r}")
-        _check_id("proc_id", proc_id)
-        now = time.time()
-        key = (role, proc_id)
-        numeric = {
-            k: v for k, v in counters.items() if isinstance(v, int | float) and not isinstance(v, bool)
-        }
-        with self._lock:
-            ref_t, ref_c = self._rate_ref.setdefault(key, (self._started, {k: 0 for k in numeric}))
-            if now - ref_t >= _RATE_WINDOW_S or key not in self._rates:
-                dt = max(now - ref_t, 1e-9)
-                self._rates[key] = {k: (v - ref_c.get(k, 0)) / dt for k, v in numeric.items()}
-                if now - ref_t >= _RATE_WINDOW_S:
-                    self._rate_ref[key] = (now, numeric)
-            rates = self._rates[key]
-        st = _proc_stat(os.getpid())
-        hb = {
-            "role": role,
-            "id": proc_id,
-            "pid": os.getpid(),
-            "host": HOST,
-            "boot_id": BOOT_ID,
-            "start_ticks": st[1] if st else None,
-            "started": self._started,
-            "time": now,
-            "counters": counters,
-            "rates": rates,
-        }
-        _atomic_write_text(self.state_dir / f"{role}-{proc_id}.json", json.dumps(hb) + "\n")
-
-    def heartbeats(self) -> list[dict]:
-        out = []
-        for name in sorted(os.listdir(self.state_dir)):
-            if name.endswith(".json") and not name.startswith(".") and name != "producers.json":
-                hb = self._read_json(self.state_dir / name)
-                if hb is not None and "role" in hb:
-                    out.append(hb)
-        return out
-
-    @staticmethod
-    def _read_json(path: Path) -> dict | None:
-        try:
-            return json.loads(path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None
-
-    # ---- byte accounting and stats ----
-
-    @staticmethod
-    def _scan_dirs(parent: Path) -> list[Path]:
-        try:
-            with os.scandir(parent) as it:
-                return [Path(e.path) for e in it if e.is_dir(follow_symlinks=False)]
-        except FileNotFoundError:
-            return []
-
-    @staticmethod
-    def _scan_names(d: Path) -> Iterator[str]:
-        try:
-            with os.scandir(d) as it:
-                names = [e.name for e in it if _is_shard_name(e.name)]
-        except FileNotFoundError:
-            return iter(())
-        return iter(names)
-
-    def _scan(self, states: tuple[str, ...]) -> list[tuple[str, str, str, int]]:
-        """(state, owner, entry name, bytes) for every entry (ack trash included: it still takes space).
-        Published shards never change, so their size is cached by (name, inode) and a poll costs one
-        scandir per directory; tmp/ and quarantine/ are walked. States are scanned in flow order
-        (tmp -> ready -> claimed) so a shard moving during the scan is never missed, and names are
-        unique among live shards, so one seen twice is counted once (in its later state)."""
-        out: dict[str, tuple[str, str, str, int]] = {}
-        seen: set[tuple[str, int]] = set()
-        for state in states:
-            dirs = self._scan_dirs(self.claimed_dir) if state == "claimed" else [self.root / state]
-            cached = state in ("ready", "claimed")
-            for d in dirs:
-                try:
-                    with os.scandir(d) as it:
-                        entries = [
-                            (e.name, e.path, e.inode()) for e in it if not e.name.endswith((".tmp", ".why"))
-                        ]
-                except FileNotFoundError:
-                    continue
-                owner = d.name if state == "claimed" else ""
-                for name, path, inode in entries:
-                    if not cached:
-                        size = _entry_nbytes(path)
-                    elif (size := self._size_cache.get((name, inode))) is None:
-                        size = _entry_nbytes(path)
-                        with self._lock:
-                            self._size_cache[(name, inode)] = size
-                    seen.add((name, inode))
-                    out["q/" + name if state == "quarantine" else name] = (state, owner, name, size)
-        if "ready" in states and "claimed" in states:  # a full scan: forget shards that are gone
-            with self._lock:
-                self._size_cache = {k: v for k, v in self._size_cache.items() if k in seen}
-        return list(out.values())
-
-    def ready_bytes(self) -> int:
-        return sum(s for *_, s in self._scan(("ready",)))
-
-    def total_bytes(self) -> int:
-        """Bytes in tmp+ready+claimed (what backpressure limits)."""
-        return sum(s for *_, s in self._scan(("tmp", "ready", "claimed")))
-
-    def stats(self, *, heartbeat_timeout_s: float = 60.0) -> dict:
-        """Shards and bytes per state and per bucket, per-consumer claims, process heartbeats (pid, age,
-        alive, counters, rates) and producer completion. JSON-serializable (bucket keys become str)."""
-        states: dict[str, dict] = {s: {"shards": 0, "bytes": 0, "buckets": {}} for s in self.STATES}
-        claimed_by: dict[str, dict] = {}
-        for state, owner, name, size in self._scan(self.STATES):
-            try:
-                bucket: int | str = parse_shard_name(name)[0]
-            except ValueError:
-                bucket = "other"  # trash of an ack in progress, stray files
-            row = states[state]
-            row["shards"] += bucket != "other"
-            row["bytes"] += size
-            b = row["buckets"].setdefault(bucket, {"shards": 0, "bytes": 0})
-            b["shards"] += bucket != "other"
-            b["bytes"] += size
-            if state == "claimed":
-                c = claimed_by.setdefault(owner, {"shards": 0, "bytes": 0})
-                c["shards"] += bucket != "other"
-                c["bytes"] += size
-        now = time.time()
-        procs = []
-        for hb in self.heartbeats():
-            procs.append(
-                {
-                    "role": hb.get("role"),
-                    "id": hb.get("id"),
-                    "pid": hb.get("pid"),
-                    "host": hb.get("host"),
-                    "age_s": now - float(hb.get("time", 0.0)),
-                    "alive": heartbeat_alive(hb, timeout_s=heartbeat_timeout_s, now=now),
-                    "counters": hb.get("counters", {}),
-                    "rates": hb.get("rates", {}),
-                }
-            )
-        return {
-            "root": str(self.root),
-            "time": now,
-            "states": states,
-            "total_bytes": sum(states[s]["bytes"] for s in ("tmp", "ready", "claimed")),
-            "claimed_by": claimed_by,
-            "processes": procs,
-            "producers": {"registered": self.registered_producers(), "done": self.done_producers()},
-            "producers_done": self.producers_done(),
-            "drained": self.producers_done()
-            and not any(states[s]["shards"] for s in ("tmp", "ready", "claimed")),
-        }

@@ -16,6 +16,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 log = logging.getLogger(__name__)
@@ -84,7 +85,6 @@ def _draft_block_mask(
 @dataclass(kw_only=True)
 class DraftMask:
     """Everything the attention of one step needs; built once per step and shared by all draft layers."""
-
     backend: Literal["flex", "sdpa"]
     row_valid: torch.Tensor  # [Q] bool: query rows of valid blocks (others must output exactly 0)
     block_mask: BlockMask | None = None  # flex backend
@@ -148,8 +148,6 @@ def recompile_count() -> int:
     Every compiled entry point (flex_attention, the block-mask builder, a compiled train step) compiles once per
     distinct shape; a rise after warm-up with steady shapes is a recompile, i.e. a bug.
     """
-    from torch._dynamo.utils import counters
-
     return int(counters["frames"]["total"])
 
 

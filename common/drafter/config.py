@@ -1,4 +1,6 @@
-"""TODO docstring: split from common/drafter/model.py."""
+"""The drafter's shape (``DrafterConfig``), sized from the target's HF config, and the choice of its mask
+token. Width, heads, vocabulary and rope come from the target: the drafter reuses its embedding, lm_head
+and, through the context feature, its hidden space."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from dflash.common.target.layers import default_target_layer_ids
+from transformers import Qwen3Config
+
+from dflash.common.drafter.layers import default_target_layer_ids
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +38,6 @@ def _rope_from_target(cfg: Any) -> tuple[float, dict | None]:
 class DrafterConfig:
     """Shape of one drafter. Width/heads/vocab/rope come from the target (the drafter reuses its embedding,
     lm_head and, through the context feature, its hidden space)."""
-
     hidden_size: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -113,8 +116,6 @@ class DrafterConfig:
 
     def to_qwen3_config(self):
         """The Qwen3Config the public `DFlashDraftModel` loads this drafter with (export, rotary init)."""
-        from transformers import Qwen3Config
-
         return Qwen3Config(
             hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads,

@@ -1,4 +1,4 @@
-"""``dflash-eval``: greedy speculative decoding with an exported drafter; reports acceptance length τ and speed.
+"""Greedy DFlash speculative decoding: the drafter at inference and the draft -> verify loop (``dflash-eval``).
 
 The loop (docs/export-and-eval.md), per prompt:
 
@@ -24,7 +24,6 @@ weighs easy stretches less (docs/export-and-eval.md: why the trainer's number is
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -35,7 +34,6 @@ from torch import nn
 
 # The command line lives in eval_cli (no torch before parsing); main/build_parser stay importable here.
 from dflash.common.drafter.model import _rotate
-from dflash.common.target.runner import TargetRunner
 
 log = logging.getLogger(__name__)
 
@@ -174,11 +172,6 @@ class Generation:
     wall_s: float = 0.0
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _emit(new: list[int], budget: int, stop: set[int]) -> tuple[list[int], bool]:
     """`new` cut to the length budget and just after the first stop token; (tokens, stopped)."""
     new = new[:budget]
@@ -186,70 +179,6 @@ def _emit(new: list[int], budget: int, stop: set[int]) -> tuple[list[int], bool]
         if t in stop:
             return new[: i + 1], True
     return new, False
-
-
-@torch.inference_mode()
-def speculative_generate(
-    target: TargetRunner,
-    proposer: Proposer,
-    prompt: torch.Tensor,
-    *,
-    max_new_tokens: int,
-    stop_token_ids: Sequence[int] = (),
-    block_size: int | None = None,
-) -> Generation:
-    """Greedy DFlash decoding of `prompt` [P]; see the module docstring for the loop."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    block = block_size or proposer.block_size
-    stop = set(stop_token_ids)
-    _sync(target.device)
-    t0 = time.perf_counter()
-    target.reset()
-    proposer.reset()
-    logits, feats = target.forward(prompt, last_logits_only=True)
-    proposer.extend(feats, 0)
-    gen = Generation(tokens=[int(logits[-1].argmax())], target_forwards=1)
-    stopped = gen.tokens[0] in stop
-    while not stopped and len(gen.tokens) < max_new_tokens:
-        anchor_pos = target.length
-        remaining = max_new_tokens - len(gen.tokens)
-        b = min(block, remaining + 1)
-        draft = proposer.propose(gen.tokens[-1], anchor_pos, b)
-        ids = torch.cat([torch.tensor([gen.tokens[-1]]), draft.to(torch.long).cpu()])
-        logits, feats = target.forward(ids)
-        gen.target_forwards += 1
-        greedy = logits.argmax(-1).cpu()  # greedy[k]: the target's token after ids[:k+1]
-        accepted = int(torch.cumprod((draft == greedy[:-1]).long(), 0).sum())
-        new, stopped = _emit(draft[:accepted].tolist() + [int(greedy[accepted])], remaining, stop)
-        gen.steps.append((b, accepted, len(new)))
-        gen.tokens.extend(new)
-        target.crop(anchor_pos + accepted + 1)
-        if not stopped and len(gen.tokens) < max_new_tokens:
-            proposer.extend(feats[: accepted + 1], anchor_pos)
-    _sync(target.device)
-    gen.wall_s = time.perf_counter() - t0
-    return gen
-
-
-@torch.inference_mode()
-def greedy_generate(
-    target: TargetRunner, prompt: torch.Tensor, *, max_new_tokens: int, stop_token_ids: Sequence[int] = ()
-) -> Generation:
-    """Plain greedy decoding with the same cache: the baseline for speed and for the lossless check."""
-    stop = set(stop_token_ids)
-    _sync(target.device)
-    t0 = time.perf_counter()
-    target.reset()
-    logits, _ = target.forward(prompt, last_logits_only=True, capture=False)
-    gen = Generation(tokens=[int(logits[-1].argmax())], target_forwards=1)
-    while gen.tokens[-1] not in stop and len(gen.tokens) < max_new_tokens:
-        logits, _ = target.forward(torch.tensor([gen.tokens[-1]]), capture=False)
-        gen.tokens.append(int(logits[-1].argmax()))
-        gen.target_forwards += 1
-    _sync(target.device)
-    gen.wall_s = time.perf_counter() - t0
-    return gen
 
 
 # ------------------------------------------------------------------------------------------------ metrics

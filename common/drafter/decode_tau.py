@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dflash.common.contract.shard_reader import read_shard
 from dflash.common.drafter.decode import (
     EvalReport,
     Generation,
@@ -40,28 +41,9 @@ from dflash.common.drafter.decode import (
 )
 
 
-@dataclass
-class EvalBudget:
-    """The periodic evaluations' share of a run's time (``--eval-budget``, 3 % by default): one runs only
-    when it, priced at what the last one took, keeps the evaluations within ``share`` of the time elapsed.
-    The first and the last evaluation of a run are not asked: they are its before and after."""
-
-    share: float
-    spent_s: float = 0.0
-    last_s: float | None = None
-
-    def allows(self, elapsed_s: float) -> bool:
-        return self.last_s is None or self.spent_s + self.last_s <= self.share * elapsed_s
-
-    def add(self, took_s: float) -> None:
-        self.spent_s += took_s
-        self.last_s = took_s
-
-
 @dataclass(kw_only=True)
 class HeldOutDoc:
     """One held-out document as the producers spooled it."""
-
     sample_index: int
     input_ids: np.ndarray  # int [T]
     loss_mask: np.ndarray  # bool [T]
@@ -70,8 +52,6 @@ class HeldOutDoc:
 
 def read_held_out(shard_paths: Sequence) -> list[HeldOutDoc]:
     """The held-out documents of these eval shards (the spool's eval/), by sample id."""
-    from dflash.common.contract.shard import read_shard
-
     docs = []
     for path in shard_paths:
         shard = read_shard(path)
@@ -154,7 +134,6 @@ def _verify(
 @dataclass(kw_only=True)
 class _Walk:
     """One document's decode in a batched walk: its tokens, its remaining budget, its position."""
-
     ids: list[int]
     start: int
     budget: int

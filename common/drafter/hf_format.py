@@ -1,4 +1,4 @@
-"""``dflash-export``: a training checkpoint -> a HF-style drafter folder that DFlash inference code loads.
+"""The HF-style drafter folder that DFlash inference code loads: writing it, reading it back, building a drafter.
 
 The folder (docs/export-and-eval.md) holds ``config.json``, a Qwen3 config plus the DFlash fields the public
 ``DFlashDraftModel`` reads (``architectures``, ``num_target_layers``, ``block_size``,
@@ -22,10 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_file
 
 from dflash.common.drafter.config import DrafterConfig
-from dflash.common.drafter.model import DFlashDrafter, RotaryEmbedding
-from dflash.common.target.head import load_target_head
+from dflash.common.drafter.model import DFlashDrafter
 
 # The command line lives in export_cli (no torch before parsing); main/build_parser stay importable here.
 
@@ -39,7 +39,6 @@ _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
 class ExportError(ValueError):
     """A checkpoint or export folder that cannot be used; the message is one line."""
-
 
 # ----------------------------------------------------------------------------------------------- config
 
@@ -158,8 +157,6 @@ def export_drafter(
 ) -> Path:
     """Write the export folder. It appears complete or not at all: files go to a temp folder beside
     `out_dir`, which is renamed into place last. `metadata` (str -> str) goes into the safetensors header."""
-    from safetensors.torch import save_file
-
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not overwrite:
@@ -197,62 +194,6 @@ def read_export_config(path: str | Path) -> DrafterConfig:
     except json.JSONDecodeError as err:
         raise ExportError(f"{root / CONFIG_FILE}: invalid JSON ({err})") from None
     return drafter_config_from_export(raw)
-
-
-def load_exported_drafter(
-    path: str | Path,
-    target: Any,
-    *,
-    device: Any = None,
-    dtype: torch.dtype | None = None,
-    attention_backend: str = "auto",
-) -> DFlashDrafter:
-    """An exported folder (or a public DFlash drafter folder) -> `DFlashDrafter` with the target's head.
-
-    `target`: the target's folder or hub id (only its embedding and lm_head are read) or an in-memory HF
-    model. `dtype`: default the stored dtype. The drafter is returned in eval mode.
-    """
-    from safetensors.torch import load_file
-
-    root = Path(path)
-    config = read_export_config(root)
-    state = load_file(str(root / WEIGHTS_FILE))
-    return build_drafter(
-        state, config, target, device=device, dtype=dtype, attention_backend=attention_backend
-    )
-
-
-def build_drafter(
-    model_state: dict[str, torch.Tensor],
-    config: DrafterConfig,
-    target: Any,
-    *,
-    device: Any = None,
-    dtype: torch.dtype | None = None,
-    attention_backend: str = "auto",
-) -> DFlashDrafter:
-    """Weights (an export's or a checkpoint's, checked name by name) -> `DFlashDrafter` with the target's
-    head, in eval mode: the one path from weights to an inference drafter (`load_exported_drafter`,
-    ``dflash-eval --watch`` on checkpoints). `dtype`: default the stored dtype."""
-    state = _public_state(model_state, config)
-    dtype = dtype or next(iter(state.values())).dtype
-    head = load_target_head(target, dtype=dtype, device=device)
-    if head.embed_weight.shape[1] != config.hidden_size:
-        raise ExportError(
-            f"target hidden size {head.embed_weight.shape[1]} != drafter hidden size {config.hidden_size}: "
-            "this drafter was trained for another target"
-        )
-    # Built on the meta device and filled by assignment: no random init of weights that are overwritten
-    # anyway, and the parameters take `dtype` while the rotary table stays fp32 (a `.to(dtype)` would round
-    # inv_freq, which the public model keeps in fp32).
-    with torch.device("meta"):
-        model = DFlashDrafter(config, attention_backend=attention_backend)
-    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
-    model.rotary_emb = RotaryEmbedding(config)
-    leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    assert not leftover, f"tensors left uninitialized after loading: {leftover}"
-    model.set_target_head(head)
-    return model.to(device).eval() if device is not None else model.eval()
 
 
 # ------------------------------------------------------------------------------------------- checkpoint

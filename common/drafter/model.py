@@ -1,4 +1,4 @@
-"""The DFlash drafter: config, the target's frozen embedding/lm_head, and the draft model itself.
+"""The DFlash draft model: its layers and the target's frozen embedding/lm_head it borrows (``TargetHead``).
 
 Architecture (public facts: z-lab/dflash `DFlashDraftModel`, ARCHITECTURE §4). Parameter names equal the public
 model's, so `state_dict()` exports without renames: `layers.{i}.input_layernorm`, `layers.{i}.self_attn.{q,k,v,o}_proj`,
@@ -20,6 +20,7 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from dflash.common.drafter.attention import Backend, DraftMask, build_draft_mask, draft_attention
 from dflash.common.drafter.batch import DraftBatch
@@ -35,7 +36,6 @@ log = logging.getLogger(__name__)
 
 class TargetHead(nn.Module):
     """The target's token embedding and lm_head, frozen. Tied targets store one tensor (moved once by `.to`)."""
-
     def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None):
         super().__init__()
         self.tied = lm_head_weight is None
@@ -64,7 +64,6 @@ class TargetHead(nn.Module):
 
 class RMSNorm(nn.Module):
     """Qwen3RMSNorm: normalise in fp32, scale in the input dtype."""
-
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -80,7 +79,6 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """cos/sin for arbitrary integer positions; inv_freq from transformers' rope init for the exported config,
     so training and the public inference code rotate identically (also for yarn/llama3/linear scaling)."""
-
     def __init__(self, config: DrafterConfig):
         super().__init__()
         rope_type = config.rope_parameters["rope_type"]
@@ -89,7 +87,6 @@ class RotaryEmbedding(nn.Module):
             inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
             scaling = 1.0
         else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
             if rope_type not in ROPE_INIT_FUNCTIONS:
                 raise ValueError(f"unsupported rope_type {rope_type!r}")
@@ -177,7 +174,6 @@ class DFlashDrafter(nn.Module):
     The target head is attached unregistered: move it with `drafter.target_head.to(device)` (or pass
     `device=` to `load_target_head`); `drafter.to()` moves only the drafter's own parameters.
     """
-
     def __init__(
         self,
         config: DrafterConfig,
@@ -261,3 +257,14 @@ class DFlashDrafter(nn.Module):
         for layer in self.layers:
             x = layer(x, context, cos, sin, mask)
         return self.norm(x).view(num_blocks, block_size, -1)
+
+
+def initial_drafter(config: DrafterConfig, head, *, seed: int) -> DFlashDrafter:
+    """The drafter a fresh run starts from: weights drawn from `seed` (the consumer's ``--seed`` + rank).
+
+    One function for the trainer and for whoever needs the untrained drafter (the demo's "τ before
+    training"), so the two cannot drift apart. Seeding here repeats the trainer's own seeding, with nothing
+    random in between, so the weights are those of a fresh launch.
+    """
+    torch.manual_seed(seed)
+    return DFlashDrafter(config, head)

@@ -1,4 +1,8 @@
-"""TODO docstring: split from common/drafter/model.py."""
+"""The target's frozen embedding and lm_head, read alone from its safetensors (never the whole model).
+
+Why alone: a consumer needs only these two tensors of a 27B-70B target (the drafter borrows them); loading
+the model would cost tens of GB of host memory and minutes. Sharded checkpoints are read through their
+index, tied embeddings reuse the embedding, multimodal checkpoints find the text model's tensors."""
 
 from __future__ import annotations
 
@@ -8,7 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from huggingface_hub import hf_hub_download, snapshot_download
+from safetensors import safe_open
 from torch import nn
+from transformers import AutoConfig
 
 from dflash.common.drafter.model import TargetHead
 
@@ -34,7 +41,6 @@ def _weight_files(root: Path) -> dict[str, Path]:
     single = root / "model.safetensors"
     if not single.exists():
         raise ValueError(f"{root}: no model.safetensors or model.safetensors.index.json")
-    from safetensors import safe_open
 
     with safe_open(str(single), framework="pt") as f:
         return dict.fromkeys(f.keys(), single)
@@ -45,7 +51,6 @@ def _local_dir(target: str | Path) -> Path:
     path = Path(target)
     if path.is_dir():
         return path
-    from huggingface_hub import snapshot_download
 
     return Path(
         snapshot_download(
@@ -69,8 +74,6 @@ def load_target_head(target: Any, *, dtype: torch.dtype = torch.bfloat16, device
         )
         return head.to(device) if device is not None else head
 
-    from safetensors import safe_open
-    from transformers import AutoConfig
 
     root = _local_dir(target)
     config = AutoConfig.from_pretrained(str(root))
@@ -94,7 +97,6 @@ def load_target_head(target: Any, *, dtype: torch.dtype = torch.bfloat16, device
     def read(key: str) -> torch.Tensor:
         file = files[key]
         if not file.exists():  # hub snapshot: fetch just the shard holding this tensor
-            from huggingface_hub import hf_hub_download
 
             file = Path(hf_hub_download(str(target), file.name))
         with safe_open(str(file), framework="pt", device="cpu") as f:

@@ -1,4 +1,5 @@
-"""TODO docstring: split from common/drafter/decode.py."""
+"""The target as ``dflash-eval`` and the demo run it: one model, one KV cache, and hooks that capture the
+drafter's K context layers for every token the target processes (prefill and verify forwards alike)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import DynamicCache
+
+from dflash.common.target.capture import find_decoder
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +30,7 @@ class TargetRunner:
     Layer i's feature is the output of decoder layer i (HF `hidden_states[i + 1]`); for the last layer that
     is the final norm's output, as the producer captures it (dflash.common.target.capture).
     """
-
     def __init__(self, model: nn.Module, layer_ids: Sequence[int]):
-        from dflash.common.target.capture import find_decoder
 
         self.model = model
         _, layers, norm = find_decoder(model)
@@ -57,7 +59,6 @@ class TargetRunner:
         return hook
 
     def reset(self) -> None:
-        from transformers import DynamicCache
 
         self.cache = DynamicCache(config=self.model.config)
         if hasattr(self.cache, "activate_past_recording"):  # lets sliding-window layers be cropped

@@ -45,8 +45,8 @@ from bench_data import FillPlan, SpoolFiller, write_target_head  # noqa: E402
 from dflash.common.drafter.attention import recompile_count
 from dflash.common.drafter.batch import build_draft_batch, pack_samples
 from dflash.common.drafter.config import DrafterConfig
+from dflash.common.drafter.layers import default_target_layer_ids
 from dflash.common.drafter.model import DFlashDrafter, TargetHead
-from dflash.common.target.layers import default_target_layer_ids
 from dflash.consumer.config import TrainConfig
 from dflash.consumer.step import build_optimizer, compile_drafter, forward_backward
 from dflash.consumer.trainer import Trainer

@@ -219,8 +219,8 @@ _VARIANT_CFG = {
 
 @contextlib.contextmanager
 def _variant(name: str):
-    """Patch the shard writer the producer calls (it imports write_shard at call time)."""
-    import dflash.common.contract.shard as shard_mod
+    """Patch the shard writer the producer's writer threads call."""
+    import dflash.producer.writers as shard_mod
 
     orig = shard_mod.write_shard
     if name == "nowrite":
@@ -360,7 +360,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     import torch._dynamo  # noqa: F401  - first import in the main thread (threads below)
 
-    from dflash.common.target.layers import default_target_layer_ids
+    from dflash.common.drafter.layers import default_target_layer_ids
 
     device = args.device
     mem = MemSampler(device)

@@ -37,15 +37,10 @@ import torch
 import zarr
 
 from dflash.common.contract.codecs import DEFAULT_CODEC_SPEC, CodecConfig
-from dflash.common.contract.shard import (
-    DEFAULT_CHUNK_BYTES,
-    Shard,
-    ShardMeta,
-    read_shard,
-    shard_nbytes,
-    write_shard,
-)
-from dflash.common.target.layers import default_target_layer_ids
+from dflash.common.contract.shard import DEFAULT_CHUNK_BYTES, Shard, ShardMeta
+from dflash.common.contract.shard_reader import read_shard, shard_nbytes
+from dflash.common.contract.shard_writer import write_shard
+from dflash.common.drafter.layers import default_target_layer_ids
 
 log = logging.getLogger(__name__)
 

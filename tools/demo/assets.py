@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -71,14 +73,11 @@ def build_tiny_target(dtype: torch.dtype = torch.float32, seed: int = 0, *, weig
     then cast, so every dtype is a rounding of the same fp32 weights; trained ones are stored in bf16 and
     cast from there (fp32 holds them exactly).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = AutoConfig.from_pretrained(tiny_target_dir())
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if weights == "trained":
-        from safetensors.torch import load_file
 
         path = tiny_target_dir() / "model.safetensors"
         if not path.is_file():
@@ -129,9 +128,6 @@ def self_distill(
     next tokens, so the responses come from the target. ops/make_demo_assets.py runs it once with the
     trained target and ships the result (``distilled_dataset_path``), so no demo run pays for it.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(target)
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()

@@ -16,6 +16,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from dflash.common.contract.spool import Spool
+from dflash.common.drafter.config import DrafterConfig
+from dflash.common.drafter.decode import DrafterProposer, summarize
+from dflash.common.drafter.decode_tau import first_response, read_held_out
+from dflash.common.drafter.hf_format import export_drafter
+from dflash.common.drafter.model import initial_drafter
+from dflash.common.target.attach import load_exported_drafter
+from dflash.common.target.head import load_target_head
+from dflash.common.target.runner import TargetRunner
+from dflash.common.target.speculative import speculative_generate
 
 log = logging.getLogger(__name__)
 
@@ -25,15 +37,12 @@ class HeldOutDocs:
     """The held-out documents as the producers spooled them (the spool's eval/ shards): each one's prompt
     (the tokens before its first answer) and the length of that answer, the decode budget. The consumer's
     in-training decode-order τ walks the same documents with the same budgets."""
-
     prompts: list[torch.Tensor]
     budgets: list[int]
     sample_ids: list[int]
 
     @classmethod
     def from_spool(cls, spool: Path) -> HeldOutDocs:
-        from dflash.common.contract.spool import Spool
-        from dflash.common.drafter.decode_tau import first_response, read_held_out
 
         prompts, budgets, ids = [], [], []
         for doc in read_held_out(Spool(spool, create=False).eval_shards()):
@@ -60,12 +69,6 @@ def export_initial_drafter(
 ) -> Path:
     """Export the drafter a fresh ``dflash-consume --seed <seed>`` run starts from (fp32), so the
     untrained drafter is evaluated by the same loader and loop as the trained one."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from dflash.common.drafter.config import DrafterConfig
-    from dflash.common.drafter.hf_format import export_drafter
-    from dflash.common.target.head import load_target_head
-    from dflash.consumer.step import initial_drafter
 
     config = DrafterConfig.from_target_config(
         AutoConfig.from_pretrained(target),
@@ -90,11 +93,6 @@ def evaluate_drafter(
     """Greedy speculative decoding of every held-out prompt with `drafter_dir` against the target, each for
     its answer's length (no stop token: the in-training walk has none either); τ pooled over all verify
     steps, as dflash-eval reports it."""
-    from transformers import AutoModelForCausalLM
-
-    from dflash.common.drafter.decode import DrafterProposer, speculative_generate, summarize
-    from dflash.common.drafter.hf_format import load_exported_drafter
-    from dflash.common.target.runner import TargetRunner
 
     threads = torch.get_num_threads()
     # One thread: decoding is a chain of tiny matmuls; two threads on a busy 2-core box spin against each

@@ -1,11 +1,14 @@
-"""TODO docstring: split from common/drafter/decode.py."""
+"""``dflash-eval --drafter DIR``: decode held-out prompts draft -> verify against the target and report τ,
+acceptance per position and (with ``--baseline``) the speed-up over plain greedy decoding.
+
+The decoding itself is the drafter's (common/drafter/decode.py); this module loads the target, the prompts
+and the exported drafter, and prints the report.
+"""
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -13,16 +16,17 @@ from typing import Any
 
 import torch
 from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from dflash.common.drafter.decode import (
-    DrafterProposer,
-    EvalReport,
-    greedy_generate,
-    speculative_generate,
-    summarize,
-)
+from dflash.common.cli.exits import fail
+from dflash.common.drafter.decode import DrafterProposer, EvalReport, summarize
+from dflash.common.drafter.hf_format import ExportError, read_export_config
+from dflash.common.target.attach import load_exported_drafter
+from dflash.common.target.data import DataConfig, DataError, load_raw_dataset
 from dflash.common.target.runner import TargetRunner
+from dflash.common.target.speculative import greedy_generate, speculative_generate
 from dflash.tools.eval.cli import PROG
+from dflash.tools.eval.config import EvalConfig
 
 log = logging.getLogger(__name__)
 
@@ -82,8 +86,6 @@ def load_prompts(
 ) -> list[torch.Tensor]:
     """The first `num_prompts` usable rows as token ids (chat template + generation prompt). Rows without a
     user turn, or longer than `max_prompt_tokens`, are skipped (counted in the log)."""
-    from dflash.common.target.data import DataConfig, load_raw_dataset
-
     ds = load_raw_dataset(DataConfig(dataset=dataset))
     prompts, skipped = [], 0
     for row in ds:
@@ -152,97 +154,68 @@ def evaluate(
     return summarize(gens, block, base)
 
 
-def check_args(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
-    """Flag checks that need no model (ValueError, one line) -> the resolved (device, dtype)."""
-    for name in ("num_prompts", "max_new_tokens", "max_prompt_tokens"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.block_size is not None and args.block_size < 2:
-        raise ValueError(f"--block-size must be >= 2, got {args.block_size}")
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(args.device)
+def resolve_device(cfg: EvalConfig) -> tuple[torch.device, torch.dtype]:
+    """(device, dtype) from --device / --dtype (auto: CUDA when there is one); ValueError, one line."""
+    device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device available")
+        raise ValueError(f"--device {cfg.device}: no CUDA device available")
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
-        args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
+        cfg.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32
     )
     return device, dtype
 
 
-def load_target(
-    args: argparse.Namespace, device: torch.device, dtype: torch.dtype
-) -> tuple[Any, nn.Module, list[torch.Tensor]]:
-    """(tokenizer, target in eval mode on `device`, the held-out prompts as token ids) from the flags."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
-    prompts = load_prompts(
-        args.dataset, tokenizer, num_prompts=args.num_prompts, max_prompt_tokens=args.max_prompt_tokens
-    )
+def load_target(cfg: EvalConfig, device: torch.device, dtype: torch.dtype) -> tuple[Any, nn.Module, list[torch.Tensor]]:
+    """(tokenizer, target in eval mode on `device`, the held-out prompts as token ids)."""
+    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
+    target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).to(device).eval()
+    prompts = load_prompts(cfg.dataset, tokenizer, num_prompts=cfg.num_prompts, max_prompt_tokens=cfg.max_prompt_tokens)
     return tokenizer, target, prompts
 
 
-def evaluate_args(
-    args: argparse.Namespace, target: nn.Module, tokenizer: Any, drafter: nn.Module, prompts: list
-) -> EvalReport:
-    """`evaluate` with the decoding flags: what every ``dflash-eval`` mode (one drafter, --watch) runs."""
+def evaluate_with(cfg: EvalConfig, target: nn.Module, tokenizer: Any, drafter: nn.Module, prompts: list) -> EvalReport:
+    """`evaluate` with the decoding settings: what every ``dflash-eval`` mode (one drafter, --watch) runs."""
     return evaluate(
         target,
         drafter,
         prompts,
-        max_new_tokens=args.max_new_tokens,
-        stop_token_ids=[] if args.ignore_eos else stop_tokens(tokenizer, target),
-        block_size=args.block_size,
-        baseline=args.baseline,
+        max_new_tokens=cfg.max_new_tokens,
+        stop_token_ids=[] if cfg.ignore_eos else stop_tokens(tokenizer, target),
+        block_size=cfg.block_size,
+        baseline=cfg.baseline,
     )
 
 
-def user_error(err: BaseException) -> None:
-    """Print the one-line ``dflash-eval: error: ...`` and exit 2 (README, "Errors and exit codes")."""
-    from dflash.common.checkpoints.redact import redact
-
-    text = redact(str(err)).strip()
-    print(f"{PROG}: error: {text.splitlines()[0] if text else type(err).__name__}", file=sys.stderr)
-    sys.exit(2)
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s eval %(levelname)s %(message)s", datefmt="%H:%M:%S")
 
 
-def run_cli(args: argparse.Namespace) -> int:
-    """The evaluation of ``dflash-eval``'s parsed flags (eval_cli.build_parser); exit 2 on a user error."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s eval %(levelname)s %(message)s", datefmt="%H:%M:%S"
-    )
-    if getattr(args, "watch", None):
-        from dflash.tools.eval.watch import run_watch
-
-        return run_watch(args)
-    from dflash.common.drafter.hf_format import ExportError, load_exported_drafter, read_export_config
-    from dflash.common.target.data import DataError
-
+def run(cfg: EvalConfig) -> int:
+    """``dflash-eval --drafter DIR``: decode, print the table (and JSON); exit 2 on a user error."""
+    setup_logging()
     try:
-        device, dtype = check_args(args)
-        read_export_config(args.drafter)  # a wrong folder fails before the target is loaded
-        tokenizer, target, prompts = load_target(args, device, dtype)
-        drafter = load_exported_drafter(args.drafter, target, device=device, dtype=dtype)
-        report = evaluate_args(args, target, tokenizer, drafter, prompts)
+        device, dtype = resolve_device(cfg)
+        read_export_config(cfg.drafter)  # a wrong folder fails before the target is loaded
+        tokenizer, target, prompts = load_target(cfg, device, dtype)
+        drafter = load_exported_drafter(cfg.drafter, target, device=device, dtype=dtype)
+        report = evaluate_with(cfg, target, tokenizer, drafter, prompts)
     except (ExportError, DataError, ValueError, OSError) as err:
-        user_error(err)
+        fail(PROG, err)
     print(format_table(report))
-    if args.json:
+    if cfg.json:
         text = json.dumps(
             {
                 **asdict(report),
-                "target": args.target,
-                "drafter": args.drafter,
+                "target": cfg.target,
+                "drafter": cfg.drafter,
                 "device": str(device),
                 "dtype": str(dtype).removeprefix("torch."),
-                "max_new_tokens": args.max_new_tokens,
+                "max_new_tokens": cfg.max_new_tokens,
             },
             indent=2,
         )
-        if args.json == "-":
+        if cfg.json == "-":
             print(text)
         else:
-            Path(args.json).write_text(text + "\n")
+            Path(cfg.json).write_text(text + "\n")
     return 0

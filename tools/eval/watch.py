@@ -2,7 +2,7 @@
 
 A separate process (any GPU, or CPU) beside the trainer. Each pass, oldest step first, it evaluates every
 finished checkpoint (``meta.json`` exists: save_checkpoint uploads it after the data files) that has no
-record yet, with exactly the evaluation of a plain ``dflash-eval`` (``evaluate_args``: the real lossless
+record yet, with exactly the evaluation of a plain ``dflash-eval`` (``evaluate_with``: the real lossless
 draft -> verify loop against the target, same prompts), then re-elects ``best``. Layout in the store
 (common/checkpoints/save.py, docs/export-and-eval.md)::
 
@@ -24,7 +24,6 @@ checkpoint, unrecorded, is evaluated on the next start.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import signal
@@ -45,8 +44,7 @@ from dflash.common.checkpoints.layout import (
     read_best_name,
     step_dir_name,
 )
-from dflash.common.checkpoints.load import finished_steps, read_checkpoint_meta
-from dflash.common.checkpoints.redact import redact
+from dflash.common.checkpoints.load import finished_steps, load_checkpoint_weights, read_checkpoint_meta
 from dflash.common.checkpoints.save import write_best
 from dflash.common.checkpoints.store import (
     CheckpointStore,
@@ -54,24 +52,30 @@ from dflash.common.checkpoints.store import (
     StoreKeyNotFoundError,
     open_store,
 )
+from dflash.common.cli.exits import fail
+from dflash.common.drafter.hf_format import ExportError
 from dflash.common.metrics import MetricsLog
+from dflash.common.redact import redact
+from dflash.common.target.attach import build_drafter
+from dflash.common.target.data import DataError
 from dflash.tools.eval.cli import PROG
+from dflash.tools.eval.config import EvalConfig, WatchConfig
+from dflash.tools.eval.run import evaluate_with, load_target, resolve_device, setup_logging
+from dflash.tools.export.run import checkpoint_drafter_config
 
 log = logging.getLogger(__name__)
 
 EVAL_LOG = "metrics/eval.jsonl"
-SETTINGS = ("target", "dataset", "num_prompts", "max_new_tokens", "max_prompt_tokens", "block_size")
 
 
 class WatchStopped(Exception):
     """SIGINT/SIGTERM arrived (raised from the signal handler, so it also cuts a sleep short)."""
 
-
 @dataclass(kw_only=True)
 class Watch:
     """What every pass needs: the store, the loaded target and prompts, the flags and the eval log."""
-
-    args: argparse.Namespace
+    cfg: EvalConfig
+    watch: WatchConfig
     store: CheckpointStore
     run: str
     settings: dict
@@ -85,14 +89,7 @@ class Watch:
     in_flight: int | None = None
     """The step being evaluated (a stop then exits 130: that evaluation is lost)."""
 
-
 # ------------------------------------------------------------------------------------------------ records
-
-
-def eval_settings(args: argparse.Namespace, dtype: Any) -> dict:
-    """The flags that change τ: records are compared (and reused) only under equal settings."""
-    out = {name: getattr(args, name) for name in SETTINGS}
-    return {**out, "ignore_eos": bool(args.ignore_eos), "dtype": str(dtype).removeprefix("torch.")}
 
 
 def record_key(run: str, step: int) -> str:
@@ -161,16 +158,11 @@ def mark_best(w: Watch, best: dict) -> bool:
 
 def evaluate_step(w: Watch, step: int) -> dict:
     """Load one checkpoint's drafter (weights + meta.json only, verified) and evaluate it -> its record."""
-    from dflash.common.checkpoints.load import load_checkpoint_weights
-    from dflash.common.drafter.hf_format import build_drafter
-    from dflash.tools.eval.run import evaluate_args
-    from dflash.tools.export.run import checkpoint_drafter_config
-
     started = time.monotonic()
     state, meta = load_checkpoint_weights(w.store, w.run, step)
     config = checkpoint_drafter_config(meta, w.run)
     drafter = build_drafter(state, config, w.target, device=w.device, dtype=w.dtype)
-    report = evaluate_args(w.args, w.target, w.tokenizer, drafter, w.prompts)
+    report = evaluate_with(w.cfg, w.target, w.tokenizer, drafter, w.prompts)
     return {
         "step": step,
         "step_dir": step_dir_name(step),
@@ -227,8 +219,6 @@ def _progress(record: dict, best: dict | None) -> str:
 def watch_pass(w: Watch) -> int:
     """Evaluate every finished, not yet evaluated checkpoint (oldest first), re-electing ``best`` after each;
     returns how many were evaluated."""
-    from dflash.common.drafter.hf_format import ExportError
-
     metas = _finished_metas(w)
     records = read_records(w.store, w.run)
     _check_best_exists(w, metas)
@@ -266,7 +256,6 @@ def watch_pass(w: Watch) -> int:
 @contextmanager
 def _stop_on_signals() -> Iterator[None]:
     """SIGINT/SIGTERM raise WatchStopped in the main thread (also ending a sleep); handlers restored after."""
-
     def stop(signum: int, _frame: Any) -> None:
         raise WatchStopped(signal.Signals(signum).name)
 
@@ -278,21 +267,20 @@ def _stop_on_signals() -> Iterator[None]:
             signal.signal(s, handler)
 
 
-def open_watch(args: argparse.Namespace) -> Watch:
-    """Check the flags and the store, load the target and prompts once (user errors raise)."""
-    from dflash.tools.eval.run import check_args, load_target
-
-    device, dtype = check_args(args)
-    store = open_store(args.watch)
-    _check_run(args.run)
+def open_watch(cfg: EvalConfig, watch: WatchConfig) -> Watch:
+    """Check the store, load the target and prompts once (user errors raise)."""
+    device, dtype = resolve_device(cfg)
+    store = open_store(watch.watch)
+    _check_run(watch.run)
     store.check()  # no credentials, unreachable endpoint, missing bucket: exit 2 before loading the target
-    tokenizer, target, prompts = load_target(args, device, dtype)
-    eval_log = MetricsLog(Path(args.run_dir) / EVAL_LOG) if args.run_dir else None
+    tokenizer, target, prompts = load_target(cfg, device, dtype)
+    eval_log = MetricsLog(Path(watch.run_dir) / EVAL_LOG) if watch.run_dir else None
     return Watch(
-        args=args,
+        cfg=cfg,
+        watch=watch,
         store=store,
-        run=args.run,
-        settings=eval_settings(args, dtype),
+        run=watch.run,
+        settings=cfg.settings(str(dtype).removeprefix("torch.")),
         target=target,
         tokenizer=tokenizer,
         prompts=prompts,
@@ -310,15 +298,15 @@ def watch_loop(w: Watch) -> int:
             try:
                 done = watch_pass(w)
             except CheckpointStoreError as err:
-                if w.args.once:
+                if w.watch.once:
                     print(f"{PROG}: {err}", file=sys.stderr)
                     return 1
-                log.warning("%s; retrying in %.0fs", err, w.args.poll_s)
+                log.warning("%s; retrying in %.0fs", err, w.watch.poll_s)
                 done = 0
-            if w.args.once:
+            if w.watch.once:
                 print(f"evaluated {done} checkpoint(s) of {w.store.url_for(w.run)}", flush=True)
                 return 0
-            time.sleep(w.args.poll_s)
+            time.sleep(w.watch.poll_s)
     except WatchStopped as sig:
         if w.in_flight is not None:
             print(f"stopped ({sig}) during step {w.in_flight}: not recorded, evaluated next time", flush=True)
@@ -330,18 +318,15 @@ def watch_loop(w: Watch) -> int:
             w.eval_log.close()
 
 
-def run_watch(args: argparse.Namespace) -> int:
+def run_watch(cfg: EvalConfig, watch: WatchConfig) -> int:
     """``dflash-eval --watch``: exit 2 on a user error (one line), 1 on a failed evaluation (one line),
     else watch_loop's code. SIGINT/SIGTERM are WatchStopped from here on."""
-    from dflash.common.drafter.hf_format import ExportError
-    from dflash.common.target.data import DataError
-    from dflash.tools.eval.run import user_error
-
+    setup_logging()
     with _stop_on_signals():
         try:
-            w = open_watch(args)
+            w = open_watch(cfg, watch)
         except (ExportError, DataError, ValueError, OSError, CheckpointStoreError) as err:
-            user_error(err)
+            fail(PROG, err)
         except WatchStopped as sig:
             print(f"stopped ({sig})", flush=True)
             return 0

@@ -1,15 +1,16 @@
-"""``dflash-export``'s command line, apart from common/drafter/hf_format.py: ``--help`` and flag errors must not
-pay for importing torch (seconds on a loaded box). The export itself is ``dflash.common.drafter.hf_format.run_cli``."""
+"""``dflash-export``'s command line: flags from ExportConfig (tools/export/config.py), parsed before torch is
+imported (``--help`` and flag errors must not pay for it, seconds on a loaded box). The export itself is
+``dflash.tools.export.run.run``."""
 
 from __future__ import annotations
 
 import argparse
 
+from dflash.common.cli.flags import add_flags, from_args
 from dflash.common.cli.help import DefaultsHelpFormatter
+from dflash.tools.export.config import ExportConfig
 
 PROG = "dflash-export"
-DTYPE_NAMES = ("bfloat16", "float16", "float32")
-"""--dtype choices: the keys of dflash.common.drafter.hf_format.DTYPES (a test keeps the two equal)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,24 +21,15 @@ def build_parser() -> argparse.ArgumentParser:
         "<store> is s3://bucket/prefix or a local folder, as given to dflash-consume --checkpoint.",
         formatter_class=DefaultsHelpFormatter,
     )
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help="checkpoint url (see below)")
-    p.add_argument("out_dir", metavar="OUT_DIR", help="folder to write (config.json + model.safetensors)")
-    p.add_argument(
-        "--run",
-        default=None,
-        help="run name; CHECKPOINT is then the store url (default: CHECKPOINT's last part)",
-    )
-    p.add_argument("--step", type=int, default=None, help="step to export (default: the run's latest)")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPE_NAMES, help="dtype of the exported weights")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    add_flags(p, ExportConfig)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from dflash.tools.export.run import run_cli  # torch: only once the flags parsed
+    cfg = from_args(ExportConfig, build_parser().parse_args(argv))
+    from dflash.tools.export.run import run  # torch: only once the flags parsed
 
-    return run_cli(args)
+    return run(cfg)
 
 
 if __name__ == "__main__":

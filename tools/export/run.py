@@ -1,19 +1,22 @@
-"""TODO docstring: split from common/drafter/hf_format.py."""
+"""``dflash-export``: one training checkpoint (weights and meta.json only, verified) -> a HF-style drafter
+folder in the public DFlash format (common/drafter/hf_format.py writes it)."""
 
 from __future__ import annotations
 
-import argparse
 import logging
 import re
-import sys
 from pathlib import Path
 
 import torch
 
+from dflash.common.checkpoints.layout import CheckpointError
 from dflash.common.checkpoints.load import load_checkpoint_weights
+from dflash.common.checkpoints.store import CheckpointStoreError
+from dflash.common.cli.exits import fail
 from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.hf_format import ExportError, export_drafter
 from dflash.tools.export.cli import PROG
+from dflash.tools.export.config import ExportConfig
 
 log = logging.getLogger(__name__)
 
@@ -76,22 +79,15 @@ def export_checkpoint(
     return export_drafter(model_state, config, out_dir, dtype=dtype, metadata=metadata, overwrite=overwrite)
 
 
-def run_cli(args: argparse.Namespace) -> int:
-    """The export of ``dflash-export``'s parsed flags (export_cli.build_parser); exit 2 on a user error."""
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s export %(levelname)s %(message)s", datefmt="%H:%M:%S"
-    )
-    from dflash.common.checkpoints.layout import CheckpointError
-    from dflash.common.checkpoints.redact import redact
-    from dflash.common.checkpoints.store import CheckpointStoreError
-
+def run(cfg: ExportConfig) -> int:
+    """Export, print the folder; exit 2 with one line on a user or input error."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s export %(levelname)s %(message)s", datefmt="%H:%M:%S")
     try:
-        store_url, run, step = parse_checkpoint_url(args.checkpoint, run=args.run, step=args.step)
+        store_url, run_name, step = parse_checkpoint_url(cfg.checkpoint, run=cfg.run, step=cfg.step)
         out = export_checkpoint(
-            store_url, run, args.out_dir, step=step, dtype=DTYPES[args.dtype], overwrite=args.overwrite
+            store_url, run_name, cfg.out_dir, step=step, dtype=DTYPES[cfg.dtype], overwrite=cfg.overwrite
         )
     except (ExportError, CheckpointError, CheckpointStoreError, ValueError, OSError) as err:
-        print(f"{PROG}: error: {redact(str(err)).splitlines()[0]}", file=sys.stderr)
-        sys.exit(2)  # a user or input error (README, "Errors and exit codes")
+        fail(PROG, err)
     print(out)
     return 0

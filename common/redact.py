@@ -1,4 +1,6 @@
-"""TODO docstring: split from common/checkpoints/store.py."""
+"""Redaction of credentials from any text that may reach a log, a metrics file, a checkpoint's meta or a
+terminal: AWS key ids and secrets, secret-looking assignments and URL user info, and the values of the
+credential environment variables. Standard library only: every CLI error line goes through it."""
 
 from __future__ import annotations
 

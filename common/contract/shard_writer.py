@@ -1,0 +1,126 @@
+"""Writing one shard: a zarr v3 group in a directory, the hidden states chunked along T and compressed with
+the chosen codec, every chunk's CRC32C stored (docs/shard-format.md). The reader is shard_reader.py."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+from zarr.codecs import Crc32cCodec, ZstdCodec
+from zarr.storage import LocalStore
+
+from dflash.common.contract.codecs import CodecConfig, default_codec
+from dflash.common.contract.shard import (
+    _ARRAYS,
+    DEFAULT_CHUNK_BYTES,
+    HIDDEN_DTYPE,
+    SHARD_FORMAT,
+    SHARD_VERSION,
+    Shard,
+    _shard_problem,
+    hidden_chunk_rows,
+)
+from dflash.common.contract.shard_reader import shard_nbytes
+
+log = logging.getLogger(__name__)
+
+
+def write_shard(
+    path: str | Path,
+    shard: Shard,
+    codec: CodecConfig | None = None,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> int:
+    """Write `shard` as a new zarr v3 group directory at `path`; return its bytes on disk.
+
+    `path` must not exist (FileExistsError): shards are written once under the spool's tmp/ and renamed.
+    Tensors on another device are copied to the CPU; CPU tensors are written without an extra copy.
+    Chunks of `hidden` are encoded in parallel by zarr's thread pool (`async.concurrency` chunks at once).
+    """
+    path = Path(path)
+    codec = default_codec() if codec is None else codec
+    if not isinstance(codec, CodecConfig):
+        raise ValueError(f"codec must be a CodecConfig, got {type(codec).__name__}")
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes={chunk_bytes}: must be > 0")
+    if path.exists():
+        raise FileExistsError(f"{path}: shard path already exists")
+    problem = _shard_problem(shard)
+    if problem:
+        raise ValueError(f"write_shard({path}): {problem}")
+
+    meta = shard.meta
+    num_tokens, num_samples = shard.num_tokens, shard.num_samples
+    # .view(torch.uint16) reinterprets the bf16 bits in place; .numpy() shares memory. No copy on CPU.
+    hidden = shard.hidden.detach().cpu().view(torch.uint16).numpy()
+    columns = {
+        "input_ids": shard.input_ids.cpu().numpy(),
+        "loss_mask": shard.loss_mask.cpu().numpy(),
+        "cu_seqlens": shard.cu_seqlens.cpu().numpy(),
+        "sample_index": shard.sample_index.cpu().numpy(),
+    }
+    attrs: dict[str, Any] = {
+        "format": SHARD_FORMAT,
+        "version": SHARD_VERSION,
+        "target_model": meta.target_model,
+        "layer_ids": list(meta.layer_ids),
+        "num_layers": meta.num_layers,
+        "hidden_size": meta.hidden_size,
+        "hidden_dtype": HIDDEN_DTYPE,
+        "producer_id": meta.producer_id,
+        "bucket": meta.bucket,
+        "num_tokens": num_tokens,
+        "num_samples": num_samples,
+        "codec": codec.spec,
+    }
+    try:
+        _write_group(path, attrs, columns, hidden, codec, chunk_bytes)
+    except BaseException:
+        # Nothing existed at `path` before this call: do not leave a half-written shard behind.
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    nbytes = shard_nbytes(path)
+    log.debug(
+        "wrote %s: %d tokens, %d samples, %d bytes, codec %s", path, num_tokens, num_samples, nbytes, codec
+    )
+    return nbytes
+
+
+def _write_group(
+    path: Path,
+    attrs: dict[str, Any],
+    columns: dict[str, np.ndarray],
+    hidden: np.ndarray,
+    codec: CodecConfig,
+    chunk_bytes: int,
+) -> None:
+    array_config = {"write_empty_chunks": True}
+    group = zarr.open_group(LocalStore(path), mode="w-", zarr_format=3, attributes=attrs)
+    for name, data in columns.items():
+        # Small 1-D arrays: one chunk each (a few bytes per token, never the bottleneck).
+        arr = group.create_array(
+            name,
+            shape=data.shape,
+            dtype=_ARRAYS[name][1],
+            chunks=(max(1, data.shape[0]),),
+            compressors=[ZstdCodec(level=1), Crc32cCodec()],
+            config=array_config,
+        )
+        arr[...] = data
+    rows = hidden_chunk_rows(hidden.shape[0], hidden.shape[1] * hidden.itemsize, chunk_bytes)
+    arr = group.create_array(
+        "hidden",
+        shape=hidden.shape,
+        dtype=np.uint16,
+        chunks=(rows, hidden.shape[1]),
+        compressors=codec.zarr_codecs(element_size=hidden.itemsize),
+        dimension_names=("token", "feature"),
+        config=array_config,
+    )
+    arr[...] = hidden

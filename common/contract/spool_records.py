@@ -1,0 +1,264 @@
+"""The spool's records of who runs on it: the run record (which run the spool belongs to), launches and their
+locks, the producers registered for a launch and their DONE markers, the campaign they counted, and every
+process's heartbeat. ``Spool`` (spool.py) is the shard flow; this base class is everything else in
+``state/``, so each file stays small enough to read: the records share no invariant with the flow but the
+directory.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import re
+import time
+import uuid
+from pathlib import Path
+
+from dflash.common.contract.liveness import (
+    BOOT_ID,
+    HOST,
+    SpoolLock,
+    _lock_holder,
+    _proc_stat,
+    lock_is_held,
+)
+from dflash.common.contract.names import _check_id
+
+log = logging.getLogger(__name__)
+
+
+_ROLE_RE = re.compile(r"^[a-z]+$")
+
+
+_RATE_WINDOW_S = 5.0
+
+
+class SpoolError(RuntimeError):
+    """The spool directory is missing, is not a spool, or an operation would break its invariants."""
+
+
+class RunMismatchError(SpoolError):
+    """The spool belongs to another run (or to this run with another model, dataset or plan)."""
+
+
+class SpoolBusyError(SpoolError):
+    """A live process of another launch holds the spool's lock for this role."""
+
+
+RUN_FILE = "run.json"
+
+
+LOCK_PREFIX = "lock-"
+
+
+IDENTITY_KEYS = ("run", "model", "layer_ids", "dataset", "plan")
+"""What makes two launches the same run (state/run.json): a launch that differs in any field that both
+sides record is another run. A consumer records only ``run``; a producer fills in the rest."""
+
+
+def describe_run(rec: dict) -> str:
+    """One phrase for a run record: ``run 'x' (model m, dataset d, 612 rows)``."""
+    parts = []
+    if rec.get("model"):
+        parts.append(f"model {rec['model']}")
+    ds = rec.get("dataset") or {}
+    if ds:
+        parts.append(f"dataset {ds.get('spec', '?')} [{str(ds.get('fingerprint', '?'))[:12]}]")
+    plan = rec.get("plan") or {}
+    if "rows" in plan:
+        parts.append(f"{plan['rows']} rows")
+    if rec.get("layer_ids") is not None:
+        parts.append(f"layers {rec['layer_ids']}")
+    return f"run {rec.get('run')!r}" + (f" ({', '.join(parts)})" if parts else "")
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+class SpoolRecords:
+    """``state/`` of a spool: run record, launch locks, producer registration and DONE markers, campaign,
+    heartbeats. Subclassed by ``Spool``, which sets the directories these methods use (``state_dir``, …)."""
+
+    root: Path
+    state_dir: Path
+
+    def read_run(self) -> dict | None:
+        """state/run.json: the run this spool belongs to (None for a spool no launch has bound yet)."""
+        return self._read_json(self.state_dir / RUN_FILE)
+
+    def bind_run(self, identity: dict, *, who: str = "this launch") -> dict:
+        """Bind the spool to ``identity`` (``run`` plus any of model, layer_ids, dataset, plan) or check
+        it against the run already recorded. Fields recorded on both sides must be equal, else
+        RunMismatchError with one line naming both runs; fields the record lacks are filled in (a
+        consumer binds the run name first, the producer adds the rest). Returns the record."""
+        if not identity.get("run"):
+            raise ValueError("bind_run needs identity['run']")
+        ident = {k: identity[k] for k in IDENTITY_KEYS if identity.get(k) is not None}
+        path = self.state_dir / RUN_FILE
+        with self._lock:
+            for _ in range(10):
+                rec = self.read_run()
+                if rec is None:
+                    new = {**ident, "created": time.time(), "launches": 0}
+                    tmp = path.with_name(f".{RUN_FILE}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+                    tmp.write_text(json.dumps(new) + "\n")
+                    try:
+                        os.link(tmp, path)  # exactly one creator wins
+                    except FileExistsError:
+                        continue
+                    finally:
+                        tmp.unlink(missing_ok=True)
+                    return new
+                differ = [k for k in IDENTITY_KEYS if k in ident and k in rec and ident[k] != rec[k]]
+                if differ:
+                    what = (
+                        "another run"
+                        if "run" in differ
+                        else f"the same run name with another {', '.join(differ)}"
+                    )
+                    raise RunMismatchError(
+                        f"spool {self.root} belongs to {describe_run(rec)}; {who} is {describe_run(ident)} "
+                        f"({what}): use another --spool, or discard this one (ops/run_all.sh --fresh-spool)"
+                    )
+                missing = {k: v for k, v in ident.items() if k not in rec}
+                if not missing:
+                    return rec
+                rec = {**rec, **missing}
+                _atomic_write_text(path, json.dumps(rec) + "\n")
+                return rec
+        raise SpoolError(f"spool {self.root}: could not bind state/{RUN_FILE} (concurrent writers?)")
+
+    def next_launch(self) -> int:
+        """Count a producer launch in state/run.json and return its number (1, 2, ...): producer ids carry
+        it, so shard names and DONE markers of different launches never collide. Call under the
+        producer's lock, after bind_run."""
+        with self._lock:
+            rec = self.read_run() or {}
+            n = int(rec.get("launches", 0)) + 1
+            _atomic_write_text(self.state_dir / RUN_FILE, json.dumps({**rec, "launches": n}) + "\n")
+            return n
+
+    def acquire_lock(self, name: str, holder: str) -> SpoolLock:
+        """Take ``<spool>/lock-<name>`` (flock, non-blocking) for the rest of this process's life, or raise
+        SpoolBusyError naming the live holder. ``holder`` (one line) is written into the file."""
+        _check_id("lock name", name)
+        path = self.root / f"{LOCK_PREFIX}{name}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SpoolBusyError(
+                f"spool {self.root} is in use by a live launch: {_lock_holder(path)} holds {path.name}"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{holder} (pid {os.getpid()} on {HOST}, since {time.strftime('%H:%M:%S')})\n".encode())
+        return SpoolLock(path, fd)
+
+    def live_locks(self) -> dict[str, str]:
+        """Locks held by live processes right now: {lock name: holder line}."""
+        out = {}
+        for p in sorted(self.root.glob(f"{LOCK_PREFIX}*")):
+            if lock_is_held(p):
+                out[p.name[len(LOCK_PREFIX) :]] = _lock_holder(p)
+        return out
+
+    def register_producers(self, producer_ids: list[str]) -> None:
+        """The set of producers whose DONE markers mean 'no more shards' (state/producers.json)."""
+        ids = sorted({_check_id("producer_id", p) for p in producer_ids})
+        if not ids:
+            raise ValueError("register_producers needs at least one producer id")
+        old = self.registered_producers()
+        if old and old != ids:
+            log.info("registering producers %s (was %s)", ids, old)
+        _atomic_write_text(self.state_dir / "producers.json", json.dumps({"producers": ids}) + "\n")
+
+    def write_campaign(self, node_rank: int, record: dict) -> None:
+        """state/campaign-n<node>.json: what this node's producers' slices give per epoch (samples, tokens,
+        loss_tokens, epochs, num_nodes); the same on every launch of the run (see dflash.common.contract.epochs)."""
+        _atomic_write_text(self.state_dir / f"campaign-n{int(node_rank)}.json", json.dumps(record) + "\n")
+
+    def read_campaign(self) -> list[dict] | None:
+        """Every node's campaign record, or None until all ``num_nodes`` nodes have written theirs."""
+        recs = [r for p in sorted(self.state_dir.glob("campaign-n*.json")) if (r := self._read_json(p))]
+        if not recs or len({int(r["node_rank"]) for r in recs}) < int(recs[0].get("num_nodes", 1)):
+            return None
+        return recs
+
+    def registered_producers(self) -> list[str]:
+        try:
+            return list(json.loads((self.state_dir / "producers.json").read_text())["producers"])
+        except FileNotFoundError:
+            return []
+
+    def mark_done(self, producer_id: str) -> None:
+        """Write state/DONE-<id>; call after the producer's last publish."""
+        _check_id("producer_id", producer_id)
+        _atomic_write_text(self.state_dir / f"DONE-{producer_id}", f"{time.time():.3f}\n")
+
+    def clear_done(self, producer_id: str) -> None:
+        """Remove a stale DONE marker (a producer restarted on a resumed run)."""
+        (self.state_dir / f"DONE-{_check_id('producer_id', producer_id)}").unlink(missing_ok=True)
+
+    def done_producers(self) -> list[str]:
+        return sorted(n[len("DONE-") :] for n in os.listdir(self.state_dir) if n.startswith("DONE-"))
+
+    def producers_done(self) -> bool:
+        registered = self.registered_producers()
+        return bool(registered) and set(registered) <= set(self.done_producers())
+
+    def heartbeat(self, role: str, proc_id: str, counters: dict) -> None:
+        """Atomically write state/<role>-<id>.json: pid, host, time, process start time, the counters
+        and their rates per second over the last few seconds."""
+        if not _ROLE_RE.match(role):
+            raise ValueError(f"role must be lowercase letters, got {role!r}")
+        _check_id("proc_id", proc_id)
+        now = time.time()
+        key = (role, proc_id)
+        numeric = {
+            k: v for k, v in counters.items() if isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        with self._lock:
+            ref_t, ref_c = self._rate_ref.setdefault(key, (self._started, {k: 0 for k in numeric}))
+            if now - ref_t >= _RATE_WINDOW_S or key not in self._rates:
+                dt = max(now - ref_t, 1e-9)
+                self._rates[key] = {k: (v - ref_c.get(k, 0)) / dt for k, v in numeric.items()}
+                if now - ref_t >= _RATE_WINDOW_S:
+                    self._rate_ref[key] = (now, numeric)
+            rates = self._rates[key]
+        st = _proc_stat(os.getpid())
+        hb = {
+            "role": role,
+            "id": proc_id,
+            "pid": os.getpid(),
+            "host": HOST,
+            "boot_id": BOOT_ID,
+            "start_ticks": st[1] if st else None,
+            "started": self._started,
+            "time": now,
+            "counters": counters,
+            "rates": rates,
+        }
+        _atomic_write_text(self.state_dir / f"{role}-{proc_id}.json", json.dumps(hb) + "\n")
+
+    def heartbeats(self) -> list[dict]:
+        out = []
+        for name in sorted(os.listdir(self.state_dir)):
+            if name.endswith(".json") and not name.startswith(".") and name != "producers.json":
+                hb = self._read_json(self.state_dir / name)
+                if hb is not None and "role" in hb:
+                    out.append(hb)
+        return out
+
+    @staticmethod
+    def _read_json(path: Path) -> dict | None:
+        try:
+            return json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None

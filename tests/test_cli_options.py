@@ -1,0 +1,102 @@
+"""Every console script keeps its options: the flags, defaults, choices and required-ness of each option
+equal the list recorded when the flags were still written by hand (tests/data/cli_options.json, taken
+from main at 5cf9171 before the CLIs were generated from the config dataclasses). An option added since is
+listed in ADDED with the change that added it, so a flag can never disappear or change its default
+unnoticed."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import io
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+RECORDED = json.loads((ROOT / "tests" / "data" / "cli_options.json").read_text())
+ADDED: dict[str, dict[str, str]] = {}  # prog -> {option: why it was added}
+
+
+def _parsers(entry: str) -> dict[str, argparse.ArgumentParser]:
+    """{prog: parser} of a console script, sub-commands included, from what its main() parses with."""
+    seen: list[argparse.ArgumentParser] = []
+    real = argparse.ArgumentParser.parse_known_args
+
+    def spy(self, *a, **kw):
+        seen.append(self)
+        return real(self, *a, **kw)
+
+    mod, func = entry.split(":")
+    argparse.ArgumentParser.parse_known_args = spy
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), pytest.raises(SystemExit):
+            getattr(importlib.import_module(mod), func)(["--help"])
+    finally:
+        argparse.ArgumentParser.parse_known_args = real
+    out: dict[str, argparse.ArgumentParser] = {}
+
+    def walk(p: argparse.ArgumentParser, prog: str) -> None:
+        out[prog] = p
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    walk(sub, f"{prog} {name}")
+
+    walk(seen[0], entry_name(entry))
+    return out
+
+
+def entry_name(entry: str) -> str:
+    return next(name for name, e in SCRIPTS.items() if e == entry)
+
+
+SWITCHES = ("_StoreTrueAction", "_StoreFalseAction")
+
+
+def normalized(opt: dict) -> dict:
+    """A switch is a switch: ``--no-compile`` as store_true (dest no_compile, default False) or as
+    store_false (dest compile, default True) is the same option to a user."""
+    return {"kind": "switch"} if opt["kind"] in SWITCHES else opt
+
+
+def options(p: argparse.ArgumentParser) -> dict[str, dict]:
+    return {
+        (a.option_strings or [a.dest])[0]: normalized(
+            {
+                "default": repr(a.default),
+                "choices": sorted(map(str, a.choices)) if a.choices else None,
+                "required": bool(a.required),
+                "kind": type(a).__name__,
+            }
+        )
+        for a in p._actions
+        if not isinstance(a, argparse._HelpAction | argparse._SubParsersAction)
+    }
+
+
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
+def test_options_are_the_recorded_ones(name):
+    parsers = _parsers(SCRIPTS[name])
+    recorded = {prog: opts for prog, opts in RECORDED.items() if prog.split()[0] == name}
+    assert sorted(parsers) == sorted(recorded), f"{name}: sub-commands changed"
+    for prog, parser in parsers.items():
+        now = options(parser)
+        lost = sorted(set(recorded[prog]) - set(now))
+        assert not lost, f"{prog}: options lost: {lost}"
+        new = sorted(set(now) - set(recorded[prog]) - set(ADDED.get(prog, {})))
+        assert not new, f"{prog}: options added without an entry in ADDED: {new}"
+        for opt, want in recorded[prog].items():
+            assert now[opt] == normalized(want), f"{prog} {opt}: {now[opt]} != recorded {want}"
+
+
+def test_added_options_exist():
+    """ADDED names only options that are there (a stale entry would hide a later loss)."""
+    for prog, opts in ADDED.items():
+        name = prog.split()[0]
+        now = options(_parsers(SCRIPTS[name])[prog])
+        assert set(opts) <= set(now), f"{prog}: {sorted(set(opts) - set(now))} listed in ADDED but absent"
