@@ -36,7 +36,7 @@ from dflash.tools.status_sources import (
     pid_alive,
     read_pids,
     read_run_json,
-    spool_stats,
+    spool_snapshot,
 )
 
 log = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ def collect(
         raise StatusError(f"{run_dir} is not a run dir (no run.json, metrics/, logs/ or pids)")
     now = time.time() if now is None else now
     spool_root = find_spool_dir(run_dir, spool_dir)
-    spool = spool_stats(spool_root, heartbeat_timeout_s=stale_s) if spool_root else None
+    spool = spool_snapshot(spool_root, heartbeat_timeout_s=stale_s) if spool_root else None
     metrics = read_run_metrics(run_dir / "metrics")
     procs, older = _process_rows(metrics, spool, read_pids(run_dir), now=now, stale_s=stale_s)
     prod_tok_s, cons_tok_s = _total_rate(procs, "producer"), _total_rate(procs, "consumer")

@@ -22,7 +22,7 @@ class StatusError(ValueError):
 
 
 
-def spool_stats(root: str | Path, *, heartbeat_timeout_s: float = 120.0) -> dict[str, Any]:
+def spool_snapshot(root: str | Path, *, heartbeat_timeout_s: float = 120.0) -> dict[str, Any]:
     """``Spool.stats()`` reshaped for this screen, without creating anything (``create=False``).
 
     ``{"root", "exists", "error", "states": {state: {"shards", "bytes"}}, "buckets": {bucket: {state:

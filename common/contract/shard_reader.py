@@ -4,9 +4,11 @@ quarantines the shard). The writer is shard_writer.py."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +67,17 @@ def _check_attrs(path: Path, attrs: dict[str, Any], *, check_version: bool) -> N
         raise ShardFormatError(f"{path}: hidden_dtype={attrs['hidden_dtype']!r}, expected {HIDDEN_DTYPE!r}")
 
 
+@contextlib.contextmanager
+def _damaged_bytes_are_format_errors(path: Path, what: str) -> Iterator[None]:
+    """zarr, json and codec errors on damaged bytes become one ShardFormatError naming the shard."""
+    try:
+        yield
+    except (ShardFormatError, MemoryError, KeyboardInterrupt):
+        raise
+    except Exception as e:
+        raise ShardFormatError(f"{path}: {what} ({_one_line(e)})") from e
+
+
 def read_shard(path: str | Path) -> Shard:
     """Read and fully validate the shard at `path`.
 
@@ -74,7 +87,7 @@ def read_shard(path: str | Path) -> Shard:
     """
     path = Path(path)
     group = _open_group(path)
-    try:
+    with _damaged_bytes_are_format_errors(path, "corrupt shard"):
         attrs = dict(group.attrs)
         _check_attrs(path, attrs, check_version=True)
         try:
@@ -94,13 +107,6 @@ def read_shard(path: str | Path) -> Shard:
         data: dict[str, np.ndarray] = {}
         for name, (accepted, _, ndim) in _ARRAYS.items():
             data[name] = _read_array(path, group, name, accepted, ndim)
-    except ShardFormatError:
-        raise
-    except (MemoryError, KeyboardInterrupt):
-        raise
-    except Exception as e:
-        # zarr, json and codec errors on damaged bytes: say which shard and what, in one line.
-        raise ShardFormatError(f"{path}: corrupt shard ({_one_line(e)})") from e
 
     try:
         shard = Shard(
@@ -167,7 +173,7 @@ def read_shard_meta(path: str | Path) -> dict[str, Any]:
     """
     path = Path(path)
     group = _open_group(path)
-    try:
+    with _damaged_bytes_are_format_errors(path, "corrupt shard metadata"):
         attrs = dict(group.attrs)
         _check_attrs(path, attrs, check_version=False)
         arrays: dict[str, Any] = {}
@@ -178,12 +184,6 @@ def read_shard_meta(path: str | Path) -> dict[str, Any]:
                 "chunks": list(arr.chunks),
                 "codecs": [c.to_dict() for c in arr.compressors],
             }
-    except ShardFormatError:
-        raise
-    except (MemoryError, KeyboardInterrupt):
-        raise
-    except Exception as e:
-        raise ShardFormatError(f"{path}: corrupt shard metadata ({_one_line(e)})") from e
     meta = dict(attrs)
     meta["arrays"] = json.loads(json.dumps(arrays, default=str))
     meta["nbytes"] = shard_nbytes(path)
