@@ -1,1 +1,1 @@
-"""dflash.consumer"""
+"""The consumer process: shards from the spool, DFlash drafter training steps, checkpoints."""

@@ -19,7 +19,7 @@ log = logging.getLogger(__name__)
 
 
 class WarmupCosine:
-    """LR factor: linear warm-up, then cosine decay to 0 (ARCHITECTURE §5: 4 % warm-up, cosine).
+    """LR factor: linear warm-up, then cosine decay to 0 (docs/architecture.md, the training recipe: 4 % warm-up, cosine).
 
     A callable object rather than a closure: LambdaLR saves its attributes in the scheduler's state (so
     ``tokens_done`` survives a resume), and the length can be set once the campaign is known (``resize``)

@@ -1,1 +1,1 @@
-"""dflash.producer"""
+"""The producer process: a frozen target over a chat dataset, hidden-state shards into the spool."""

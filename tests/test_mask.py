@@ -1,4 +1,4 @@
-"""The DFlash mask_mod against a hand-written loop reference (ARCHITECTURE §5)."""
+"""The DFlash mask_mod against a hand-written loop reference (docs/architecture.md, the training recipe)."""
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """DFlash draft attention: one mask rule, two backends (compiled flex_attention on CUDA, dense SDPA on CPU).
 
-Layout of one training step (ARCHITECTURE §5): the context is ONE packed stream of S tokens (documents back to
+Layout of one training step (docs/architecture.md, the training recipe): the context is ONE packed stream of S tokens (documents back to
 back, padding with doc id -1) and there are N anchor slots of B block tokens each. Queries are the N*B block
 tokens; keys/values are the S context tokens followed by the N*B block tokens. `mask_mod` below is the single
 definition of who sees what; the flex backend turns it into a sparse `BlockMask`, the SDPA backend evaluates the

@@ -3,7 +3,7 @@
 Every step has FIXED shapes (S context tokens, N anchor slots of B tokens) so a compiled step never recompiles;
 what varies is carried by padding (doc id -1, invalid anchor slots with zero label weight).
 
-Label convention (ARCHITECTURE §5): block position k predicts the token AT anchor+k (same position, no shift).
+Label convention (docs/architecture.md, the training recipe): block position k predicts the token AT anchor+k (same position, no shift).
 Position 0 holds the anchor token itself and is never a label.
 """
 

@@ -1,6 +1,6 @@
 """The DFlash draft model: its layers and the target's frozen embedding/lm_head it borrows (``TargetHead``).
 
-Architecture (public facts: z-lab/dflash `DFlashDraftModel`, ARCHITECTURE §4). Parameter names equal the public
+Architecture (public facts: z-lab/dflash `DFlashDraftModel`; docs/architecture.md, the drafter). Parameter names equal the public
 model's, so `state_dict()` exports without renames: `layers.{i}.input_layernorm`, `layers.{i}.self_attn.{q,k,v,o}_proj`,
 `layers.{i}.self_attn.{q,k}_norm`, `layers.{i}.post_attention_layernorm`, `layers.{i}.mlp.{gate,up,down}_proj`, `fc`,
 `hidden_norm`, `norm`. Per layer, as in the public model: the block goes through `input_layernorm`; the context
