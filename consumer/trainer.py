@@ -128,7 +128,7 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
         self.model = initial_drafter(self.drafter_config, head, seed=cfg.seed + self.dist.rank).to(self.device)
         cast_parameters(self.model, cfg.param_dtype(self.device.type))
         if cfg.compile:
-            compile_drafter(self.model, cfg.compile_backend)
+            compile_drafter(self.model, cfg.resolved_compile_backend(self.device.type))
         self.train_model: torch.nn.Module = self.model
         if self.dist.enabled:
             self.train_model = torch.nn.parallel.DistributedDataParallel(
