@@ -12,6 +12,12 @@ lognormal/uniform length mixes of 20K samples, docs/producer.md). Packing would 
 
 Right padding with a causal model needs no attention mask: real tokens only attend to earlier, real
 tokens, so their hidden states equal the unpadded forward's (see capture.py).
+
+``fixed_shapes`` (the compiled trunk's static-shape mode, producer/trunk.py) pads every batch to its
+bucket's own shape instead: length = the bucket's upper bound, rows = `rows_per_batch(bucket)` (the extra
+rows are all padding), so each bucket is exactly one tensor shape and a statically compiled graph per
+bucket never recompiles. That costs padding (a whole bucket width per row, and padding rows in the last,
+partial batches), so the static mode uses coarser buckets (`trunk.static_buckets`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class BucketConfig:
     """A batch is padded to its longest sample rounded up to this."""
     pool_batches: int = field(default=4, metadata=flag(cli=False))
     """Batches' worth of samples pooled per bucket and sorted by length before cutting batches."""
+    fixed_shapes: bool = field(default=False, metadata=flag(cli=False))
+    """Pad every batch to its bucket's shape: [rows_per_batch(bucket), bucket] (static compiled graphs)."""
 
     def __post_init__(self) -> None:
         if self.batch_tokens < 1:
@@ -74,6 +82,11 @@ class Batch:
     bucket: int
     pad_len: int
     samples: list[Sample] = field(default_factory=list)
+    rows: int | None = None  # forward rows when padded beyond the samples (fixed shapes); None: one per sample
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.samples) if self.rows is None else self.rows
 
     @property
     def num_tokens(self) -> int:
@@ -81,7 +94,7 @@ class Batch:
 
     @property
     def num_padded_tokens(self) -> int:
-        return self.pad_len * len(self.samples)
+        return self.pad_len * self.num_rows
 
 
 class Bucketer:
@@ -105,6 +118,10 @@ class Bucketer:
 
     def rows_per_batch(self, bucket: int) -> int:
         return max(1, self.cfg.batch_tokens // bucket)
+
+    def shape_of(self, bucket: int) -> tuple[int, int]:
+        """[rows, length] of every batch of `bucket` under ``fixed_shapes``."""
+        return self.rows_per_batch(bucket), bucket
 
     def add(self, sample: Sample) -> list[Batch]:
         if len(sample) == 0:
@@ -133,8 +150,10 @@ class Bucketer:
         batches = []
         for i in range(0, len(pool), rows):
             chunk = pool[i : i + rows]
-            pad_len = -(-len(chunk[-1]) // m) * m
-            batch = Batch(bucket=bucket, pad_len=pad_len, samples=chunk)
+            if self.cfg.fixed_shapes:
+                batch = Batch(bucket=bucket, pad_len=bucket, samples=chunk, rows=rows)
+            else:
+                batch = Batch(bucket=bucket, pad_len=-(-len(chunk[-1]) // m) * m, samples=chunk)
             self.num_tokens += batch.num_tokens
             self.num_padded_tokens += batch.num_padded_tokens
             batches.append(batch)

@@ -96,8 +96,20 @@ class ProducerConfig:
     """Model id recorded in shard metadata (default: `model`)."""
     heartbeat_s: float = field(default=5.0, metadata=flag(cli=False))
     """Seconds between heartbeats (spool state, metrics, the CLI's progress)."""
-    writer_threads: int = 2
-    """shard writer threads per producer (one encodes ~1 GB/s of bf16)"""
+    writer_threads: int | None = None
+    """shard writer threads per producer (default: from the cores per GPU, see writer_threads_for; one
+    writer encodes ~1 GB/s of bf16)"""
+    compile: bool = field(default=True, metadata=flag(negate=True, help="run the target eagerly (debug, or to compare)"))
+    """torch.compile the target trunk (cut after the last captured layer), warmed once per process"""
+    compile_backend: str = field(default="auto", metadata=flag(choices=("auto", "inductor", "aot_eager", "eager")))
+    """torch.compile backend: auto = inductor on CUDA, eager on the CPU (a CPU producer is not worth the
+    C++ build); aot_eager traces like inductor without code generation (tests)"""
+    compile_scope: str = field(default="layers", metadata=flag(choices=("layers", "trunk")))
+    """layers: each decoder layer compiled, one graph per layer kind (fast to compile, fine with fla's
+    graph breaks); trunk: the whole truncated trunk as one graph"""
+    compile_shapes: str = field(default="dynamic", metadata=flag(choices=("dynamic", "static")))
+    """dynamic: one graph with symbolic rows and length (buckets keep their ~1 % padding); static: one
+    graph per bucket shape, batches padded to their bucket's full shape on a coarser grid"""
     chunk_bytes: int = field(default=8 << 20, metadata=flag(cli=False))
     """Bytes per `hidden` chunk in the shards written (larger chunks: less per-chunk overhead)."""
     num_threads: int | None = field(default=None, metadata=flag(cli=False))
@@ -116,14 +128,29 @@ class ProducerConfig:
             raise ValueError(f"ProducerConfig.device={self.device!r}: must be cpu or cuda[:N]")
         if self.budget_bytes <= 0:
             raise ValueError(f"ProducerConfig.budget_bytes={self.budget_bytes}: must be > 0")
-        if self.writer_threads < 1:
+        if self.writer_threads is not None and self.writer_threads < 1:
             raise ValueError(f"ProducerConfig.writer_threads={self.writer_threads}: must be >= 1")
+        for name, allowed in (("compile_backend", ("auto", "inductor", "aot_eager", "eager")),
+                              ("compile_scope", ("layers", "trunk")), ("compile_shapes", ("dynamic", "static"))):  # fmt: skip
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"ProducerConfig.{name}={getattr(self, name)!r}: must be one of {', '.join(allowed)}")
         if self.chunk_bytes < 1:
             raise ValueError(f"ProducerConfig.chunk_bytes={self.chunk_bytes}: must be >= 1")
         if self.heartbeat_s <= 0:
             raise ValueError(f"ProducerConfig.heartbeat_s={self.heartbeat_s}: must be > 0")
         if self.epochs < 1:
             raise ValueError(f"ProducerConfig.epochs={self.epochs}: must be >= 1")
+
+    def resolved_compile_backend(self) -> str:
+        """The backend on this device: "eager" (not compiled) with --no-compile, and for auto on the CPU."""
+        if not self.compile:
+            return "eager"
+        if self.compile_backend == "auto":
+            return "inductor" if self.device.startswith("cuda") else "eager"
+        return self.compile_backend
+
+    def resolved_writer_threads(self) -> int:
+        return self.writer_threads if self.writer_threads is not None else writer_threads_for(None)
 
     def torch_dtype(self):
         """The target's torch dtype (torch is imported here, not at the top: the CLI parses flags first)."""
@@ -132,3 +159,22 @@ class ProducerConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
         return getattr(torch, self.dtype)
+
+
+WRITER_CORES = 4
+"""Cores per writer thread in the default pool: a writer keeps ~2 busy (its thread + zarr's codec threads)."""
+MAX_WRITERS = 6
+
+
+def writer_threads_for(cores: int | None) -> int:
+    """Writer threads for a producer that may use ``cores`` cores (None: 2, the smallest pool).
+
+    The rule (docs/producer.md, "Writers"): one writer encodes ~1.1 GB/s of bf16 (zstd:1:shuffle, 8 MB
+    chunks, H200 host); a compiled 8B trunk makes ~42K tok/s x 40 KB = 1.7 GB/s, a 32B-class one ~0.5 GB/s.
+    One writer per 4 cores, 2 to 6, gives an H200 node's 16 cores per GPU 4 writers (~4.4 GB/s, 2.6x the
+    8B rate: writers are never the limit, so producer / its own forward >= 0.95 holds) and leaves half of
+    the GPU's cores to the forward's host thread and the node's consumers.
+    """
+    if cores is None:
+        return 2
+    return max(2, min(MAX_WRITERS, cores // WRITER_CORES))

@@ -34,7 +34,7 @@ from dflash.common.target.data import (
     load_raw_dataset,
 )
 from dflash.producer.buckets import BucketConfig
-from dflash.producer.config import LaunchConfig, ProducerConfig, UsageError, Worker
+from dflash.producer.config import LaunchConfig, ProducerConfig, UsageError, Worker, writer_threads_for
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +120,14 @@ def leftover_samples(spool: Spool) -> np.ndarray | None:
         except ShardFormatError:
             continue  # a consumer will quarantine it; its samples are re-produced by the next launch
     return np.concatenate(parts) if parts else None
+
+
+def cores_per_gpu(workers: list[Worker]) -> int:
+    """The cores one producer may use: this process's cores over the node's GPUs (producers and
+    consumers alike get a share), or over the CPU workers of a CPU launch."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    gpus = torch.cuda.device_count() if any(w.cuda_index is not None for w in workers) else 0
+    return max(1, cores // max(1, gpus, len(workers)))
 
 
 @dataclass
@@ -213,13 +221,14 @@ def prepare(launch: LaunchConfig, args) -> Launch:
     skip = _skip_set(spool, launch.checkpoint, run, launch.node_rank)
     world = len(workers) * launch.num_nodes
     cpu_threads = max(1, (os.cpu_count() or 1) // len(workers))
+    writers = args.writer_threads or writer_threads_for(cores_per_gpu(workers))
     try:
         configs = [
             from_args(
                 ProducerConfig, args, producer_id=w.producer_id, spool=str(spool.root), data=data,
                 buckets=buckets, rank=w.rank, world=world, device=w.device, budget_bytes=budget,
                 skip=skip.to_bytes() if skip is not None else None,
-                num_threads=cpu_threads if w.device == "cpu" else None,
+                num_threads=cpu_threads if w.device == "cpu" else None, writer_threads=writers,
             )  # fmt: skip
             for w in workers
         ]

@@ -2,11 +2,12 @@
 
 Why this shape: the GPU must never wait for the disk. The main thread only tokenizes (up front, cached),
 batches, runs the target forward and starts the device-to-host copy into one of a few reused pinned
-buffers; writer threads (`writer_threads`, 2 by default: one encodes only ~1 GB/s) wait for the copy,
-encode the shard (zstd runs in zarr's own pool, outside the GIL) and publish it, so writing overlaps the
-next forward. Writers never run model code. The pinned-buffer pool bounds host memory and is also the
-backpressure between forward and writers; the spool budget (`wait_for_budget`, before each write) is the
-backpressure between producers and consumers.
+buffers; writer threads (`writer_threads`, sized from the cores per GPU: config.writer_threads_for) wait
+for the copy, encode the shard (zstd runs in zarr's own pool, outside the GIL) and publish it, so writing
+overlaps the next forward. Writers never run model code. The forward is the target cut after its last
+captured layer, compiled on CUDA (producer/trunk.py: warmed once per process, recompiles counted). The
+pinned-buffer pool bounds host memory and is also the backpressure between forward and writers; the spool
+budget (`wait_for_budget`, before each write) is the backpressure between producers and consumers.
 
 Stop (SIGINT/SIGTERM -> `stop` event): the main loop stops after the current forward, each writer finishes
 the shard it is writing (a complete shard may be published), queued work is dropped, this producer's
@@ -23,8 +24,9 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
+import pyarrow.compute as pc
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from dflash.common.contract.epochs import Epochs
 from dflash.common.contract.names import shard_name
@@ -36,8 +38,10 @@ from dflash.common.metrics import MetricsLog
 from dflash.common.target.capture import LayerCapture, find_decoder
 from dflash.common.target.chat import campaign_counts, check_tokenizer, drop_summary, tokenize_slice
 from dflash.common.target.data import conversation_column, load_raw_dataset, slice_indices
+from dflash.common.target.loading import TargetInfo, load_target
 from dflash.producer.buckets import Batch, Bucketer, Sample
 from dflash.producer.config import ProducerConfig
+from dflash.producer.trunk import CompileSpec, Trunk, compile_spec, warm_trunk
 from dflash.producer.writers import Counters, _Job, _Writers, shard_of
 
 log = logging.getLogger(__name__)
@@ -92,7 +96,7 @@ def held_out_plan(tok_ds, mine: np.ndarray, epochs: Epochs) -> tuple[np.ndarray,
 
 
 def write_held_out(
-    cfg: ProducerConfig, capture: LayerCapture, samples: Iterable[Sample], spool, pad_id: int
+    cfg: ProducerConfig, capture: LayerCapture | Trunk, samples: Iterable[Sample], spool, pad_id: int
 ) -> int:
     """Forward the held-out samples and write them as eval shards into the spool's eval/ folder (no
     trainer claims them; consumers read them for the decode-order τ). Returns the samples written."""
@@ -101,20 +105,21 @@ def write_held_out(
                    hidden_size=capture.hidden_size, producer_id=cfg.producer_id)  # fmt: skip
     written = 0
     with torch.inference_mode():
-        for seq, batch in enumerate(_all_batches(samples, Bucketer(cfg.buckets))):
+        buckets = capture.bucket_config(cfg.buckets) if isinstance(capture, Trunk) else cfg.buckets
+        for seq, batch in enumerate(_all_batches(samples, Bucketer(buckets))):
             shard = shard_of(batch, _forward_batch(capture, batch, device, pad_id).cpu(), meta_kw)
             spool.publish_eval(shard_name(batch.bucket, cfg.producer_id, seq), lambda p, s=shard: write_shard(p, s))
             written += len(batch.samples)
     return written
 
 
-def _forward_batch(capture: LayerCapture, batch: Batch, device: torch.device, pad_id: int) -> torch.Tensor:
+def _forward_batch(capture: LayerCapture | Trunk, batch: Batch, device: torch.device, pad_id: int) -> torch.Tensor:
     """Right-padded [rows, pad_len] forward; returns packed bf16 features [T, K*H] on `device`.
 
     Inputs are built on the host (pinned, async copy) and the valid mask stays on the host, so the
     main thread never waits for the GPU here and can queue forward N+1 while forward N runs.
     """
-    rows = len(batch.samples)
+    rows = batch.num_rows  # more than the samples with fixed shapes (static compile): padding rows
     ids = torch.full((rows, batch.pad_len), pad_id, dtype=torch.int64)
     valid = torch.zeros((rows, batch.pad_len), dtype=torch.bool)
     for r, s in enumerate(batch.samples):
@@ -166,12 +171,9 @@ class _Heartbeat:
             self.metrics.close()
 
 
-def _load_target(cfg: ProducerConfig) -> LayerCapture:
-
-    kw: dict = {"dtype": cfg.torch_dtype()}
-    if cfg.device.startswith("cuda"):
-        kw["device_map"] = {"": cfg.device}
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, **kw).eval()
+def _load_target(cfg: ProducerConfig) -> tuple[LayerCapture, TargetInfo]:
+    """The target's text model (loading.py: no vision tower, kernels reported) with the capture hooks."""
+    model, info = load_target(cfg.model, dtype=cfg.torch_dtype(), device=cfg.device)
     num_layers = len(find_decoder(model)[1])
     if cfg.layer_ids is None:
 
@@ -181,7 +183,15 @@ def _load_target(cfg: ProducerConfig) -> LayerCapture:
     capture = LayerCapture(model, layer_ids, free_unused=True)
     if cfg.device.startswith("cuda"):
         torch.cuda.empty_cache()  # the freed layers and lm_head
-    return capture
+    return capture, info
+
+
+def _lengths(tok_ds, positions: np.ndarray) -> np.ndarray:
+    """Token counts of the tokenized rows ``positions`` (what the batch shapes are made of)."""
+    if not len(positions):
+        return np.zeros(0, dtype=np.int64)
+    ids = tok_ds.select(positions).with_format("arrow")["input_ids"]
+    return np.asarray(pc.list_value_length(ids).to_numpy(zero_copy_only=False), dtype=np.int64)
 
 
 def run_producer(
@@ -239,12 +249,16 @@ def run_producer(
             return {**counters.snapshot(), "done": False, "aborted": True}
 
     heartbeat(force=True, phase="load model")
-    capture = _load_target(cfg)
+    capture, info = _load_target(cfg)
     log.info(
-        "producer %s: %d samples over %d epoch(s) (rank %d/%d, %d skipped), layers %s of %d, %s on %s",
+        "producer %s: %d samples over %d epoch(s) (rank %d/%d, %d skipped), layers %s of %d, %s on %s; target %s; "
+        "forward %s, %d writer threads",
         cfg.producer_id, len(ids), cfg.epochs, cfg.rank, cfg.world, counts["skipped"], capture.layer_ids,
-        capture.num_layers, cfg.torch_dtype(), cfg.device,
+        capture.num_layers, cfg.torch_dtype(), cfg.device, info.line(), compile_spec(cfg).describe(),
+        cfg.resolved_writer_threads(),
     )  # fmt: skip
+    heartbeat(force=True, phase="compile")
+    capture = warm_trunk(cfg, capture, info.kernels, _lengths(tok_ds, np.concatenate([positions, held_pos])))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     try:
         if len(held_ids):
@@ -258,7 +272,7 @@ def run_producer(
 
 def produce(
     cfg: ProducerConfig,
-    capture: LayerCapture,
+    capture: LayerCapture | Trunk,
     samples: Iterable[Sample],
     *,
     pad_id: int = 0,
@@ -268,7 +282,9 @@ def produce(
     on_heartbeat: Callable[[dict], None] | None = None,
 ) -> dict:
     """The producer loop over ready-made samples (run_producer's core; the benchmark calls it directly):
-    buckets -> forward -> D2H -> writer thread -> spool; DONE marker if it ran to the end."""
+    buckets -> forward -> D2H -> writer thread -> spool; DONE marker if it ran to the end. ``capture``: a
+    Trunk (compiled, warmed by the caller) or a LayerCapture (run eagerly)."""
+    trunk = capture if isinstance(capture, Trunk) else Trunk(capture, CompileSpec())
     stop = stop or threading.Event()
     counters = counters or Counters()
     spool = Spool(cfg.spool)
@@ -283,20 +299,21 @@ def produce(
     writer = _Writers(cfg, meta_kw, counters, stop)
     if device.type == "cuda":
         max_tokens = max(cfg.buckets.batch_tokens, cfg.data.max_length)
-        for _ in range(cfg.writer_threads + 2):  # one per writer, one being filled by D2H, one queued
+        for _ in range(cfg.resolved_writer_threads() + 2):  # one per writer, one being filled by D2H, one queued
             writer.free.put(
                 torch.empty(max_tokens, capture.feature_size, dtype=torch.bfloat16, pin_memory=True)
             )
-    bucketer = Bucketer(cfg.buckets)
+    bucketer = Bucketer(trunk.bucket_config(cfg.buckets))
     writer.start()
     finished = False
+    t_start = time.monotonic()
     try:
         with torch.inference_mode():
             for batch in _all_batches(samples, bucketer):
                 if stop.is_set():
                     break
                 t_launch = time.monotonic()
-                packed = _forward_batch(capture, batch, device, pad_id)
+                packed = _forward_batch(trunk, batch, device, pad_id)
                 num_tokens = packed.shape[0]
                 t_wait = time.monotonic()
                 if not _hand_off(batch, packed, writer, stop, heartbeat, device):
@@ -310,7 +327,7 @@ def produce(
                     launch_s=t_wait - t_launch,
                     main_wait_s=time.monotonic() - t_wait,
                 )
-                heartbeat(phase="produce")
+                heartbeat(phase="produce", produce_s=time.monotonic() - t_start, **trunk.report())
             finished = not stop.is_set()
     finally:
         writer.close()
@@ -321,8 +338,10 @@ def produce(
         raise writer.error
     if finished:
         spool.mark_done(cfg.producer_id)
-    heartbeat(force=True, phase="done" if finished else "stopped", done=finished)
-    result = {**counters.snapshot(), "done": finished, "padding_waste": bucketer.padding_waste}
+    produce_s = time.monotonic() - t_start
+    heartbeat(force=True, phase="done" if finished else "stopped", done=finished, produce_s=produce_s, **trunk.report())
+    result = {**counters.snapshot(), "done": finished, "padding_waste": bucketer.padding_waste,
+              "produce_s": produce_s, **trunk.report()}  # fmt: skip
     log.info("producer %s %s: %s", cfg.producer_id, "done" if finished else "stopped", result)
     return result
 

@@ -69,7 +69,7 @@ def shard_of(batch: Batch, hidden: torch.Tensor, meta_kw: dict):
 
 
 class _Writers:
-    """`cfg.writer_threads` threads that encode and publish shards; they never run model code.
+    """`cfg.resolved_writer_threads()` threads that encode and publish shards; they never run model code.
 
     Several threads because one zarr+zstd writer encodes ~1 GB/s of bf16 on an H200 host (measured,
     docs/producer.md), less than an 8B target produces (~33K tok/s x 40 KB); the codec work runs
@@ -89,7 +89,7 @@ class _Writers:
         self._inflight = 0  # bytes reserved by shards admitted past the budget check and not yet published
         self.threads = [
             threading.Thread(target=self._run, name=f"shard-writer-{cfg.producer_id}-{i}", daemon=True)
-            for i in range(cfg.writer_threads)
+            for i in range(cfg.resolved_writer_threads())
         ]
 
     def start(self) -> None:

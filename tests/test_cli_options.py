@@ -19,9 +19,22 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 RECORDED = json.loads((ROOT / "tests" / "data" / "cli_options.json").read_text())
-ADDED: dict[str, dict[str, str]] = {}  # prog -> {option: why it was added}
+ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
+    "dflash-produce": {
+        "--no-compile": "issue 25: the target trunk is torch.compiled on CUDA by default; this keeps it eager",
+        "--compile-backend": "issue 25: auto = inductor on CUDA, eager on the CPU (as the consumer's)",
+        "--compile-scope": "issue 25: compile each decoder layer (default) or the whole truncated trunk",
+        "--compile-shapes": "issue 25: one dynamic graph (default) or one static graph per bucket shape",
+    },
+}
 # prog -> {option: (what it is now, why it changed)}: a deliberate change of a recorded option
 CHANGED: dict[str, dict[str, tuple[dict, str]]] = {
+    "dflash-produce": {
+        "--writer-threads": (
+            {"default": "None", "choices": None, "required": False, "kind": "_StoreAction"},
+            "issue 25: default sized from the cores per GPU (producer/config.py writer_threads_for), 2 to 6",
+        ),
+    },
     "dflash-consume": {
         "--compile-backend": (
             {"default": "'auto'", "choices": ["aot_eager", "auto", "eager", "inductor"], "required": False, "kind": "_StoreAction"},

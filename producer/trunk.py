@@ -1,0 +1,329 @@
+"""The producer's target forward under ``torch.compile``: the trunk cut after the last captured layer, its
+batch shapes a small known set warmed once per process, recompiles after warm-up counted as bugs.
+
+Why: a producer GPU runs nothing but the target forward, and eager HF leaves its memory-bound work unfused
+(norms, rotary, SiLU x up, residual adds): the 8B-shaped trunk compiled ran 1.29x its eager self, 1.45x
+the eager full forward (docs/benchmarks.md). Two choices, each selectable, so the GPU run can measure
+both (docs/producer.md, "Compiled trunk"):
+
+- scope ``layers`` (default): each decoder layer's ``forward`` is compiled; layers of one kind share one
+  graph (parameters are graph inputs), so compile time does not grow with depth, the capture hooks and the
+  early stop stay eager (capture.py, unchanged), and a kernel that breaks the graph (fla's delta rule is
+  ``torch.compiler.disable``d) splits one layer, not a 64-layer graph (a whole hybrid trunk with fla gave
+  no result in 300 s). ``trunk``: the whole truncated text model in one graph, layer outputs tapped by
+  wrapper modules instead of hooks (hooks cannot raise out of a graph), cross-layer fusion included.
+- shapes ``dynamic`` (default): one graph with symbolic rows and length (plus one for 1-row batches, as
+  dynamo specializes sizes of 1), warmed on two shapes; batches keep the buckets' tight padding (~1 %).
+  ``static``: one graph per bucket shape; batches are padded to their bucket's full shape
+  (buckets.BucketConfig.fixed_shapes) on a coarser grid (`static_buckets`: 4 per octave from 64 tokens,
+  ~20 shapes up to 4K, ~8 % length padding), every shape the data uses warmed up front.
+
+With the torch reference delta rule (no fla) a linear-attention layer is left eager: its Python loop over
+64-token chunks would unroll into one graph per length. If compiling fails, one warning line and the eager
+path; a compile after warm-up is logged ``RECOMPILE ... this is a bug`` and counted (heartbeats, result).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+import torch._dynamo
+import torch._dynamo.config as dynamo_config
+import torch.fx.experimental._config as fx_config
+from torch import nn
+from torch._dynamo.exc import TorchDynamoException
+from torch._inductor.exc import InductorError
+
+from dflash.common.cli.exits import one_line
+from dflash.common.drafter.attention import recompile_count
+from dflash.common.target.capture import LayerCapture
+from dflash.common.target.kernels import KernelReport
+from dflash.producer.buckets import BucketConfig, Bucketer
+from dflash.producer.config import ProducerConfig
+
+log = logging.getLogger(__name__)
+
+STATIC_BUCKETS_PER_OCTAVE = 4
+"""Buckets per doubling of length in the static-shape mode (each one compiled graph)."""
+STATIC_MIN_WIDTH = 64
+"""Smallest bucket width in the static-shape mode (lengths <= 64 share one shape)."""
+SCOPES = ("layers", "trunk")
+SHAPES = ("dynamic", "static")
+_COMPILE_ERRORS = (TorchDynamoException, InductorError)
+
+
+@dataclass(frozen=True)
+class CompileSpec:
+    """How the trunk runs: ``backend`` "eager" (not compiled) or a torch.compile backend (a name, or a
+    backend function: tests)."""
+
+    backend: str | Callable = "eager"
+    scope: str = "layers"
+    shapes: str = "dynamic"
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"compile scope {self.scope!r}: must be one of {', '.join(SCOPES)}")
+        if self.shapes not in SHAPES:
+            raise ValueError(f"compile shapes {self.shapes!r}: must be one of {', '.join(SHAPES)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != "eager"
+
+    def describe(self) -> str:
+        name = self.backend if isinstance(self.backend, str) else getattr(self.backend, "__name__", "custom")
+        return f"compiled ({name}, {self.scope}, {self.shapes} shapes)" if self.enabled else "eager"
+
+
+def compile_spec(cfg: ProducerConfig) -> CompileSpec:
+    """The CompileSpec of a producer config (``--no-compile``, ``--compile-backend`` auto: CPU eager)."""
+    return CompileSpec(backend=cfg.resolved_compile_backend(), scope=cfg.compile_scope, shapes=cfg.compile_shapes)
+
+
+def static_buckets(cfg: BucketConfig) -> BucketConfig:
+    """The bucket grid of the static-shape mode: fixed shapes, coarse (a config already marked
+    ``fixed_shapes`` is kept as it is, e.g. a benchmark's own grid)."""
+    if cfg.fixed_shapes:
+        return cfg
+    return replace(
+        cfg,
+        fixed_shapes=True,
+        buckets_per_octave=min(cfg.buckets_per_octave, STATIC_BUCKETS_PER_OCTAVE),
+        min_width=max(cfg.min_width, STATIC_MIN_WIDTH),
+    )
+
+
+def shape_buckets(cfg: BucketConfig, spec: CompileSpec) -> BucketConfig:
+    """The bucket config the producer batches with under ``spec``."""
+    return static_buckets(cfg) if spec.enabled and spec.shapes == "static" else cfg
+
+
+def warmup_shapes(cfg: BucketConfig, spec: CompileSpec, lengths) -> list[tuple[int, int]]:
+    """[rows, length] shapes to compile before producing, for samples of ``lengths`` batched by ``cfg``
+    (= `shape_buckets(...)`): static, every bucket shape the data uses; dynamic, a full batch of the
+    longest bucket that holds 2+ rows, and a 1-row batch (the size-1 graph), when the data can make one."""
+    if not spec.enabled or len(lengths) == 0:
+        return []
+    bk = Bucketer(cfg)
+    buckets = sorted({bk.bucket_of(int(n)) for n in lengths})
+    if spec.shapes == "static":
+        return [bk.shape_of(b) for b in buckets]
+    multi = [b for b in buckets if bk.rows_per_batch(b) >= 2]
+    shapes = [bk.shape_of(multi[-1])] if multi else []
+    if len(lengths) > 1 or not multi:  # a partial last batch may hold one row; a lone sample surely does
+        shapes.append((1, buckets[0] if multi and buckets[0] != multi[-1] else buckets[-1]))
+    return shapes
+
+
+class _Tap(nn.Module):
+    """Wraps a layer (or the final norm) in the ``trunk`` scope and keeps its output of this forward."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.out: torch.Tensor | None = None
+
+    def forward(self, *args, **kwargs):
+        out = self.inner(*args, **kwargs)
+        self.out = out[0] if isinstance(out, tuple) else out
+        return out
+
+
+class _Skip(nn.Module):
+    """A layer after the last captured one in the ``trunk`` scope: returns its input (never computed)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+class _TappedTrunk(nn.Module):
+    """The text model cut after the last captured layer, returning the captured layers' outputs
+    concatenated along features: [B, S, K*H] (the same values as LayerCapture, see capture.py)."""
+
+    def __init__(self, capture: LayerCapture):
+        super().__init__()
+        self.text_model = capture.text_model
+        layers, last, n = capture.layers, max(capture.layer_ids), capture.num_layers
+        taps: dict[int, _Tap] = {}
+        for i in sorted(set(capture.layer_ids)):
+            if i == n - 1:  # HF's hidden_states[L] is taken after the final norm: tap the norm
+                taps[i] = self.text_model.norm = _Tap(capture.norm)
+            else:
+                taps[i] = layers[i] = _Tap(layers[i])
+        for j in range(last + 1, n):
+            layers[j] = _Skip()
+        if last < n - 1:
+            self.text_model.norm = nn.Identity()
+        self.taps = [taps[i] for i in capture.layer_ids]
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self.text_model(input_ids=input_ids, use_cache=False)
+        out = torch.cat([t.out for t in self.taps], dim=-1)
+        for t in self.taps:
+            t.out = None
+        return out
+
+
+def _why(err: BaseException) -> str:
+    """One line naming a compile failure's cause (dynamo wraps a backend's error in BackendCompilerFailed)."""
+    inner = getattr(err, "inner_exception", None)
+    err = inner if isinstance(inner, BaseException) else err
+    return f"{type(err).__name__}: {one_line(err)}"
+
+
+def _is_reference_linear_attention(layer: nn.Module) -> bool:
+    return any(type(m).__name__.endswith("GatedDeltaNet") for m in layer.modules())
+
+
+class Trunk:
+    """The target forward a producer runs: ``run(input_ids, valid)`` -> packed [T, K*H] features, as
+    ``LayerCapture.run``, compiled per ``spec`` (eager when not enabled). ``warm_up`` compiles every
+    expected shape; afterwards ``recompiles`` counts compiles (a bug: a shape outside the warmed set)."""
+
+    def __init__(self, capture: LayerCapture, spec: CompileSpec, kernels: KernelReport | None = None):
+        self.capture, self.spec = capture, spec
+        self.layer_ids, self.hidden_size = capture.layer_ids, capture.hidden_size
+        self.num_layers, self.feature_size = capture.num_layers, capture.feature_size
+        self.recompiles = 0
+        self.compile_s = 0.0
+        self.eager_layers: list[int] = []
+        self.fallback: str | None = None  # why compiling was given up (one line), None while compiled
+        self._baseline: int | None = None
+        self._batches = 0
+        self._tapped: _TappedTrunk | None = None
+        self._compiled_trunk = None
+        self._reference_gdn = kernels is not None and not kernels.fast
+        self.scope = spec.scope
+        if spec.enabled and spec.scope == "trunk" and self._reference_gdn:
+            log.warning("compile scope trunk with the reference delta rule would compile one graph per length: using layers")  # fmt: skip
+            self.scope = "layers"
+        if spec.enabled:
+            self._compile()
+
+    @property
+    def compiled(self) -> bool:
+        return self.spec.enabled and self.fallback is None
+
+    def bucket_config(self, cfg: BucketConfig) -> BucketConfig:
+        """How to batch for this trunk: the static grid while compiled with static shapes."""
+        return shape_buckets(cfg, self.spec) if self.compiled else cfg
+
+    def _torch_compile(self, fn):
+        return torch.compile(fn, backend=self.spec.backend, dynamic=self.spec.shapes == "dynamic")
+
+    def _compile(self) -> None:
+        if self.scope == "trunk":
+            self.capture.close()  # the taps replace the hooks (a hook cannot raise out of a graph)
+            self._tapped = _TappedTrunk(self.capture)
+            self._compiled_trunk = self._torch_compile(self._tapped)
+            return
+        last = max(self.layer_ids)
+        for i, layer in enumerate(self.capture.layers):
+            if i > last:  # never runs (freed, or after the early stop)
+                continue
+            if self._reference_gdn and _is_reference_linear_attention(layer):
+                self.eager_layers.append(i)
+                continue
+            layer.forward = self._torch_compile(layer.forward)  # instance attribute: hooks stay eager
+
+    def _to_eager(self, why: str) -> None:
+        """Give up compiling: one warning line, then the eager path for the rest of the process."""
+        self.fallback = why
+        log.warning("compiling the target failed (%s): running it eagerly (slower); --no-compile skips compiling", why)  # fmt: skip
+        if self.scope == "layers":
+            for layer in self.capture.layers:
+                if "forward" in vars(layer):
+                    del layer.forward
+
+    def _forward(self, input_ids: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        if self._tapped is None:
+            return self.capture.run(input_ids, valid)
+        model = self._compiled_trunk if self.compiled else self._tapped
+        if torch.is_inference_mode_enabled() and not input_ids.is_inference():
+            input_ids = input_ids.clone()  # a normal tensor is another guard (dispatch keys): a recompile
+        out = model(input_ids).reshape(-1, self.feature_size)
+        if valid is None:
+            return out
+        index = valid.reshape(-1).nonzero().squeeze(1)
+        if index.device != out.device:
+            index = index.pin_memory().to(out.device, non_blocking=True) if out.is_cuda else index.to(out.device)
+        return out.index_select(0, index)
+
+    def _call(self, input_ids: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        if not self.compiled:
+            return self._forward(input_ids, valid)
+        # duck sizing would tie a length to an equal-sized static dim (e.g. a head dim) and specialize it
+        with fx_config.patch(use_duck_shape=False):
+            return self._forward(input_ids, valid)
+
+    def warm_up(self, shapes: list[tuple[int, int]], device: torch.device | str) -> float:
+        """Compile every shape in ``shapes`` (a forward of pad tokens each); returns the seconds taken.
+        A failure falls back to the eager path (one warning)."""
+        if not self.compiled or not shapes:
+            self._baseline = recompile_count()
+            return 0.0
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * len(shapes) + 16)
+        dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 16 * len(shapes) + 256)  # fmt: skip
+        t0 = time.monotonic()
+        try:
+            with torch.inference_mode():
+                for rows, length in shapes:
+                    ids = torch.zeros((rows, length), dtype=torch.int64, device=device)
+                    self._call(ids, torch.ones((rows, length), dtype=torch.bool))
+            if torch.device(device).type == "cuda":
+                torch.cuda.synchronize(device)
+        except Exception as err:  # noqa: BLE001 - any failure to compile: the eager path, said once
+            self._to_eager(_why(err))
+        self.compile_s = time.monotonic() - t0
+        self._baseline = recompile_count()
+        return self.compile_s
+
+    def run(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """LayerCapture.run's contract (see capture.py), through the compiled trunk."""
+        self._batches += 1
+        try:
+            out = self._call(input_ids, valid)
+        except _COMPILE_ERRORS as err:
+            if not self.compiled:
+                raise
+            self._to_eager(_why(err))
+            return self._forward(input_ids, valid)
+        if self.compiled and self._baseline is not None:
+            extra = recompile_count() - self._baseline
+            if extra > self.recompiles:
+                self.recompiles = extra
+                log.error(
+                    "RECOMPILE after warm-up at batch %d, shape %s (%d so far): a batch shape outside the warmed set — this is a bug",
+                    self._batches, tuple(input_ids.shape), extra,
+                )  # fmt: skip
+        return out
+
+    def report(self) -> dict:
+        """What the start line and the result say about the forward."""
+        return {
+            "compile": self.spec.describe() if self.compiled else ("eager (compile failed)" if self.fallback else "eager"),
+            "compile_scope": self.scope if self.compiled else None,
+            "compile_s": round(self.compile_s, 2),
+            "recompiles": self.recompiles,
+            "eager_layers": len(self.eager_layers),
+        }
+
+    def close(self) -> None:
+        self.capture.close()
+
+
+def warm_trunk(cfg: ProducerConfig, capture: LayerCapture, kernels: KernelReport | None, lengths) -> Trunk:
+    """A producer's trunk: compiled per ``cfg``, every batch shape of samples of ``lengths`` compiled
+    before the first batch (the worker's start; benchmarks call it the same way)."""
+    spec = compile_spec(cfg)
+    trunk = Trunk(capture, spec, kernels)
+    shapes = warmup_shapes(shape_buckets(cfg.buckets, spec), spec, lengths)
+    seconds = trunk.warm_up(shapes, cfg.device)
+    if trunk.compiled and shapes:
+        log.info("producer %s: compiled %d batch shape(s) in %.1f s (%s)", cfg.producer_id, len(shapes), seconds, spec.describe())  # fmt: skip
+    return trunk

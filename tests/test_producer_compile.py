@@ -1,0 +1,167 @@
+"""The compiled trunk (producer/trunk.py): its captures equal the eager capture's, nothing recompiles after
+warm-up (and a recompile is counted and logged), a failed compile falls back to eager with one warning,
+and static shapes pad every batch to its bucket's shape. CPU, ``aot_eager`` (dynamo and AOT autograd
+trace as for inductor, without code generation), tiny models."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3_5TextConfig, Qwen3Config
+
+from dflash.common.contract.shard_reader import read_shard
+from dflash.common.target.capture import LayerCapture
+from dflash.common.target.data import DataConfig
+from dflash.common.target.kernels import linear_attention_kernels
+from dflash.producer.buckets import BucketConfig, Bucketer, Sample, batches
+from dflash.producer.config import ProducerConfig
+from dflash.producer.trunk import CompileSpec, Trunk, static_buckets, warm_trunk, warmup_shapes
+from dflash.producer.worker import produce
+
+_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+             num_key_value_heads=1, head_dim=16)  # fmt: skip
+_LINEAR = dict(linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16)
+LAYERS = [0, 1, 2]  # the last layer is never run: the early stop / the cut is exercised
+
+
+def _model(arch: str = "qwen3"):
+    torch.manual_seed(0)
+    types = ["linear_attention", "full_attention"] * 2
+    cfg = Qwen3Config(**_TINY) if arch == "qwen3" else Qwen3_5TextConfig(**_TINY, **_LINEAR, layer_types=types)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def _batch(rows: int, length: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    with torch.inference_mode():  # as the producer builds its inputs
+        ids = torch.randint(0, 128, (rows, length), generator=g)
+    lens = torch.randint(1, length + 1, (rows,), generator=g)
+    return ids, torch.arange(length)[None, :] < lens[:, None]
+
+
+def _assert_same_as_eager(trunk: Trunk, arch: str, shapes) -> None:
+    eager = LayerCapture(_model(arch), LAYERS, free_unused=True)
+    for seed, (rows, length) in enumerate(shapes):
+        ids, valid = _batch(rows, length, seed)
+        with torch.inference_mode():
+            got, want = trunk.run(ids, valid), eager.run(ids, valid)
+        assert got.shape == (int(valid.sum()), len(LAYERS) * 32)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "scope,warm,shapes",
+    [
+        ("layers", [(4, 96), (1, 136)], [(3, 72), (2, 264), (1, 40), (5, 96)]),
+        ("trunk", [(4, 96)], [(3, 72), (2, 264), (5, 96)]),  # one graph (the 1-row one: as layers)
+    ],
+)
+def test_dynamic_compile_equals_eager_and_never_recompiles(scope, warm, shapes, caplog):
+    """Warmed on a few shapes (1-row batches are their own graph: dynamo specializes sizes of 1), batches
+    of other rows and lengths reuse those graphs."""
+    model = _model()
+    trunk = Trunk(LayerCapture(model, LAYERS, free_unused=True), CompileSpec("aot_eager", scope, "dynamic"))
+    trunk.warm_up(warm, "cpu")
+    assert trunk.compiled, trunk.fallback
+    with caplog.at_level(logging.ERROR):
+        _assert_same_as_eager(trunk, "qwen3", shapes)
+    assert trunk.recompiles == 0 and "RECOMPILE" not in caplog.text
+    if scope == "layers":  # the hooks (eager) stay on the layers; the compiled forwards are instance attrs
+        assert sum("forward" in vars(m) for m in trunk.capture.layers) == len(LAYERS)
+
+
+def test_static_shape_outside_the_warmed_set_is_a_counted_recompile(caplog):
+    trunk = Trunk(LayerCapture(_model(), LAYERS, free_unused=True), CompileSpec("aot_eager", "layers", "static"))
+    trunk.warm_up([(2, 64), (1, 128)], "cpu")
+    _assert_same_as_eager(trunk, "qwen3", [(2, 64), (1, 128)])
+    assert trunk.recompiles == 0
+    with caplog.at_level(logging.ERROR):
+        _assert_same_as_eager(trunk, "qwen3", [(3, 64)])
+    assert trunk.recompiles == 1
+    assert "RECOMPILE after warm-up" in caplog.text and "this is a bug" in caplog.text
+
+
+def test_a_failed_compile_warns_once_and_runs_eagerly(caplog):
+    def broken_backend(gm, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    trunk = Trunk(LayerCapture(_model(), LAYERS, free_unused=True), CompileSpec(broken_backend, "layers", "dynamic"))
+    with caplog.at_level(logging.WARNING):
+        trunk.warm_up([(2, 64)], "cpu")
+        _assert_same_as_eager(trunk, "qwen3", [(2, 64), (3, 40)])
+    lines = [r for r in caplog.records if "compiling the target failed" in r.getMessage()]
+    assert len(lines) == 1 and "no compiler here" in lines[0].getMessage()
+    assert "\n" not in lines[0].getMessage()
+    assert not trunk.compiled and trunk.report()["compile"] == "eager (compile failed)"
+    assert not any("forward" in vars(m) for m in trunk.capture.layers)  # back to the plain layers
+
+
+def test_hybrid_reference_linear_attention_stays_eager():
+    """The torch reference delta rule loops over 64-token chunks: compiled, it would make one graph per
+    chunk count. Its layers stay eager, the full-attention ones compile, lengths across chunk counts
+    reuse the graphs."""
+    model = _model("hybrid")
+    kernels = linear_attention_kernels(model)
+    assert kernels is not None and not kernels.fast
+    trunk = Trunk(LayerCapture(model, LAYERS, free_unused=True), CompileSpec("aot_eager", "layers", "dynamic"), kernels)
+    assert trunk.eager_layers == [0, 2]  # layer 1 (full attention) is compiled
+    assert "forward" in vars(trunk.capture.layers[1])
+    trunk.warm_up([(2, 96), (1, 160)], "cpu")
+    _assert_same_as_eager(trunk, "hybrid", [(3, 40), (2, 200), (1, 300)])
+    assert trunk.recompiles == 0
+
+
+def test_warmup_shapes():
+    cfg = BucketConfig(batch_tokens=1024)
+    lengths = [50, 70, 300, 600, 2000]
+    static = warmup_shapes(static_buckets(cfg), CompileSpec("inductor", shapes="static"), lengths)
+    bk = Bucketer(static_buckets(cfg))
+    assert static == [bk.shape_of(b) for b in sorted({bk.bucket_of(n) for n in lengths})]
+    assert all(r * b <= 1024 or r == 1 for r, b in static)
+    dynamic = warmup_shapes(cfg, CompileSpec("inductor"), lengths)
+    assert len(dynamic) == 2 and dynamic[0][0] >= 2 and dynamic[1][0] == 1
+    assert warmup_shapes(cfg, CompileSpec(), lengths) == []  # eager: nothing to warm
+
+
+def test_fixed_shapes_pad_every_batch_to_its_bucket():
+    cfg = static_buckets(BucketConfig(batch_tokens=2048, pool_batches=1))
+    rng = np.random.default_rng(0)
+    lengths = np.clip(rng.lognormal(5.5, 0.8, 400).astype(int), 8, 1500)
+    bk = Bucketer(cfg)
+    seen = []
+    for b in batches([Sample(i, np.zeros(n, np.int32), np.ones(n, bool)) for i, n in enumerate(lengths)], cfg, bk):
+        assert (b.num_rows, b.pad_len) == bk.shape_of(b.bucket) and len(b.samples) <= b.num_rows
+        seen += [s.sample_index for s in b.samples]
+    assert sorted(seen) == list(range(len(lengths)))
+    assert len({bk.bucket_of(int(n)) for n in lengths}) <= 16  # 4 per octave from 64: a few graphs
+
+
+def test_produce_with_static_shapes_stores_the_eager_states(tmp_path):
+    """The whole producer loop, compiled with static shapes: padding rows and lengths never reach a shard,
+    every sample's states equal an eager forward of it alone, 0 recompiles."""
+    rng = np.random.default_rng(1)
+    samples = [Sample(i, rng.integers(0, 128, n, dtype=np.int32), rng.random(n) < 0.7)
+               for i, n in enumerate(rng.integers(10, 200, 24))]  # fmt: skip
+    cfg = ProducerConfig(
+        producer_id="c0", model="tiny", spool=str(tmp_path / "spool"), data=DataConfig(dataset="x", max_length=256),
+        buckets=BucketConfig(batch_tokens=512, pool_batches=1), compile_backend="aot_eager", compile_shapes="static",
+    )  # fmt: skip
+    trunk = warm_trunk(cfg, LayerCapture(_model(), LAYERS, free_unused=True), None, [len(s) for s in samples])
+    result = produce(cfg, trunk, samples)
+    assert result["done"] and result["samples"] == 24 and result["recompiles"] == 0
+    assert result["compile"].startswith("compiled (aot_eager, layers, static")
+    assert result["padded_tokens"] > result["fwd_tokens"]  # rows and lengths padded to the bucket shapes
+    eager = LayerCapture(_model(), LAYERS)
+    by_index = {s.sample_index: s for s in samples}
+    for path in (tmp_path / "spool" / "ready").iterdir():
+        shard = read_shard(path)
+        cu = shard.cu_seqlens.tolist()
+        for n, idx in enumerate(shard.sample_index.tolist()):
+            with torch.inference_mode():
+                want = eager.run(torch.from_numpy(by_index[idx].input_ids).long()[None])
+            torch.testing.assert_close(shard.hidden[cu[n] : cu[n + 1]].float(), want.bfloat16().float())
+            by_index.pop(idx)
+    assert not by_index
