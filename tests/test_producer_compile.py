@@ -18,7 +18,7 @@ from dflash.common.target.data import DataConfig
 from dflash.common.target.kernels import linear_attention_kernels
 from dflash.producer.buckets import BucketConfig, Bucketer, Sample, batches
 from dflash.producer.config import ProducerConfig
-from dflash.producer.trunk import CompileSpec, Trunk, static_buckets, warm_trunk, warmup_shapes
+from dflash.producer.trunk import CompileSpec, Trunk, _TappedTrunk, static_buckets, warm_trunk, warmup_shapes
 from dflash.producer.worker import produce
 
 _TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
@@ -112,6 +112,18 @@ def test_hybrid_reference_linear_attention_stays_eager():
     trunk.warm_up([(2, 96), (1, 160)], "cpu")
     _assert_same_as_eager(trunk, "hybrid", [(3, 40), (2, 200), (1, 300)])
     assert trunk.recompiles == 0
+
+
+def test_tapped_trunk_matches_the_capture_including_the_last_layer():
+    """The trunk scope's taps (uncompiled here) give LayerCapture's values, the last layer included (taken
+    after the final norm, as HF's hidden_states[L]); repeated ids fill several slots."""
+    ids, valid = _batch(3, 50, 0)
+    for layer_ids in ([0, 2], [1, 3, 3]):
+        trunk = Trunk(LayerCapture(_model(), layer_ids, free_unused=True), CompileSpec(scope="trunk"))
+        trunk._tapped = _TappedTrunk(trunk.capture)  # the uncompiled module the trunk scope compiles
+        with torch.inference_mode():
+            got, want = trunk.run(ids, valid), LayerCapture(_model(), layer_ids).run(ids, valid)
+        torch.testing.assert_close(got, want)
 
 
 def test_warmup_shapes():

@@ -1,0 +1,170 @@
+"""Hybrid (Gated DeltaNet + attention) multimodal targets, as Qwen3.5/3.6 ship: a tiny checkpoint of that
+shape (``Qwen3_5ForConditionalGeneration``, text model in a sub-config, a vision tower) saved with
+save_pretrained loads as its text model only, its captures equal the VLM's ``output_hidden_states`` (whose
+last entry is after the final norm), the producer runs on it end to end, and the linear-attention kernels
+are reported (reference here; fla, when it imports, detected and switched off on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from packaging.version import Version
+from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+from dflash.common.contract.shard_reader import read_shard
+from dflash.common.target.capture import LayerCapture
+from dflash.common.target.data import DataConfig
+from dflash.common.target.kernels import REFERENCE, force_reference_kernels, linear_attention_kernels
+from dflash.common.target.loading import load_target, vision_parameters
+from dflash.producer.config import ProducerConfig
+from dflash.producer.worker import run_producer
+from dflash.tools.demo.assets import demo_dataset_path, tiny_target_dir
+
+HIDDEN, LAYERS = 32, 4
+
+
+def _vlm_config() -> Qwen3_5Config:
+    return Qwen3_5Config(
+        text_config=dict(
+            vocab_size=4096, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            full_attention_interval=2, max_position_embeddings=1024,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                                 mrope_section=[1, 1, 0], mrope_interleaved=True),
+        ),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=HIDDEN,
+                           patch_size=16, num_position_embeddings=64),
+        image_token_id=4090, video_token_id=4091, vision_start_token_id=4092, vision_end_token_id=4093,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def vlm_checkpoint(tmp_path_factory):
+    """(path, the VLM in memory): a tiny multimodal hybrid checkpoint with the demo's tokenizer."""
+    torch.manual_seed(0)
+    vlm = Qwen3_5ForConditionalGeneration(_vlm_config()).eval()
+    path = tmp_path_factory.mktemp("vlm") / "qwen3_5-tiny"
+    vlm.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tiny_target_dir() / name, path / name)
+    assert vision_parameters(vlm) > 0
+    return path, vlm
+
+
+def _vlm_states(vlm, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    with torch.inference_mode():
+        return vlm(input_ids=ids, output_hidden_states=True, use_cache=False).hidden_states
+
+
+def test_multimodal_checkpoint_loads_the_text_model_only(vlm_checkpoint):
+    path, vlm = vlm_checkpoint
+    model, info = load_target(str(path), dtype=torch.float32, device="cpu")
+    assert type(model).__name__ == "Qwen3_5ForCausalLM" and info.multimodal
+    assert vision_parameters(model) == 0 and info.vision_params == 0
+    assert not any("visual" in n for n, _ in model.named_parameters())
+    assert "no vision tower" in info.line() and "2 linear-attention layers" in info.line()
+    text = dict(vlm.model.language_model.named_parameters())  # the weights are the checkpoint's, renamed
+    for name, p in model.model.named_parameters():
+        assert torch.equal(p, text[name]), name
+    # every layer, the last included: HF takes hidden_states[L] after the final norm, and so does the capture
+    ids = torch.randint(0, 4000, (2, 40), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        got = LayerCapture(model, list(range(LAYERS))).run(ids)
+    ref = _vlm_states(vlm, ids)
+    assert len(ref) == LAYERS + 1
+    for k in range(LAYERS):
+        torch.testing.assert_close(got[:, k * HIDDEN : (k + 1) * HIDDEN], ref[k + 1].reshape(-1, HIDDEN))
+    raw = []  # the trap: the last layer's own output is not hidden_states[L] (that is after the norm)
+    model.model.layers[-1].register_forward_hook(lambda m, a, out: raw.append(out[0] if isinstance(out, tuple) else out))
+    with torch.inference_mode():
+        model(input_ids=ids, use_cache=False)
+    assert not torch.allclose(raw[0], ref[LAYERS])
+
+
+def test_producer_runs_on_the_multimodal_hybrid_checkpoint(vlm_checkpoint, tmp_path, caplog):
+    path, vlm = vlm_checkpoint
+    cfg = ProducerConfig(
+        producer_id="h0", model=str(path), spool=str(tmp_path / "spool"), layer_ids=[0, 1, 2],
+        data=DataConfig(dataset=str(demo_dataset_path()), limit=6, max_length=128, cache_dir=str(tmp_path / "hf")),
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        result = run_producer(cfg)
+    assert result["done"] and result["samples"] > 0 and result["compile"] == "eager"  # CPU: eager by default
+    start = next(r.getMessage() for r in caplog.records if "epoch(s)" in r.getMessage())
+    assert "Qwen3_5ForCausalLM (text model of a multimodal checkpoint, no vision tower)" in start
+    assert f"chunk_gated_delta_rule on {REFERENCE}" in start
+    assert not any("falling back" in r.getMessage() for r in caplog.records)  # said once, by us
+    shard = read_shard(next((tmp_path / "spool" / "ready").iterdir()))
+    a, b = shard.cu_seqlens[:2].tolist()
+    ref = _vlm_states(vlm, shard.input_ids[a:b].long()[None])
+    want = torch.cat([ref[i + 1][0] for i in (0, 1, 2)], dim=-1).bfloat16()
+    torch.testing.assert_close(shard.hidden[a:b].float(), want.float(), rtol=0.02, atol=0.02)
+
+
+def test_reference_kernels_are_reported_and_forcing_them_is_undone(vlm_checkpoint):
+    path, _ = vlm_checkpoint
+    model, info = load_target(str(path), dtype=torch.float32, device="cpu")
+    report = linear_attention_kernels(model)
+    assert report.layers == 2 and set(report.kernels) == {"chunk_gated_delta_rule", "causal_conv1d"}
+    assert not report.fast and "dflash-spool[hybrid]" in report.warning() and "\n" not in report.warning()
+    module = sys.modules[type(model.model.layers[0].linear_attn).__module__]
+    before = dict(vars(module))
+    undo = force_reference_kernels(model)
+    assert not linear_attention_kernels(model).fast
+    undo()
+    assert all(vars(module)[k] is v for k, v in before.items() if callable(v))
+
+
+FAKE_FLA = '''
+def chunk_gated_delta_rule(*args, **kwargs):
+    raise AssertionError("the fake fla kernel ran")
+
+def fused_recurrent_gated_delta_rule(*args, **kwargs):
+    raise AssertionError("the fake fla kernel ran")
+'''
+
+
+@pytest.mark.skipif(Version(transformers.__version__) < Version("5.15"), reason="5.15+ resolves fla at import")
+def test_fla_is_detected_and_a_cpu_target_is_switched_off_it(vlm_checkpoint, tmp_path):
+    """A stand-in ``fla`` package (whose kernels raise) on the path before transformers: the report names
+    it; a CPU target is switched to the reference, so its forward never calls it."""
+    path, _ = vlm_checkpoint
+    pkg = tmp_path / "fakefla" / "fla" / "ops" / "gated_delta_rule"
+    pkg.mkdir(parents=True)
+    for d in (pkg.parent.parent, pkg.parent):
+        (d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text(FAKE_FLA)
+    script = textwrap.dedent(f"""
+        import json, sys, torch
+        sys.path.insert(0, {str(tmp_path / "fakefla")!r})
+        from transformers import AutoModelForCausalLM
+        from dflash.common.target.kernels import linear_attention_kernels, prepare_kernels
+        model = AutoModelForCausalLM.from_pretrained({str(path)!r}).eval()
+        fast = linear_attention_kernels(model)
+        cpu = prepare_kernels(model, "cpu")
+        with torch.inference_mode():
+            model(input_ids=torch.ones(1, 70, dtype=torch.long), use_cache=False)
+        print(json.dumps({{"fast": fast.kernels, "cpu": cpu.kernels}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["fast"]["chunk_gated_delta_rule"].startswith("fla.ops")
+    assert got["cpu"]["chunk_gated_delta_rule"] == REFERENCE
+
+
+def test_text_only_config_is_not_multimodal(tmp_path):
+    """A plain text target (the demo's Qwen3) is reported without kernels or a multimodal note."""
+    model, info = load_target(str(tiny_target_dir()), dtype=torch.float32, device="cpu")
+    assert not info.multimodal and info.kernels is None and info.line() == "Qwen3ForCausalLM"
+    assert np.isclose(vision_parameters(model), 0)
