@@ -149,6 +149,7 @@ class _TappedTrunk(nn.Module):
         super().__init__()
         self.text_model = capture.text_model
         layers, last, n = capture.layers, max(capture.layer_ids), capture.num_layers
+        self.replaced = [(layers, str(i), layers[i]) for i in range(n)] + [(self.text_model, "norm", self.text_model.norm)]
         taps: dict[int, _Tap] = {}
         for i in sorted(set(capture.layer_ids)):
             if i == n - 1:  # HF's hidden_states[L] is taken after the final norm: tap the norm
@@ -160,6 +161,11 @@ class _TappedTrunk(nn.Module):
         if last < n - 1:
             self.text_model.norm = nn.Identity()
         self.taps = [taps[i] for i in capture.layer_ids]
+
+    def restore(self) -> None:
+        """Put the text model's own modules back (benchmarks run several variants on one model)."""
+        for parent, name, module in self.replaced:
+            setattr(parent, name, module)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         self.text_model(input_ids=input_ids, use_cache=False)
@@ -314,6 +320,12 @@ class Trunk:
         }
 
     def close(self) -> None:
+        """Remove the hooks and give the model back as it was before compiling (compiled forwards, taps)."""
+        for layer in self.capture.layers:
+            if "forward" in vars(layer):
+                del layer.forward
+        if self._tapped is not None:
+            self._tapped.restore()
         self.capture.close()
 
 

@@ -1,30 +1,29 @@
 #!/usr/bin/env python
-"""Producer throughput benchmark: the real producer loop vs a bare HF forward of the same model.
+"""Producer throughput benchmark: the real producer loop, compiled or not, vs a bare HF forward of the same
+model on the same samples, in one process on one GPU.
 
-Why: a producer's job is to run the target as fast as the GPU runs the target alone. This measures, in
-one process on one GPU, over the same synthetic samples (lognormal lengths, random token ids):
+Paths (rates are real, unpadded tokens per second; the same length-bucketed synthetic samples, lognormal
+lengths, random ids, unless a variant needs other batches):
+- ``hf_forward``: the bare full-model HF forward (all layers + lm_head), eager: the reference rate;
+- ``hf_hidden_states`` (``--naive``): ``output_hidden_states`` gathered and copied synchronously;
+- ``forward``: the shipped producer's own forward alone (the compiled trunk cut after its last captured
+  layer, inputs copied in, features gathered; no D2H, no shards): what the spool must never slow down;
+- ``producer_<variant>``: ``dflash.producer.worker.produce`` (compiled trunk warmed first, pinned D2H,
+  writer threads encoding zarr+zstd shards into a spool on /dev/shm, deleted by a drain thread that plays
+  the consumers), one row per ``--variants`` entry (VARIANTS below).
 
-- `hf_forward`: the bare full-model HF forward (all layers + lm_head logits), right-padded length-bucketed
-  batches, nothing kept: the reference rate;
-- `hf_hidden_states`: the naive extraction (`output_hidden_states=True`, gather K layers, copy to host
-  synchronously), for contrast;
-- `producer`: `dflash.producer.worker.produce` (hooks + early stop, pinned D2H, writer thread encoding
-  zarr+zstd shards into a spool on /dev/shm, published and then deleted by a drain thread that plays
-  the consumers).
+The JSON/markdown carry every figure, GPU memory over time per path, compile seconds, recompiles after
+warm-up, and the acceptance checks of issue 25 with their thresholds (ACCEPT). Presets (ops/bench/
+targets.py): ``8b`` (default), ``32b``, ``hybrid27b`` (8-layer slice; rates also scaled to 64 layers).
 
-Rates are real (unpadded) tokens per second; the padding waste of the buckets is reported, and the GPU
-memory allocated is sampled over time (it must stay flat: fixed token budget per batch). The default
-model is Qwen3-8B-shaped (hidden 4096, 36 layers, 32/8 heads, head_dim 128, inter 12288, vocab 151936)
-with random bf16 weights. `--small` runs the tiny demo target on CPU (fp32) as a smoke test.
-
-    python ops/bench/producer_bench.py --out runs/bench          # on the GPU machine
-    .venv/bin/python ops/bench/producer_bench.py --small         # CPU smoke test
+    python ops/bench/producer_bench.py --preset 8b --variants eager,full,static,trunk --out $OUT   # GPU
+    python ops/bench/producer_bench.py --preset hybrid27b --variants full,reference --no-bare       # GPU
+    .venv/bin/python ops/bench/producer_bench.py --small                                          # CPU smoke
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import logging
@@ -40,107 +39,71 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash.common.target.capture import LayerCapture
-from dflash.common.target.data import DataConfig
-from dflash.producer.buckets import BucketConfig, Bucketer, Sample
-from dflash.producer.config import ProducerConfig
-from dflash.producer.worker import _all_batches, produce
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from targets import PRESETS, build_target, depth_scale, full_depth  # noqa: E402
+
+from dflash.common.drafter.layers import default_target_layer_ids  # noqa: E402
+from dflash.common.target.capture import LayerCapture  # noqa: E402
+from dflash.common.target.data import DataConfig  # noqa: E402
+from dflash.common.target.kernels import force_reference_kernels, linear_attention_kernels  # noqa: E402
+from dflash.producer.buckets import BucketConfig, Bucketer, Sample  # noqa: E402
+from dflash.producer.config import ProducerConfig  # noqa: E402
+from dflash.producer.trunk import static_buckets, warm_trunk  # noqa: E402
+from dflash.producer.worker import _forward_batch, produce  # noqa: E402
 
 log = logging.getLogger(__name__)
 
-QWEN3_8B = dict(
-    hidden_size=4096,
-    intermediate_size=12288,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    vocab_size=151936,
-    max_position_embeddings=40960,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "full": ("as shipped: compiled trunk (per layer, dynamic shapes), writers from the cores", {}),
+    "eager": ("target eager (--no-compile)", {"compile": False}),
+    "static": ("compiled, static shapes (a graph per bucket shape, 4 buckets/octave)", {"compile_shapes": "static"}),
+    "trunk": ("compiled, the whole truncated trunk as one graph", {"compile_scope": "trunk"}),
+    "reference": ("as shipped, the hybrid's linear attention on the torch reference kernels", {}),
+    "nowrite": ("writers skip encoding (an empty shard dir is published)", {}),
+    "threads2": ("2 writer threads", {"writer_threads": 2}),
+    "threads6": ("6 writer threads", {"writer_threads": 6}),
+    "none": ("codec none (no compression)", {"codec": "none"}),
+}
+# issue 25's acceptance: (check, threshold, what); the ratio names are keys of the result's "ratios"
+ACCEPT = {
+    "8b": [("full_vs_bare", 1.3, "producer >= 1.3x the bare eager full forward")],
+    "32b": [("full_vs_bare", 1.2, "producer >= 1.2x the bare eager full forward")],
+    "hybrid27b": [("full_vs_reference", 1.5, "fast kernels >= 1.5x the reference kernels")],
+}
+COMMON_ACCEPT = [("full_vs_forward", 0.95, "producer >= 0.95x its own truncated forward (the spool never limits)")]
 
 
-def build_model(args):
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    if args.small:
-        from dflash.tools.demo.assets import build_tiny_target
-
-        return build_tiny_target(dtype=torch.float32, seed=0), "tiny-qwen3 (demo)"
-    cfg = Qwen3Config(**QWEN3_8B)
-    torch.manual_seed(0)
-    with torch.device(args.device):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    return model.eval(), "Qwen3-8B-shaped, random weights"
-
-
-def _lengths(args, rng: np.random.Generator, n: int) -> np.ndarray:
-    return np.clip(rng.lognormal(np.log(args.median_len), 0.8, n), 64, args.max_length).astype(int)
-
-
-def synthetic_workload(args, vocab: int) -> tuple[list[Sample], list]:
-    """Samples forming only FULL batches (whole bucket pools), about args.tokens real tokens.
-
-    A real dataset is large enough that nearly every batch is a full pool cut; a small synthetic one
-    would be mostly end-of-data leftovers (small batches, launch-bound), which misrepresents steady
-    state. So draw lognormal lengths until the bucketer has emitted args.tokens worth of pool cuts, and
-    keep exactly those samples: re-bucketing them (as produce() does) yields the same batches.
-    """
+def workload(args, vocab: int, buckets: BucketConfig) -> tuple[list[Sample], list]:
+    """Samples forming only FULL bucket pools under ``buckets``, about args.tokens real tokens (a real
+    dataset is nearly all full-pool batches; a small synthetic one would be end-of-data leftovers)."""
     rng = np.random.default_rng(args.seed)
-    bk = Bucketer(BucketConfig(batch_tokens=args.batch_tokens, pool_batches=args.pool_batches))
+    bk = Bucketer(buckets)
     batches, total = [], 0
     while total < args.tokens:
-        for n in _lengths(args, rng, 256):
-            cut = bk.add(
-                Sample(sample_index=0, input_ids=np.empty(int(n), np.int32), loss_mask=np.empty(0, bool))
-            )
-            batches.extend(cut)
+        for n in np.clip(rng.lognormal(np.log(args.median_len), 0.8, 256), 64, args.max_length).astype(int):
+            cut = bk.add(Sample(0, np.empty(int(n), np.int32), np.empty(0, bool)))
+            batches += cut
             total += sum(b.num_tokens for b in cut)
-    samples = []
-    for b in batches:
-        for s in b.samples:
-            n = len(s)
-            s.sample_index = len(samples)
-            s.input_ids = rng.integers(0, vocab, n, dtype=np.int32)
-            s.loss_mask = np.ones(n, dtype=bool)
-            samples.append(s)
+    samples = [s for b in batches for s in b.samples]
+    for i, s in enumerate(samples):
+        s.sample_index, s.input_ids = i, rng.integers(0, vocab, len(s), dtype=np.int32)
+        s.loss_mask = np.ones(len(s), dtype=bool)
     return samples, batches
 
 
-def padding_waste(args, num_samples: int = 20000) -> float:
-    """Bucket padding waste over a long stream of the same length distribution (no model needed)."""
-    bk = Bucketer(BucketConfig(batch_tokens=args.batch_tokens))
-    rng = np.random.default_rng(args.seed + 1)
-    for _ in _all_batches((Sample(i, np.empty(int(n), np.int32), np.empty(0, bool)) for i, n in enumerate(_lengths(args, rng, num_samples))), bk):  # fmt: skip
-        pass
-    return bk.padding_waste
-
-
 class MemSampler(threading.Thread):
-    """GPU memory allocated/reserved every `every_s`, labelled with the current phase."""
+    """GPU memory allocated every `every_s`, labelled with the current phase."""
 
     def __init__(self, device: torch.device, every_s: float = 0.25):
         super().__init__(daemon=True)
-        self.device, self.every_s = device, every_s
-        self.phase = "init"
-        self.series: list[dict] = []
-        self.t0 = time.monotonic()
-        self._halt = threading.Event()
+        self.device, self.every_s, self.phase, self.series = device, every_s, "init", []
+        self.t0, self._halt = time.monotonic(), threading.Event()
 
     def run(self) -> None:
         while not self._halt.wait(self.every_s):
             if self.device.type == "cuda":
-                self.series.append(
-                    {
-                        "t": round(time.monotonic() - self.t0, 3),
-                        "phase": self.phase,
-                        "alloc_gb": round(torch.cuda.memory_allocated(self.device) / 1e9, 3),
-                        "reserved_gb": round(torch.cuda.memory_reserved(self.device) / 1e9, 3),
-                    }
-                )
+                gb = round(torch.cuda.memory_allocated(self.device) / 1e9, 3)
+                self.series.append({"t": round(time.monotonic() - self.t0, 3), "phase": self.phase, "alloc_gb": gb})
 
     def stop(self) -> None:
         self._halt.set()
@@ -151,12 +114,9 @@ class MemSampler(threading.Thread):
         if not pts:
             return {}
         k = max(1, len(pts) // 5)
-        return {
-            "max_alloc_gb": max(pts),
-            "first_fifth_mean_gb": round(sum(pts[:k]) / k, 3),
-            "last_fifth_mean_gb": round(sum(pts[-k:]) / k, 3),
-            "samples": len(pts),
-        }
+        first, last = sum(pts[:k]) / k, sum(pts[-k:]) / k
+        return {"max_alloc_gb": max(pts), "first_fifth_mean_gb": round(first, 3), "last_fifth_mean_gb": round(last, 3),
+                "flat": last <= 1.05 * first + 0.5, "samples": len(pts)}  # fmt: skip
 
 
 def _sync(device: torch.device) -> None:
@@ -164,34 +124,44 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _padded(batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.zeros((len(batch.samples), batch.pad_len), dtype=torch.int64)
-    valid = torch.zeros_like(ids, dtype=torch.bool)
-    for r, s in enumerate(batch.samples):
-        ids[r, : len(s)] = torch.from_numpy(s.input_ids)
-        valid[r, : len(s)] = True
-    return ids.to(device, non_blocking=True), valid
-
-
-def bench_hf(model, batches, device, layer_ids, *, hidden_states: bool) -> dict:
-    """Bare forward (or the naive output_hidden_states extraction) over the batches; real tokens/s."""
-    tokens = 0
+def _timed(device: torch.device, tokens: int, fn) -> dict:
     _sync(device)
     t0 = time.perf_counter()
-    with torch.inference_mode():
-        for b in batches:
-            ids, valid = _padded(b, device)
-            if hidden_states:
-                hs = model(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
-                feats = torch.cat([hs[i + 1] for i in layer_ids], dim=-1)[valid.to(device)]
-                feats.to("cpu")  # synchronous: what a simple extraction script does
-                del hs, feats
-            else:
-                model(input_ids=ids, use_cache=False)
-            tokens += int(valid.sum())
+    fn()
     _sync(device)
     dt = time.perf_counter() - t0
     return {"tokens": tokens, "seconds": round(dt, 3), "tok_s": round(tokens / dt, 1)}
+
+
+def bench_hf(model, batches, device, layer_ids, *, hidden_states: bool) -> dict:
+    """Bare forward (or the naive output_hidden_states extraction) over the batches."""
+
+    def run():
+        with torch.inference_mode():
+            for b in batches:
+                ids = torch.zeros((len(b.samples), b.pad_len), dtype=torch.int64)
+                valid = torch.zeros_like(ids, dtype=torch.bool)
+                for r, s in enumerate(b.samples):
+                    ids[r, : len(s)], valid[r, : len(s)] = torch.from_numpy(s.input_ids), True
+                ids = ids.to(device, non_blocking=True)
+                if hidden_states:
+                    hs = model(input_ids=ids, use_cache=False, output_hidden_states=True).hidden_states
+                    torch.cat([hs[i + 1] for i in layer_ids], dim=-1)[valid.to(device)].to("cpu")
+                else:
+                    model(input_ids=ids, use_cache=False)
+
+    return _timed(device, sum(b.num_tokens for b in batches), run)
+
+
+def bench_forward(trunk, batches, device) -> dict:
+    """The producer's own forward alone, as produce() calls it (pinned H2D, trunk, gather), nothing kept."""
+
+    def run():
+        with torch.inference_mode():
+            for b in batches:
+                _forward_batch(trunk, b, device, 0)
+
+    return _timed(device, sum(b.num_tokens for b in batches), run)
 
 
 def drain(ready: Path, stop: threading.Event) -> None:
@@ -202,153 +172,134 @@ def drain(ready: Path, stop: threading.Event) -> None:
         time.sleep(0.05)
 
 
-VARIANTS = {
-    "full": "the producer as shipped (2 writer threads, 8 MB chunks)",
-    "nowrite": "writers skip encoding (an empty shard dir is published): the pipeline without zarr/zstd",
-    "threads1": "1 writer thread",
-    "threads4": "4 writer threads",
-    "chunk2m": "2 MB hidden chunks (the shard module's default)",
-    "none": "codec none (no compression)",
-}
-_VARIANT_CFG = {
-    "threads1": {"writer_threads": 1},
-    "threads4": {"writer_threads": 4},
-    "chunk2m": {"chunk_bytes": 2 << 20},
-}
-
-
-@contextlib.contextmanager
-def _variant(name: str):
-    """Patch the shard writer the producer's writer threads call."""
-    import dflash.producer.writers as shard_mod
-
-    orig = shard_mod.write_shard
-    if name == "nowrite":
-        shard_mod.write_shard = lambda path, shard, codec=None, **kw: (Path(path).mkdir(), 0)[1]
-    try:
-        yield
-    finally:
-        shard_mod.write_shard = orig
-
-
-def bench_producer(
-    args, model, samples, device, layer_ids, spool_root: Path, mem: MemSampler, variant: str
-) -> dict:
-    cfg = ProducerConfig(
-        producer_id="bench", model="bench-model", spool=str(spool_root), device=str(device),
-        data=DataConfig(dataset="synthetic", max_length=args.max_length),
-        buckets=BucketConfig(batch_tokens=args.batch_tokens, pool_batches=args.pool_batches),
-        codec="none" if variant == "none" else args.codec,
-        budget_bytes=int(args.budget_gb * 1e9), heartbeat_s=0.5, **_VARIANT_CFG.get(variant, {}),
+def _config(args, variant: str, spool: Path) -> ProducerConfig:
+    over = dict(VARIANTS[variant][1])
+    buckets = BucketConfig(batch_tokens=args.batch_tokens, pool_batches=args.pool_batches)
+    return ProducerConfig(
+        producer_id="bench", model="bench-model", spool=str(spool), device=str(args.device),
+        data=DataConfig(dataset="synthetic", max_length=args.max_length), buckets=buckets,
+        codec=over.pop("codec", args.codec), budget_bytes=int(args.budget_gb * 1e9), heartbeat_s=0.5,
+        compile_backend=args.compile_backend, writer_threads=over.pop("writer_threads", args.writer_threads), **over,
     )  # fmt: skip
-    capture = LayerCapture(model, layer_ids, free_unused=True)
-    if device.type == "cuda":
+
+
+def bench_producer(args, model, work, spool: Path, mem: MemSampler, variant: str) -> dict:
+    """One producer variant: warm its trunk on the workload's lengths, produce, report (and, for the
+    shipped variant, time its own forward alone on the same batches)."""
+    cfg = _config(args, variant, spool)
+    samples, batches = work["static" if variant == "static" else "default"]
+    undo = force_reference_kernels(model) if variant == "reference" else (lambda: None)
+    torch._dynamo.reset()  # a variant compiles its own graphs (dynamo caches per code object)
+    trunk = warm_trunk(cfg, LayerCapture(model, args.layer_ids, free_unused=True), linear_attention_kernels(model),
+                       [len(s) for s in samples])  # fmt: skip
+    if args.device.type == "cuda":
         torch.cuda.empty_cache()
-    stop = threading.Event()
-    drainer = threading.Thread(target=drain, args=(spool_root / "ready", stop), daemon=True)
+    stop, beats = threading.Event(), []
+    drainer = threading.Thread(target=drain, args=(spool / "ready", stop), daemon=True)
     drainer.start()
-    beats: list[dict] = []
-    mem.phase = "producer" if variant == "full" else f"producer_{variant}"
+    mem.phase = f"producer_{variant}"
     t0 = time.perf_counter()
     try:
-        with _variant(variant):
-            result = produce(cfg, capture, samples, on_heartbeat=beats.append)
+        if variant == "nowrite":
+            import dflash.producer.writers as writers_mod
+
+            real, writers_mod.write_shard = writers_mod.write_shard, lambda path, shard, codec=None, **kw: (Path(path).mkdir(), 0)[1]  # fmt: skip
+        result = produce(cfg, trunk, samples, on_heartbeat=beats.append)
     finally:
+        if variant == "nowrite":
+            writers_mod.write_shard = real
         stop.set()
         drainer.join()
-        capture.close()
     dt = time.perf_counter() - t0
-    raw = result["tokens"] * len(layer_ids) * capture.hidden_size * 2
-    return {
-        "tokens": int(result["tokens"]),
-        "seconds": round(dt, 3),
-        "tok_s": round(result["tokens"] / dt, 1),
-        "shards": int(result["shards"]),
-        "padding_waste": round(result["padding_waste"], 4),
-        "compression_ratio": round(raw / max(result["bytes"], 1), 3),
-        "writer_busy_s": round(result.get("writer_busy_s", 0.0), 3),
-        "write_s": round(result.get("write_s", 0.0), 3),
-        "d2h_wait_s": round(result.get("d2h_wait_s", 0.0), 3),
-        "launch_s": round(result.get("launch_s", 0.0), 3),
-        "main_wait_s": round(result.get("main_wait_s", 0.0), 3),
-        "budget_wait_s": round(result.get("budget_wait_s", 0.0), 3),
-        "heartbeats": [
-            {k: b.get(k) for k in ("elapsed_s", "tokens", "tok_s", "phase", "gpu_mem_gb", "spool_bytes")}
-            for b in beats
-        ],
-    }
+    out = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in result.items()}
+    out.update(seconds=round(dt, 3), tok_s=round(result["tokens"] / dt, 1), writer_threads=cfg.resolved_writer_threads(),
+               compression_ratio=round(result["tokens"] * trunk.feature_size * 2 / max(result["bytes"], 1), 3),
+               heartbeats=[{k: b.get(k) for k in ("elapsed_s", "tokens", "tok_s", "gpu_mem_gb", "spool_bytes")} for b in beats])  # fmt: skip
+    if variant in ("full", "reference") and "forward" in args.paths:
+        mem.phase = f"forward_{variant}"
+        out["own_forward"] = bench_forward(trunk, batches, args.device)
+    trunk.close()
+    undo()
+    return out
+
+
+def ratios(results: dict, preset: str) -> dict:
+    r, out = results, {}
+    full = r.get("producer_full", {}).get("tok_s")
+    if full and "hf_forward" in r:
+        out["full_vs_bare"] = full / r["hf_forward"]["tok_s"]
+    if full and "own_forward" in r.get("producer_full", {}):
+        out["full_vs_forward"] = full / r["producer_full"]["own_forward"]["tok_s"]
+    for v in VARIANTS:
+        if v != "full" and full and f"producer_{v}" in r:
+            out[f"full_vs_{v}"] = full / r[f"producer_{v}"]["tok_s"]
+    return {k: round(v, 4) for k, v in out.items()}
+
+
+def acceptance(res: dict) -> list[dict]:
+    checks = []
+    for key, threshold, what in ACCEPT.get(res["preset"], []) + COMMON_ACCEPT:
+        value = res["ratios"].get(key)
+        checks.append({"check": what, "key": key, "value": value, "threshold": threshold,
+                       "ok": None if value is None else value >= threshold})  # fmt: skip
+    compiled = {k: v["recompiles"] for k, v in res["results"].items() if k.startswith("producer") and v.get("compile_scope")}
+    checks.append({"check": "0 recompiles after warm-up", "value": compiled, "threshold": 0,
+                   "ok": all(n == 0 for n in compiled.values())})  # fmt: skip
+    flat = {k: m["flat"] for k, m in res["gpu_memory"].items() if m}
+    checks.append({"check": "GPU memory flat (last fifth <= 1.05 x first fifth + 0.5 GB)", "value": flat,
+                   "ok": all(flat.values()) if flat else None})  # fmt: skip
+    return checks
 
 
 def markdown(res: dict) -> str:
-    r = res["results"]
-    rows = [
-        ("bare HF forward (full model + lm_head)", r["hf_forward"]),
-        ("naive output_hidden_states extraction", r.get("hf_hidden_states")),
-        ("dflash producer (hooks + early stop + shards)", r.get("producer")),
-        *(
-            (f"producer variant `{v}`: {VARIANTS[v]}", r[f"producer_{v}"])
-            for v in VARIANTS
-            if f"producer_{v}" in r
-        ),
-    ]
-    lines = [
-        f"# Producer benchmark ({res['date']})",
-        "",
-        f"{res['model']} on {res['device_name']}, {res['dtype']}, {r['hf_forward']['tokens']} real tokens, "
-        f"batch budget {res['args']['batch_tokens']} tokens, codec {res['args']['codec'] or 'default'}.",
-        "",
-        "| path | tok/s | seconds |",
-        "| --- | ---: | ---: |",
-    ]
-    lines += [f"| {name} | {row['tok_s']:,.0f} | {row['seconds']} |" for name, row in rows if row]
-    p = r.get("producer") or next(v for k, v in r.items() if k.startswith("producer"))
-    lines += [
-        "",
-        f"- **producer / bare forward = {res['ratio']:.3f}**",
-        f"- padding waste of the length buckets: {res['padding_waste_20k']:.2%} over 20K samples of the same "
-        f"length distribution (default pool); {p['padding_waste']:.2%} on the {res['num_batches']} timed batches",
-        f"- shards: {p['shards']}, compression ratio {p['compression_ratio']}x; writers busy (sum over threads) {p['writer_busy_s']} s "
-        f"of {p['seconds']} s (encode+publish {p['write_s']} s, waiting for D2H {p['d2h_wait_s']} s); main "
-        f"thread: {p['launch_s']} s queueing forwards, {p['main_wait_s']} s blocked on the writer",
-    ]
-    for phase, m in res["gpu_memory"].items():
-        if m:
-            lines.append(
-                f"- GPU memory allocated during {phase}: max {m['max_alloc_gb']} GB, first fifth "
-                f"{m['first_fifth_mean_gb']} GB, last fifth {m['last_fifth_mean_gb']} GB ({m['samples']} samples)"
-            )
+    rows = [(k, VARIANTS.get(k.removeprefix("producer_"), (k, None))[0], v) for k, v in res["results"].items()]
+    lines = [f"# Producer benchmark, {res['model']} ({res['date']})", "",
+             f"{res['device_name']}, {res['dtype']}, torch {res['torch']}, transformers {res['transformers']}; "
+             f"batch budget {res['args']['batch_tokens']} tokens; layers {res['layer_ids']}", "",
+             "| path | tok/s | seconds | compile s | recompiles |", "| --- | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for key, desc, v in rows:
+        lines.append(f"| {key}: {desc} | {v['tok_s']:,.0f} | {v['seconds']} | {v.get('compile_s', '')} | {v.get('recompiles', '')} |")
+        if "own_forward" in v:
+            lines.append(f"| {key}: its own forward alone | {v['own_forward']['tok_s']:,.0f} | {v['own_forward']['seconds']} | | |")
+    if res["depth_scale"] != 1:
+        lines += ["", f"- slice of {res['layers']} layers: rates x {res['depth_scale']:.4f} = at {res['full_depth']} layers"]
+    lines += ["", "Acceptance (issue 25):"]
+    lines += [f"- {'PASS' if c['ok'] else 'FAIL' if c['ok'] is False else 'n/a'}: {c['check']}: {c['value']}" for c in res["acceptance"]]
     return "\n".join(lines) + "\n"
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--small", action="store_true", help="tiny demo target on CPU (smoke test)")
-    p.add_argument("--tokens", type=int, help="real tokens per path (default 786432; --small 16384)")
+    p.add_argument("--small", action="store_true", help="the tiny demo shape on CPU (smoke test)")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="target shape (default 8b; --small: small)")
+    p.add_argument("--layers", type=int, help="decoder layers (default: the preset's; hybrid27b: 8)")
+    p.add_argument("--variants", default="full", help=f"producer variants, comma-separated: {', '.join(VARIANTS)}")
+    p.add_argument("--no-bare", action="store_true", help="skip the bare HF forward")
+    p.add_argument("--no-forward", action="store_true", help="skip timing the producer's own forward alone")
+    p.add_argument("--naive", action="store_true", help="also time the naive output_hidden_states extraction")
+    p.add_argument("--tokens", type=int, help="real tokens per path (default 262144; --small 8192)")
     p.add_argument("--batch-tokens", type=int, help="padded tokens per forward (default 32768; --small 2048)")
     p.add_argument("--max-length", type=int, help="max sample length (default 4096; --small 512)")
     p.add_argument("--median-len", type=float, help="median sample length (default 800; --small 150)")
+    p.add_argument("--pool-batches", type=int, default=1, help="bucket pool size in batches (1: full batches sooner)")
+    p.add_argument("--compile-backend", default="auto", help="auto (inductor on CUDA, eager on CPU) | aot_eager | ...")
+    p.add_argument("--writer-threads", type=int, help="default: the producer's rule from this machine's cores")
     p.add_argument("--codec", help="shard codec spec (default: the shard module's default)")
-    p.add_argument(
-        "--pool-batches", type=int, default=1, help="bucket pool size in batches (1: full batches sooner)"
-    )
     p.add_argument("--budget-gb", type=float, default=16.0, help="spool budget (the drain keeps it low)")
-    p.add_argument("--no-naive", action="store_true", help="skip the output_hidden_states path")
-    p.add_argument(
-        "--variants", default="full", help=f"producer variants, comma-separated: {', '.join(VARIANTS)}"
-    )
     p.add_argument("--spool-parent", help="where the temp spool goes (default /dev/shm if present)")
-    p.add_argument("--out", default="runs/bench", help="folder for producer_bench.json / .md")
+    p.add_argument("--out", default="runs/bench", help="folder for producer_bench_<preset>.json / .md")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    args.preset = args.preset or ("small" if args.small else "8b")
     small = args.small
-    defaults = dict(tokens=16384 if small else 786432, batch_tokens=2048 if small else 32768,
-                    max_length=512 if small else 4096, median_len=150.0 if small else 800.0)  # fmt: skip
-    for k, v in defaults.items():
+    for k, v in dict(tokens=8192 if small else 262144, batch_tokens=2048 if small else 32768,
+                     max_length=512 if small else 4096, median_len=150.0 if small else 800.0).items():  # fmt: skip
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if not args.variants or any(v not in VARIANTS for v in args.variants):
         sys.exit(f"producer_bench: error: --variants {args.variants}: choose from {', '.join(VARIANTS)}")
+    args.paths = {"bare"} - ({"bare"} if args.no_bare else set()) | ({"forward"} - ({"forward"} if args.no_forward else set()))
     args.device = torch.device("cpu" if small else "cuda")
     if not small and not torch.cuda.is_available():
         sys.exit("producer_bench: error: no CUDA device (use --small for the CPU smoke test)")
@@ -358,81 +309,60 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
-    import torch._dynamo  # noqa: F401  - first import in the main thread (threads below)
+    import transformers
 
-    from dflash.common.drafter.layers import default_target_layer_ids
-
-    device = args.device
-    mem = MemSampler(device)
+    device, mem = args.device, MemSampler(args.device)
     mem.start()
     t_build = time.perf_counter()
-    model, model_desc = build_model(args)
+    model = build_target(args.preset, layers=args.layers, device=str(device))
     build_s = time.perf_counter() - t_build
-    num_layers = model.config.num_hidden_layers
-    layer_ids = default_target_layer_ids(num_layers)
-    samples, batches = synthetic_workload(args, model.config.vocab_size)
-    waste = padding_waste(args)
-    log.info("%s: %d samples, %d full batches (%d real tokens); padding waste over 20K samples %.2f%%",
-             model_desc, len(samples), len(batches), sum(b.num_tokens for b in batches), 100 * waste)  # fmt: skip
-
-    # Warm-up: the largest batch through both paths (cuBLAS/cuDNN handles, allocator growth).
-    mem.phase = "warmup"
-    biggest = max(batches, key=lambda b: b.num_padded_tokens)
-    bench_hf(model, [biggest], device, layer_ids, hidden_states=False)
+    layers = model.config.num_hidden_layers
+    args.layer_ids = default_target_layer_ids(layers)
+    base = BucketConfig(batch_tokens=args.batch_tokens, pool_batches=args.pool_batches)
+    work = {"default": workload(args, model.config.vocab_size, base)}
+    if "static" in args.variants:
+        work["static"] = workload(args, model.config.vocab_size, static_buckets(base))
+    batches = work["default"][1]
+    kernels = linear_attention_kernels(model)
+    log.info("%s x %d layers: %d batches, %d real tokens; kernels %s", args.preset, layers, len(batches),
+             sum(b.num_tokens for b in batches), kernels.line() if kernels else "-")  # fmt: skip
     results = {}
-    mem.phase = "hf_forward"
-    results["hf_forward"] = bench_hf(model, batches, device, layer_ids, hidden_states=False)
-    log.info("bare forward: %s", results["hf_forward"])
-    if not args.no_naive:
-        mem.phase = "hf_hidden_states"
-        results["hf_hidden_states"] = bench_hf(model, batches, device, layer_ids, hidden_states=True)
-        log.info("naive hidden states: %s", results["hf_hidden_states"])
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
+    if "bare" in args.paths:
+        mem.phase = "warmup"
+        bench_hf(model, [max(batches, key=lambda b: b.num_padded_tokens)], device, args.layer_ids, hidden_states=False)
+        mem.phase = "hf_forward"
+        results["hf_forward"] = bench_hf(model, batches, device, args.layer_ids, hidden_states=False)
+        if args.naive:
+            mem.phase = "hf_hidden_states"
+            results["hf_hidden_states"] = bench_hf(model, batches, device, args.layer_ids, hidden_states=True)
     parent = args.spool_parent or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
-    spool_root = Path(tempfile.mkdtemp(prefix="dflash-bench-", dir=parent)) / "spool"
+    spool_root = Path(tempfile.mkdtemp(prefix="dflash-bench-", dir=parent))
     try:
         for v in args.variants:
-            key = "producer" if v == "full" else f"producer_{v}"
-            results[key] = bench_producer(args, model, samples, device, layer_ids, spool_root / v, mem, v)
-            log.info("%s: %s", key, {k: x for k, x in results[key].items() if k != "heartbeats"})
+            results[f"producer_{v}"] = bench_producer(args, model, work, spool_root / v, mem, v)
+            log.info("producer_%s: %s", v, {k: x for k, x in results[f"producer_{v}"].items() if k != "heartbeats"})
     finally:
-        shutil.rmtree(spool_root.parent, ignore_errors=True)
+        shutil.rmtree(spool_root, ignore_errors=True)
     mem.stop()
-    main_key = "producer" if "producer" in results else f"producer_{args.variants[0]}"
-
     res = {
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "model": model_desc,
-        "model_params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
-        "device_name": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu",
-        "dtype": str(next(model.parameters()).dtype),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "layer_ids": layer_ids,
-        "num_samples": len(samples),
-        "num_batches": len(batches),
-        "padding_waste_20k": round(waste, 4),
-        "build_s": round(build_s, 1),
-        "args": {k: (str(v) if isinstance(v, torch.device) else v) for k, v in vars(args).items()},
-        "results": results,
-        "ratio": round(results[main_key]["tok_s"] / results["hf_forward"]["tok_s"], 4),
-        "gpu_memory": {
-            ph: mem.summary(ph)
-            for ph in ("hf_forward", "hf_hidden_states", *results)
-            if ph.startswith(("hf", "producer"))
-        },
+        "date": datetime.datetime.now().isoformat(timespec="seconds"), "preset": args.preset,
+        "model": f"{args.preset}-shaped ({layers} layers), random weights", "layers": layers,
+        "full_depth": full_depth(args.preset), "depth_scale": round(depth_scale(args.preset, layers), 6),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "dtype": str(next(model.parameters()).dtype), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "kernels": kernels.kernels if kernels else None,
+        "layer_ids": args.layer_ids, "num_batches": len(batches), "build_s": round(build_s, 1),
+        "args": {k: (str(v) if isinstance(v, torch.device | set) else v) for k, v in vars(args).items()},
+        "results": results, "ratios": ratios(results, args.preset),
+        "gpu_memory": {ph: mem.summary(ph) for ph in sorted({p["phase"] for p in mem.series} - {"init", "warmup"})},
         "gpu_memory_series": mem.series,
-    }
+    }  # fmt: skip
+    res["acceptance"] = acceptance(res)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    name = "producer_bench_small" if args.small else "producer_bench"
-    (out / f"{name}.json").write_text(json.dumps(res, indent=1))
+    (out / f"producer_bench_{args.preset}.json").write_text(json.dumps(res, indent=1))
     md = markdown(res)
-    (out / f"{name}.md").write_text(md)
+    (out / f"producer_bench_{args.preset}.md").write_text(md)
     print(md)
 
 
