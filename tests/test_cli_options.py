@@ -26,6 +26,7 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
         "--compile-scope": "issue 25: compile each decoder layer (default) or the whole truncated trunk",
         "--compile-shapes": "issue 25: one dynamic graph (default) or one static graph per bucket shape",
     },
+    "dflash-plan": {"--bench": "issue 25: plan each target shape from pipeline_bench / producer_bench figures"},
 }
 # prog -> {option: (what it is now, why it changed)}: a deliberate change of a recorded option
 CHANGED: dict[str, dict[str, tuple[dict, str]]] = {

@@ -168,3 +168,51 @@ def test_measure_rates_group_rate_file(tmp_path):
     assert (got.num_consumers, got.consumer_total_tok_s) == (2, 40_000)
     assert got.consumer_tok_s == pytest.approx(20_000 / 0.95)
     assert got.producer_tok_s is None
+
+
+def _pipeline_json(path, shape, producer, consumer, scale=1.0):
+    fig = {"shape": shape, "producer_tok_s": producer, "consumer_tok_s": consumer, "depth_scale": scale}
+    if scale != 1.0:
+        fig["producer_tok_s_full_depth"] = producer * scale
+    path.write_text(json.dumps({"figures": [fig], "phases": {}}))
+    return str(path)
+
+
+def test_bench_figures_plan_each_shape(tmp_path, capsys):
+    """pipeline_bench figures for three shapes (the hybrid a slice, scaled to full depth) and a
+    producer_bench result overriding the 8B producer rate: a split and a node rate per shape."""
+    files = [
+        _pipeline_json(tmp_path / "p8.json", "8b", 30_000, 26_000),
+        _pipeline_json(tmp_path / "p32.json", "32b", 9_000, 22_000),
+        _pipeline_json(tmp_path / "ph.json", "hybrid27b", 80_000, 22_000, scale=6 / 62),
+    ]
+    pb = tmp_path / "prod8.json"
+    pb.write_text(json.dumps({"preset": "8b", "depth_scale": 1.0, "results": {"producer_full": {"tok_s": 40_000}}}))
+    shapes = plan.read_bench_figures([*files, str(pb)])
+    assert shapes["8b"] == {"producer_tok_s": 40_000, "consumer_tok_s": 26_000}
+    assert shapes["hybrid27b"]["producer_tok_s"] == pytest.approx(80_000 * 6 / 62)
+    base = PlanConfig(num_gpus=8, producer_tok_s=1, consumer_tok_s=1)
+    by = {p["shape"]: p for p in plan.plan_shapes(shapes, base)}
+    for shape, rates in shapes.items():  # each the best of the node's splits, as plan_splits computes them
+        want = best_split(plan_splits(PlanConfig(num_gpus=8, **rates)))
+        assert by[shape]["best"]["producers"] == want.producers and by[shape]["node_tok_s"] == pytest.approx(want.end_to_end_tok_s)
+    assert (by["32b"]["best"]["producers"], by["32b"]["best"]["consumers"]) == (5, 3)  # 45K: producers short
+    plan.main(["--gpus", "8", "--bench", ",".join([*files, str(pb)])])
+    text = capsys.readouterr().out
+    assert "hybrid27b" in text and "5 + 3" in text
+    plan.main(["--gpus", "8", "--bench", ",".join(files), "--json"])
+    assert {p["shape"] for p in json.loads(capsys.readouterr().out)["plans"]} == {"8b", "32b", "hybrid27b"}
+
+
+def test_bench_without_a_rate_is_one_line_exit_2(tmp_path, capsys):
+    pb = tmp_path / "prod.json"
+    pb.write_text(json.dumps({"preset": "32b", "results": {"producer_full": {"tok_s": 9000}}}))
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--gpus", "8", "--bench", str(pb)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "shape 32b: no consumer_tok_s" in err and "\n" not in err
+    (tmp_path / "junk.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        plan.main(["--gpus", "8", "--bench", str(tmp_path / "junk.json")])
+    assert "no producer or consumer rate" in capsys.readouterr().err

@@ -17,6 +17,12 @@ it is divided by ``world_size``; without it, each ``consumer-<rank>.jsonl`` is o
 rank rate already includes ``eff(c0)`` of its c0-rank group, so it is divided by that to get C. In a
 coupled run the faster side is throttled (producers by spool backpressure, consumers by an empty spool),
 so its measured rate is only a lower bound — the tool says so when the two totals are close.
+
+Rates from benchmarks (``--bench a.json,b.json``): the ``figures`` of ``ops/bench/pipeline_bench.py`` (per
+target shape: one producer GPU's and one consumer GPU's rate alone, the producer's scaled to the shape's
+full depth when the bench ran a slice) and ``ops/bench/producer_bench.py`` results (its shipped producer's
+rate, at full depth); a later file overrides an earlier one's figure for the same shape. Every shape with
+both rates gets its own plan: the split of a node and the predicted node tok/s (``nodes`` = 1: the node).
 """
 
 from __future__ import annotations
@@ -180,6 +186,58 @@ def measure_rates(
     )
 
 
+# ---- rates from benchmark files ------------------------------------------------------------------------
+
+
+def read_bench_figures(paths: list[str]) -> dict[str, dict[str, float]]:
+    """{shape: {"producer_tok_s", "consumer_tok_s"}} per GPU from pipeline_bench / producer_bench JSON files
+    (module docstring). Raises ValueError naming the file for anything else."""
+    shapes: dict[str, dict[str, float]] = {}
+    for path in paths:
+        try:
+            res = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"--bench {path}: cannot read a benchmark JSON ({type(err).__name__}: {err})") from None
+        found = False
+        for fig in res.get("figures", []) if isinstance(res, dict) else []:  # pipeline_bench
+            prod = fig.get("producer_tok_s_full_depth") or fig.get("producer_tok_s")
+            rates = {k: float(v) for k, v in (("producer_tok_s", prod), ("consumer_tok_s", fig.get("consumer_tok_s"))) if v}
+            shapes.setdefault(str(fig.get("shape")), {}).update(rates)
+            found = found or bool(rates)
+        full = (res.get("results") or {}).get("producer_full") if isinstance(res, dict) else None
+        if full and full.get("tok_s"):  # producer_bench: its shipped producer, scaled to full depth
+            shapes.setdefault(str(res.get("preset")), {})["producer_tok_s"] = float(full["tok_s"]) * float(res.get("depth_scale", 1))
+            found = True
+        if not found:
+            raise ValueError(f"--bench {path}: no producer or consumer rate in it (not a pipeline_bench/producer_bench JSON)")
+    return shapes
+
+
+def plan_shapes(shapes: dict[str, dict[str, float]], base: PlanConfig) -> list[dict]:
+    """One plan per shape (``base`` gives the GPUs, nodes and DDP efficiency); raises ValueError naming a
+    shape that lacks a rate."""
+    out = []
+    for shape, rates in sorted(shapes.items()):
+        missing = sorted({"producer_tok_s", "consumer_tok_s"} - set(rates))
+        if missing:
+            raise ValueError(f"shape {shape}: no {' or '.join(missing)} in the --bench files (run pipeline_bench's "
+                             f"phases for it, or give --{missing[0].replace('_', '-')})")  # fmt: skip
+        cfg = PlanConfig(num_gpus=base.num_gpus, nodes=base.nodes, ddp_efficiency=base.ddp_efficiency, **rates)
+        best = best_split(plan_splits(cfg))
+        out.append({"shape": shape, **rates, "best": asdict(best), "node_tok_s": best.end_to_end_tok_s / cfg.nodes})
+    return out
+
+
+def render_shapes(plans: list[dict], base: PlanConfig) -> str:
+    lines = [f"{base.num_gpus} GPUs per node, DDP efficiency {base.ddp_efficiency:g} per doubling", "",
+             f"  {'shape':<12} {'producer':>9} {'consumer':>9}  {'split (P+C)':<12} {'node tok/s':>10}  bottleneck"]  # fmt: skip
+    for p in plans:
+        b = p["best"]
+        lines.append(f"  {p['shape']:<12} {format_rate(p['producer_tok_s']):>9} {format_rate(p['consumer_tok_s']):>9}  "
+                     f"{b['producers']} + {b['consumers']:<8} {format_rate(p['node_tok_s']):>10}  {b['bottleneck']}")  # fmt: skip
+    return "\n".join(lines)
+
+
 # ---- CLI ---------------------------------------------------------------------------------------------
 
 
@@ -228,6 +286,8 @@ class PlanInputs:
     """fraction of each process's first metrics records skipped as warm-up"""
     json: bool = False
     """print the plan as JSON"""
+    bench: str | None = None
+    """pipeline_bench / producer_bench JSON files, comma-separated: a plan per target shape they measured"""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -243,6 +303,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
+    if args.bench:
+        return _main_bench(args)
     try:
         measured = None
         prod, cons = args.producer_tok_s, args.consumer_tok_s
@@ -279,6 +341,21 @@ def main(argv: list[str] | None = None) -> None:
         )
     else:
         print(render(cfg, splits, best, measured))
+
+
+def _main_bench(args) -> None:
+    """``--bench``: a plan per shape from benchmark figures (flags --producer-tok-s/--consumer-tok-s, when
+    given, apply to every shape)."""
+    try:
+        shapes = read_bench_figures([p for p in args.bench.split(",") if p.strip()])
+        given = {k: v for k in ("producer_tok_s", "consumer_tok_s") if (v := getattr(args, k)) is not None}
+        for rates in shapes.values():
+            rates.update(given)
+        base = from_args(PlanConfig, args, producer_tok_s=1.0, consumer_tok_s=1.0)
+        plans = plan_shapes(shapes, base)
+    except ValueError as e:
+        fail(PROG, e)
+    print(json.dumps({"config": asdict(base), "plans": plans}, indent=2) if args.json else render_shapes(plans, base))
 
 
 if __name__ == "__main__":
