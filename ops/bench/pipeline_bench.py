@@ -32,6 +32,7 @@ import datetime
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -49,6 +50,11 @@ from dflash.common.contract.spool import Spool  # noqa: E402
 from dflash.common.metrics import read_run_metrics  # noqa: E402
 
 BIN = Path(sys.executable).parent
+
+
+def _exe(name: str) -> str:
+    """A console script: on PATH (pip's scripts folder need not be the interpreter's), else beside python."""
+    return shutil.which(name) or str(BIN / name)
 ACCEPT_TOGETHER = 0.9  # trained together / what the solo capacities allow
 
 
@@ -149,7 +155,7 @@ class Sampler(threading.Thread):
 
 
 def _produce_cmd(args, spool: Path, run_dir: Path) -> list[str]:
-    return [str(BIN / "dflash-produce"), "--gpus", args.producer_gpus, "--model", str(args.target),
+    return [_exe("dflash-produce"), "--gpus", args.producer_gpus, "--model", str(args.target),
             "--dataset", str(args.dataset), "--spool", str(spool), "--run", "bench", "--run-dir", str(run_dir),
             "--max-length", str(args.max_length), "--batch-tokens", str(args.batch_tokens),
             "--budget-gb", str(args.budget_gb), "--cache-dir", str(args.cache), "--progress-s", "5",
@@ -161,7 +167,7 @@ def _consume_cmds(args, spool: Path, run_dir: Path, checkpoint: Path | None) -> 
     port = str(29500 + os.getpid() % 1000)
     out = []
     for rank, dev in enumerate(devices):
-        cmd = [str(BIN / "dflash-consume"), "--gpu", dev, "--spool", str(spool), "--target", str(args.target),
+        cmd = [_exe("dflash-consume"), "--gpu", dev, "--spool", str(spool), "--target", str(args.target),
                "--run", "bench", "--run-dir", str(run_dir), "--log-every", str(args.log_every),
                *(["--checkpoint", str(checkpoint), "--save-every", str(args.save_every), "--keep-last", "1"] if checkpoint else []),
                *shlex.split(args.consumer_args)]  # fmt: skip
@@ -176,7 +182,7 @@ def _run(phase: str, args, jobs: dict[str, tuple[list[str], dict]], spool: Path)
     non-zero exit, naming the process and its log."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
     if "producer" in jobs:  # as ops/run_all.sh: a fresh spool bound to the run before anyone starts
-        subprocess.run([str(BIN / "dflash-spool"), "prepare", str(spool), "--run", "bench"], check=True, capture_output=True)
+        subprocess.run([_exe("dflash-spool"), "prepare", str(spool), "--run", "bench"], check=True, capture_output=True)
     procs, logs = {}, {}
     t0 = time.time()
     for name, (cmd, extra) in jobs.items():
@@ -376,8 +382,6 @@ def main(argv=None) -> int:
         print(f"pipeline_bench: error: {err}", file=sys.stderr)
         code = 1
     finally:
-        import shutil
-
         shutil.rmtree(args.spool_root, ignore_errors=True)
         shutil.rmtree(args.checkpoint, ignore_errors=True)
     (args.out / f"pipeline_bench_{args.preset}.json").write_text(json.dumps(res, indent=1, default=str))

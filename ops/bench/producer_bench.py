@@ -212,8 +212,10 @@ def bench_producer(args, model, work, spool: Path, mem: MemSampler, variant: str
         drainer.join()
     dt = time.perf_counter() - t0
     out = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in result.items()}
-    out.update(seconds=round(dt, 3), tok_s=round(result["tokens"] / dt, 1), writer_threads=cfg.resolved_writer_threads(),
-               compression_ratio=round(result["tokens"] * trunk.feature_size * 2 / max(result["bytes"], 1), 3),
+    # the rate over the production loop (produce_s: after the pinned buffers are allocated and the writers
+    # started, seconds that a long run amortizes and a 5-second one would not); seconds: the whole call
+    out.update(seconds=round(dt, 3), tok_s=round(result["tokens"] / result["produce_s"], 1), writer_threads=cfg.resolved_writer_threads(),
+               compression_ratio=round(result["tokens"] * trunk.feature_size * 2 / result["bytes"], 3) if result["bytes"] else None,
                heartbeats=[{k: b.get(k) for k in ("elapsed_s", "tokens", "tok_s", "gpu_mem_gb", "spool_bytes")} for b in beats])  # fmt: skip
     if variant in ("full", "reference") and "forward" in args.paths:
         mem.phase = f"forward_{variant}"
@@ -221,6 +223,23 @@ def bench_producer(args, model, work, spool: Path, mem: MemSampler, variant: str
     trunk.close()
     undo()
     return out
+
+
+def kernel_check(model, batch, device, layer_ids) -> dict:
+    """fla vs the torch reference on one batch (eager): relative L2 error of the captured states. fla's
+    Triton kernels are checked on this GPU before their speed counts (docs/producer.md, Hybrid targets)."""
+    ids = torch.zeros((len(batch.samples), batch.pad_len), dtype=torch.int64)
+    for r, s in enumerate(batch.samples):
+        ids[r, : len(s)] = torch.from_numpy(s.input_ids)
+    ids, cap = ids.to(device), LayerCapture(model, layer_ids)
+    with torch.inference_mode():
+        fast = cap.run(ids).float()
+        undo = force_reference_kernels(model)
+        ref = cap.run(ids).float()
+        undo()
+    cap.close()
+    err = float((fast - ref).norm() / ref.norm())
+    return {"rel_l2_err": round(err, 5), "ok": err < 0.05, "tokens": int(ids.numel())}
 
 
 def ratios(results: dict, preset: str) -> dict:
@@ -242,17 +261,20 @@ def acceptance(res: dict) -> list[dict]:
         value = res["ratios"].get(key)
         checks.append({"check": what, "key": key, "value": value, "threshold": threshold,
                        "ok": None if value is None else value >= threshold})  # fmt: skip
-    compiled = {k: v["recompiles"] for k, v in res["results"].items() if k.startswith("producer") and v.get("compile_scope")}
+    compiled = {k: v["recompiles"] for k, v in res["results"].items() if k.startswith("producer_") and v.get("compile_scope")}
     checks.append({"check": "0 recompiles after warm-up", "value": compiled, "threshold": 0,
                    "ok": all(n == 0 for n in compiled.values())})  # fmt: skip
-    flat = {k: m["flat"] for k, m in res["gpu_memory"].items() if m}
+    if "kernel_check" in res["results"]:
+        kc = res["results"]["kernel_check"]
+        checks.append({"check": "fla == torch reference within bf16 noise (rel L2 < 0.05)", "value": kc["rel_l2_err"], "ok": kc["ok"]})
+    flat = {k: m["flat"] for k, m in res["gpu_memory"].items() if m and k != "kernel_check"}
     checks.append({"check": "GPU memory flat (last fifth <= 1.05 x first fifth + 0.5 GB)", "value": flat,
                    "ok": all(flat.values()) if flat else None})  # fmt: skip
     return checks
 
 
 def markdown(res: dict) -> str:
-    rows = [(k, VARIANTS.get(k.removeprefix("producer_"), (k, None))[0], v) for k, v in res["results"].items()]
+    rows = [(k, VARIANTS.get(k.removeprefix("producer_"), (k, None))[0], v) for k, v in res["results"].items() if "tok_s" in v]
     lines = [f"# Producer benchmark, {res['model']} ({res['date']})", "",
              f"{res['device_name']}, {res['dtype']}, torch {res['torch']}, transformers {res['transformers']}; "
              f"batch budget {res['args']['batch_tokens']} tokens; layers {res['layer_ids']}", "",
@@ -327,6 +349,10 @@ def main(argv=None) -> None:
     log.info("%s x %d layers: %d batches, %d real tokens; kernels %s", args.preset, layers, len(batches),
              sum(b.num_tokens for b in batches), kernels.line() if kernels else "-")  # fmt: skip
     results = {}
+    if kernels is not None and kernels.fast:
+        mem.phase = "kernel_check"
+        results["kernel_check"] = kernel_check(model, batches[0], device, args.layer_ids)
+        log.info("fla vs reference kernels: %s", results["kernel_check"])
     if "bare" in args.paths:
         mem.phase = "warmup"
         bench_hf(model, [max(batches, key=lambda b: b.num_padded_tokens)], device, args.layer_ids, hidden_states=False)

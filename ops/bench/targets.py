@@ -8,7 +8,8 @@ Shapes (random bf16 weights; what matters for speed is the shape, not the values
   DeltaNet 48 value / 16 key heads x 128, full attention every 4th layer, vocab 248320). Its default is an
   8-layer slice (6 GDN + 2 attention, as measured before): the full 64 layers are 54 GB; per-layer rates
   scale (`depth_scale`);
-- ``small``: the demo's tiny Qwen3 shape (hidden 256, 8 layers, vocab 4096): CPU runs.
+- ``small``: the demo's tiny Qwen3 shape (hidden 256, 8 layers, vocab 4096), ``hybrid_small`` a tiny hybrid
+  of the same family: CPU runs.
 The saved targets carry the demo's tokenizer (byte-level BPE, 4096 ids, ChatML template): token ids are
 below every shape's vocabulary.
 """
@@ -38,6 +39,10 @@ PRESETS: dict[str, dict] = {
                       linear_value_head_dim=128, linear_conv_kernel_dim=4, default_layers=8),  # fmt: skip
     "small": dict(arch="qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=64, vocab_size=4096),  # fmt: skip
+    "hybrid_small": dict(arch="qwen3_5", hidden_size=128, intermediate_size=256, num_hidden_layers=8,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=4096,
+                         linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+                         linear_value_head_dim=32, linear_conv_kernel_dim=4),  # fmt: skip
 }
 
 
