@@ -16,7 +16,7 @@ both (docs/producer.md, "Compiled trunk"):
   dynamo specializes sizes of 1), warmed on two shapes; batches keep the buckets' tight padding (~1 %).
   ``static``: one graph per bucket shape; batches are padded to their bucket's full shape
   (buckets.BucketConfig.fixed_shapes) on a coarser grid (`static_buckets`: 4 per octave from 64 tokens,
-  ~20 shapes up to 4K, ~8 % length padding), every shape the data uses warmed up front.
+  20 shapes up to 4K, ~9 % padding against ~1 %), every shape the data uses warmed up front.
 
 With the torch reference delta rule (no fla) a linear-attention layer is left eager: its Python loop over
 64-token chunks would unroll into one graph per length. If compiling fails, one warning line and the eager

@@ -187,11 +187,12 @@ def _load_target(cfg: ProducerConfig) -> tuple[LayerCapture, TargetInfo]:
 
 
 def _lengths(tok_ds, positions: np.ndarray) -> np.ndarray:
-    """Token counts of the tokenized rows ``positions`` (what the batch shapes are made of)."""
-    if not len(positions):
-        return np.zeros(0, dtype=np.int64)
-    ids = tok_ds.select(positions).with_format("arrow")["input_ids"]
-    return np.asarray(pc.list_value_length(ids).to_numpy(zero_copy_only=False), dtype=np.int64)
+    """Token counts of the tokenized rows ``positions``, each once (what the batch shapes are made of):
+    from the arrow column's offsets, never its values (a million long chats are gigabytes of ids)."""
+    lengths = pc.list_value_length(tok_ds.data.column("input_ids")).to_numpy(zero_copy_only=False)
+    if getattr(tok_ds, "_indices", None) is not None:  # a selection over the underlying table
+        lengths = lengths[tok_ds._indices.column(0).to_numpy()]
+    return np.asarray(lengths, dtype=np.int64)[np.unique(positions)]
 
 
 def run_producer(

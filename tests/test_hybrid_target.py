@@ -91,15 +91,23 @@ def test_multimodal_checkpoint_loads_the_text_model_only(vlm_checkpoint):
     assert not torch.allclose(raw[0], ref[LAYERS])
 
 
-def test_producer_runs_on_the_multimodal_hybrid_checkpoint(vlm_checkpoint, tmp_path, caplog):
+@pytest.mark.parametrize("backend", ["auto", "aot_eager"])
+def test_producer_runs_on_the_multimodal_hybrid_checkpoint(vlm_checkpoint, tmp_path, caplog, backend):
+    """The worker end to end: text model only, kernels on its start line; eager by default on the CPU, and
+    compiled (the full-attention layers; the reference delta rule stays eager) when asked, 0 recompiles."""
     path, vlm = vlm_checkpoint
     cfg = ProducerConfig(
-        producer_id="h0", model=str(path), spool=str(tmp_path / "spool"), layer_ids=[0, 1, 2],
+        producer_id="h0", model=str(path), spool=str(tmp_path / "spool"), layer_ids=[0, 1, 2], compile_backend=backend,
         data=DataConfig(dataset=str(demo_dataset_path()), limit=6, max_length=128, cache_dir=str(tmp_path / "hf")),
     )  # fmt: skip
     with caplog.at_level(logging.INFO):
         result = run_producer(cfg)
-    assert result["done"] and result["samples"] > 0 and result["compile"] == "eager"  # CPU: eager by default
+    assert result["done"] and result["samples"] > 0 and result["recompiles"] == 0
+    if backend == "auto":
+        assert result["compile"] == "eager"
+    else:
+        assert result["compile"].startswith("compiled (aot_eager, layers, dynamic") and result["eager_layers"] == 2
+        assert result["compile_s"] > 0
     start = next(r.getMessage() for r in caplog.records if "epoch(s)" in r.getMessage())
     assert "Qwen3_5ForCausalLM (text model of a multimodal checkpoint, no vision tower)" in start
     assert f"chunk_gated_delta_rule on {REFERENCE}" in start

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3_5TextConfig, Qwen3Config
 
 from dflash.common.contract.shard_reader import read_shard
+from dflash.common.drafter.attention import recompile_count
 from dflash.common.target.capture import LayerCapture
 from dflash.common.target.data import DataConfig
 from dflash.common.target.kernels import linear_attention_kernels
@@ -64,8 +65,10 @@ def test_dynamic_compile_equals_eager_and_never_recompiles(scope, warm, shapes, 
     of other rows and lengths reuse those graphs."""
     model = _model()
     trunk = Trunk(LayerCapture(model, LAYERS, free_unused=True), CompileSpec("aot_eager", scope, "dynamic"))
+    before = recompile_count()
     trunk.warm_up(warm, "cpu")
     assert trunk.compiled, trunk.fallback
+    assert recompile_count() - before == len(warm)  # a graph per warmed shape (layers: all 3 share it)
     with caplog.at_level(logging.ERROR):
         _assert_same_as_eager(trunk, "qwen3", shapes)
     assert trunk.recompiles == 0 and "RECOMPILE" not in caplog.text
