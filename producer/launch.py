@@ -221,7 +221,7 @@ def prepare(launch: LaunchConfig, args) -> Launch:
     skip = _skip_set(spool, launch.checkpoint, run, launch.node_rank)
     world = len(workers) * launch.num_nodes
     cpu_threads = max(1, (os.cpu_count() or 1) // len(workers))
-    writers = args.writer_threads or writer_threads_for(cores_per_gpu(workers))
+    writers = args.writer_threads if args.writer_threads is not None else writer_threads_for(cores_per_gpu(workers))
     try:
         configs = [
             from_args(

@@ -173,6 +173,7 @@ def test_parse_gpus():
         ("no_template", r"has no chat template"),
         ("layer_ids", r"--layer-ids \[1, 8\]: the target has 8 layers"),
         ("missing_model", r"cannot load target"),
+        ("writer_threads", r"ProducerConfig.writer_threads=0: must be >= 1"),
     ],
 )
 def test_user_errors_are_one_line(tmp_path, target, demo_rows, capsys, case, pattern):
@@ -195,6 +196,8 @@ def test_user_errors_are_one_line(tmp_path, target, demo_rows, capsys, case, pat
         extra = ["--layer-ids", "1,8"]
     elif case == "missing_model":
         model = str(tmp_path / "no-model")
+    elif case == "writer_threads":  # 0 is a bad value, not "the default"
+        extra = ["--writer-threads", "0"]
     gpus = "zero" if case == "bad_gpus" else "cpu:1"
     argv = ["--gpus", gpus, "--model", model, "--dataset", str(data), "--spool", str(tmp_path / "spool"),
             "--cache-dir", str(tmp_path / "hf"), *extra]  # fmt: skip

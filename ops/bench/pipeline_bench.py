@@ -35,7 +35,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -44,9 +43,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from processes import Sampler, stop  # noqa: E402
 from targets import PRESETS, depth_scale, save_target, write_chat_dataset  # noqa: E402
 
-from dflash.common.contract.spool import Spool  # noqa: E402
 from dflash.common.metrics import read_run_metrics  # noqa: E402
 
 BIN = Path(sys.executable).parent
@@ -90,70 +89,6 @@ def eligible_samples(args, target: Path, dataset: Path) -> set[int]:
     return {int(i) for i, s in zip(tok["sample_index"], tok["status"], strict=True) if s == "ok"}
 
 
-def _tree(pid: int) -> list[int]:
-    """``pid`` and its descendants (Linux /proc)."""
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                todo += [int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()]
-        except OSError:
-            pass
-    return out
-
-
-def _rss_gb(pids: list[int]) -> float:
-    total = 0
-    for p in pids:
-        try:
-            line = next(x for x in Path(f"/proc/{p}/status").read_text().splitlines() if x.startswith("VmRSS"))
-            total += int(line.split()[1]) * 1024
-        except (OSError, StopIteration):
-            pass
-    return total / 1e9
-
-
-def _gpu_mem_gb() -> dict[int, float]:
-    """{pid: GB} of the GPU's compute processes (nvidia-smi), {} without one."""
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return {}
-    rows = [line.split(",") for line in out.strip().splitlines() if "," in line]
-    return {int(p): float(m) / 1024 for p, m in rows if p.strip().isdigit()}
-
-
-class Sampler(threading.Thread):
-    """Every ``every_s``: the spool's shards and bytes, each process's GPU memory (or RSS on the CPU)."""
-
-    def __init__(self, spool: Path, procs: dict[str, subprocess.Popen], gpu: bool, every_s: float = 0.5):
-        super().__init__(daemon=True)
-        self.spool, self.procs, self.gpu, self.every_s = spool, procs, gpu, every_s
-        self.series: list[dict] = []
-        self.t0, self._halt = time.time(), threading.Event()
-
-    def run(self) -> None:
-        while not self._halt.wait(self.every_s):
-            rec: dict = {"t": round(time.time() - self.t0, 2)}
-            if self.spool.is_dir():
-                stats = Spool(self.spool, create=False).stats()["states"]
-                rec.update(ready=stats["ready"]["shards"], claimed=stats["claimed"]["shards"],
-                           spool_gb=round(sum(stats[s]["bytes"] for s in ("tmp", "ready", "claimed")) / 1e9, 4))  # fmt: skip
-            gpu = _gpu_mem_gb() if self.gpu else {}
-            for name, proc in self.procs.items():
-                tree = _tree(proc.pid)
-                rec[f"{name}_gb"] = round(sum(gpu.get(p, 0.0) for p in tree) if self.gpu else _rss_gb(tree), 3)
-            self.series.append(rec)
-
-    def stop(self) -> list[dict]:
-        self._halt.set()
-        self.join()
-        return self.series
-
-
 def _produce_cmd(args, spool: Path, run_dir: Path) -> list[str]:
     return [_exe("dflash-produce"), "--gpus", args.producer_gpus, "--model", str(args.target),
             "--dataset", str(args.dataset), "--spool", str(spool), "--run", "bench", "--run-dir", str(run_dir),
@@ -191,13 +126,20 @@ def _run(phase: str, args, jobs: dict[str, tuple[list[str], dict]], spool: Path)
             procs[name] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**env, **extra})
     sampler = Sampler(spool, procs, gpu=not args.small)
     sampler.start()
-    codes = {name: p.wait(timeout=args.timeout) for name, p in procs.items()}
-    series = sampler.stop()
-    bad = {n: c for n, c in codes.items() if c != 0}
+    try:  # until all end; the first failure (or the timeout) stops the others
+        while any(p.poll() is None for p in procs.values()):
+            bad = {n: p.returncode for n, p in procs.items() if p.returncode not in (None, 0)}
+            if bad or time.time() - t0 > args.timeout:
+                break
+            time.sleep(0.5)
+    finally:
+        stop(procs)
+        series = sampler.stop()
+    bad = {n: p.returncode for n, p in procs.items() if p.returncode != 0}
     if bad:
         name = next(iter(bad))
         tail = logs[name].read_text().splitlines()[-15:]
-        raise RuntimeError(f"{phase}: {name} exited {bad[name]} ({logs[name]}):\n" + "\n".join(tail))
+        raise RuntimeError(f"{phase}: {name} exited {bad[name]} after {time.time() - t0:.0f} s ({logs[name]}):\n" + "\n".join(tail))
     return series, time.time() - t0
 
 
