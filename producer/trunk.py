@@ -13,7 +13,7 @@ both (docs/producer.md, "Compiled trunk"):
   no result in 300 s). ``trunk``: the whole truncated text model in one graph, layer outputs tapped by
   wrapper modules instead of hooks (hooks cannot raise out of a graph), cross-layer fusion included.
 - shapes ``dynamic`` (default): one graph with symbolic rows and length (plus one for 1-row batches, as
-  dynamo specializes sizes of 1), warmed on two shapes; batches keep the buckets' tight padding (~1 %).
+  dynamo specializes sizes of 1), warmed on three shapes; batches keep the buckets' tight padding (~1 %).
   ``static``: one graph per bucket shape; batches are padded to their bucket's full shape
   (buckets.BucketConfig.fixed_shapes) on a coarser grid (`static_buckets`: 4 per octave from 64 tokens,
   20 shapes up to 4K, ~9 % padding against ~1 %), every shape the data uses warmed up front.
@@ -105,8 +105,10 @@ def shape_buckets(cfg: BucketConfig, spec: CompileSpec) -> BucketConfig:
 
 def warmup_shapes(cfg: BucketConfig, spec: CompileSpec, lengths) -> list[tuple[int, int]]:
     """[rows, length] shapes to compile before producing, for samples of ``lengths`` batched by ``cfg``
-    (= `shape_buckets(...)`): static, every bucket shape the data uses; dynamic, a full batch of the
-    longest bucket that holds 2+ rows, and a 1-row batch (the size-1 graph), when the data can make one."""
+    (= `shape_buckets(...)`): static, every bucket shape the data uses; dynamic, full batches of the
+    longest and the shortest bucket that hold 2+ rows (a kernel specialized on short lengths, e.g. below one
+    64-token chunk of a linear-attention kernel, shows up in warm-up rather than as a recompile), and a
+    1-row batch (the size-1 graph), when the data can make one."""
     if not spec.enabled or len(lengths) == 0:
         return []
     bk = Bucketer(cfg)
@@ -114,7 +116,7 @@ def warmup_shapes(cfg: BucketConfig, spec: CompileSpec, lengths) -> list[tuple[i
     if spec.shapes == "static":
         return [bk.shape_of(b) for b in buckets]
     multi = [b for b in buckets if bk.rows_per_batch(b) >= 2]
-    shapes = [bk.shape_of(multi[-1])] if multi else []
+    shapes = [bk.shape_of(b) for b in sorted({multi[-1], multi[0]}, reverse=True)] if multi else []
     if len(lengths) > 1 or not multi:  # a partial last batch may hold one row; a lone sample surely does
         shapes.append((1, buckets[0] if multi and buckets[0] != multi[-1] else buckets[-1]))
     return shapes

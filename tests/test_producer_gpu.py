@@ -69,6 +69,7 @@ def test_compiled_trunk_on_cuda_matches_eager(scope, shapes):
     """inductor on the GPU: captures within bf16 tolerance of the eager capture, 0 recompiles after warm-up."""
     from dflash.producer.trunk import CompileSpec, Trunk
 
+    torch._dynamo.reset()  # each parametrization compiles its own graphs
     layer_ids = [1, 2, 3, 4, 5]
     eager = LayerCapture(build_tiny_target(dtype=torch.bfloat16).cuda(), layer_ids, free_unused=True)
     trunk = Trunk(
