@@ -199,6 +199,7 @@ class Trunk:
         self.num_layers, self.feature_size = capture.num_layers, capture.feature_size
         self.recompiles = 0
         self.compile_s = 0.0
+        self.warmed = 0  # batch shapes compiled in warm-up
         self.eager_layers: list[int] = []
         self.fallback: str | None = None  # why compiling was given up (one line), None while compiled
         self._baseline: int | None = None
@@ -277,7 +278,7 @@ class Trunk:
             return 0.0
         dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * len(shapes) + 16)
         dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 16 * len(shapes) + 256)  # fmt: skip
-        t0 = time.monotonic()
+        t0, self.warmed = time.monotonic(), len(shapes)
         try:
             with torch.inference_mode():
                 for rows, length in shapes:
@@ -317,6 +318,7 @@ class Trunk:
             "compile": self.spec.describe() if self.compiled else ("eager (compile failed)" if self.fallback else "eager"),
             "compile_scope": self.scope if self.compiled else None,
             "compile_s": round(self.compile_s, 2),
+            "warmed_shapes": self.warmed,
             "recompiles": self.recompiles,
             "eager_layers": len(self.eager_layers),
         }

@@ -13,11 +13,13 @@
 #              stay well inside one call's 10 minutes, run `prod8 prod32 hybrid` and `pipeline1 plan` as two
 #              calls on the same warm machine):
 #     prod8      8B-shaped target: bare eager full forward vs the producer eager, compiled (per layer,
-#                dynamic shapes: the default), compiled with static shapes, and its own forward alone (~2.5 min)
+#                dynamic shapes: the default), compiled with static shapes, and its own forward alone (~2 min)
 #     prod32     32B-class target (64 layers): bare eager full forward vs the compiled producer (~1.5 min)
 #     hybrid     hybrid-27B-shaped slice (8 layers): fla checked against the torch reference, then the
-#                producer on fla vs on the reference kernels (~1.5 min; needs fla-core in .whl)
-#     pipeline1  pipeline_bench.py: 8B-shaped, one producer + one consumer sharing GPU 0 (~2.5 min)
+#                producer on fla vs on the reference kernels (~1.7 min, 45 s of it fla's first autotune;
+#                needs fla-core in .whl)
+#     pipeline1  pipeline_bench.py: 8B-shaped, one producer + one consumer sharing GPU 0 (~3 min: the
+#                consumer's cold compile, the 16 GB target saved and loaded twice)
 #     plan       dflash-plan --bench over those JSONs (8-GPU node split per shape; seconds)
 #   prodscope  8B-shaped: compiled per layer vs the whole truncated trunk (not in `producer`; ~1.5 min)
 # Run from the repo root on the device with `.whl` carried: `bash ../shared/device/wheels.sh fla-core`
@@ -68,16 +70,16 @@ if want trainer8; then bench trainer8 --mode trainer --preset 8b --steps 200; fi
 if want learning; then
   bench learning --mode learning --preset small --steps 500 --warmup 0 --context 2048 --anchors 128 --precision bf16 --precision amp
 fi
-if want prod8; then pbench prod8 300 --preset 8b --variants eager,full,static --tokens 196608; fi
+if want prod8; then pbench prod8 300 --preset 8b --variants eager,full,static --tokens 163840; fi
 if want prodscope; then pbench prodscope 240 --preset 8b --variants full,trunk --no-bare --tokens 196608; fi
-if want prod32; then pbench prod32 240 --preset 32b --variants full --tokens 163840; fi
+if want prod32; then pbench prod32 240 --preset 32b --variants full --tokens 163840 --no-forward; fi
 if want hybrid; then
   python3 -c "import fla.ops.gated_delta_rule" 2>/dev/null || echo "warning: fla does not import (carry fla-core in .whl): 'full' runs on the reference kernels"
   pbench hybrid 240 --preset hybrid27b --variants full,reference --no-bare --tokens 196608
 fi
 if want pipeline1; then
   echo "== pipeline bench: one producer + one consumer sharing GPU 0"
-  timeout 420 python3 ops/bench/pipeline_bench.py --preset 8b --producer-gpus 0 --consumer-gpus 0 --chats 400 \
+  timeout 420 python3 ops/bench/pipeline_bench.py --preset 8b --producer-gpus 0 --consumer-gpus 0 --chats 300 \
     --workdir /tmp/dflash-pipeline-bench --out "$OUT/pipeline" > "$OUT/pipeline1.log" 2>&1
   echo "exit $?"; tail -12 "$OUT/pipeline1.log" | cut -c1-300
 fi

@@ -90,6 +90,8 @@ def save_target(preset: str, root: Path, *, layers: int | None = None, device: s
     model = build_target(preset, layers=layers, device=device)
     model.to(torch.bfloat16).save_pretrained(root, max_shard_size="20GB")
     del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()  # the benchmark's own process must not hold the GPU the CLIs will share
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tiny_target_dir() / name, root / name)
     return root
