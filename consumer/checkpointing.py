@@ -33,6 +33,18 @@ class CheckpointingMixin:
         if ckpt is None:
             log.info("no checkpoint under %s/%s: starting fresh", redact(self.cfg.checkpoint), self.cfg.run)
             return
+        saved = (ckpt.config or {}).get("drafter") or {}
+        layout = {"layer_types": self.drafter_config.layer_types, "sliding_window": self.drafter_config.sliding_window}
+        was = {  # checkpoints from before sliding layers existed: all full attention
+            "layer_types": saved.get("layer_types") or ["full_attention"] * self.drafter_config.num_layers,
+            "sliding_window": saved.get("sliding_window"),
+        }
+        if saved and was != layout:
+            raise ValueError(
+                f"checkpoint step {ckpt.step} was trained with draft layers {was['layer_types']} (window "
+                f"{was['sliding_window']}), this run asks for {layout['layer_types']} (window "
+                f"{layout['sliding_window']}): give the same --draft-layer-types/--sliding-window, or --resume none"
+            )
         missing, unexpected = self.model.load_state_dict(ckpt.model_state, strict=False)
         trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
         if trainable & set(missing) or unexpected:

@@ -28,9 +28,10 @@ from transformers import AutoConfig, AutoTokenizer
 from dflash.common.checkpoints.store import open_store
 from dflash.common.contract.sample_set import SampleSet
 from dflash.common.contract.spool import Spool
-from dflash.common.drafter.attention import recompile_count
 from dflash.common.drafter.batch import DraftBatch, build_draft_batch, empty_packed
 from dflash.common.drafter.config import DrafterConfig
+from dflash.common.drafter.dflash import recompile_count
+from dflash.common.drafter.layers import SLIDING
 from dflash.common.drafter.model import initial_drafter
 from dflash.common.metrics import MetricsLog
 from dflash.common.target.head import load_target_head
@@ -123,7 +124,11 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
             target_layer_ids=cfg.target_layer_ids,
             mask_token_id=cfg.mask_token_id,
             tokenizer=_maybe_tokenizer(cfg.target),
+            layer_types=cfg.layer_types,
+            sliding_window=cfg.sliding_window,
         )
+        if SLIDING in self.drafter_config.layer_types:
+            log.info("draft layers %s, sliding window %d", self.drafter_config.layer_types, self.drafter_config.sliding_window)
         head = load_target_head(cfg.target, dtype=self.compute_dtype, device=self.device)
         self.model = initial_drafter(self.drafter_config, head, seed=cfg.seed + self.dist.rank).to(self.device)
         cast_parameters(self.model, cfg.param_dtype(self.device.type))

@@ -4,7 +4,7 @@ import pytest
 import torch
 from draft_reference import one_thread, random_stream, reference_mask  # noqa: F401  (one_thread: autouse fixture)
 
-from dflash.common.drafter.attention import build_draft_mask, draft_attention, resolve_backend
+from dflash.common.drafter.dflash import build_draft_mask, draft_attention, resolve_backend
 
 # eager flex_attention on CPU (the cross-check backend) warns that it is unfused; expected here
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -19,7 +19,18 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 RECORDED = json.loads((ROOT / "tests" / "data" / "cli_options.json").read_text())
-ADDED: dict[str, dict[str, str]] = {}  # prog -> {option: why it was added}
+ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
+    "dflash-consume": {
+        "--draft-layer-types": "issue 27: sliding-window draft layers (auto: the public layout for hybrid targets)",
+        "--sliding-window": "issue 27: the window of the sliding draft layers",
+    },
+    "dflash-eval": {
+        "--temperature": "issue 27: lossless speculative rejection sampling",
+        "--top-p": "issue 27: nucleus sampling with --temperature",
+        "--draft-sampling": "issue 27: drafts greedy (one-hot q) or sampled from the drafter",
+        "--seed": "issue 27: repeatable sampled evaluations",
+    },
+}
 # prog -> {option: (what it is now, why it changed)}: a deliberate change of a recorded option
 CHANGED: dict[str, dict[str, tuple[dict, str]]] = {
     "dflash-consume": {

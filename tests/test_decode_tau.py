@@ -10,7 +10,6 @@ import torch
 from test_evaluate import OracleProposer, _manual_greedy
 
 from dflash.common.drafter.config import DrafterConfig
-from dflash.common.drafter.decode import DrafterProposer, summarize
 from dflash.common.drafter.decode_tau import (
     HeldOutDoc,
     batched_teacher_forced_generate,
@@ -18,10 +17,10 @@ from dflash.common.drafter.decode_tau import (
     first_response,
     teacher_forced_generate,
 )
+from dflash.common.drafter.dflash import DrafterProposer, TargetRunner, speculative_generate
 from dflash.common.drafter.model import DFlashDrafter
+from dflash.common.drafter.report import summarize
 from dflash.common.target.head import load_target_head
-from dflash.common.target.runner import TargetRunner
-from dflash.common.target.speculative import speculative_generate
 from dflash.tools.demo.assets import build_tiny_target, demo_dataset_path, tiny_target_dir
 from dflash.tools.eval.run import load_prompts
 

@@ -494,7 +494,7 @@ def test_autocast_forward_matches_fp32():
 def test_recompile_count_sees_compiles():
     import torch._dynamo
 
-    from dflash.common.drafter.attention import recompile_count
+    from dflash.common.drafter.dflash import recompile_count
 
     before = recompile_count()
     f = torch.compile(lambda x: x * 2 + 1, backend="eager")

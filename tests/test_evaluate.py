@@ -12,11 +12,16 @@ import torch
 
 from dflash.common.drafter.batch import build_draft_batch, pack_samples
 from dflash.common.drafter.config import DrafterConfig
-from dflash.common.drafter.decode import DrafterProposer, Generation, summarize
+from dflash.common.drafter.dflash import (
+    DrafterProposer,
+    Generation,
+    TargetRunner,
+    greedy_generate,
+    speculative_generate,
+)
 from dflash.common.drafter.model import DFlashDrafter, TargetHead
+from dflash.common.drafter.report import summarize
 from dflash.common.target.head import load_target_head
-from dflash.common.target.runner import TargetRunner
-from dflash.common.target.speculative import greedy_generate, speculative_generate
 from dflash.tools.demo.assets import (
     build_tiny_target,
     demo_dataset_path,

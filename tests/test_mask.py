@@ -4,8 +4,8 @@ import pytest
 import torch
 from draft_reference import one_thread, random_stream, reference_mask  # noqa: F401  (one_thread: autouse fixture)
 
-from dflash.common.drafter.attention import build_draft_mask, dense_mask, make_mask_mod
 from dflash.common.drafter.batch import build_draft_batch, pack_samples
+from dflash.common.drafter.dflash import build_draft_mask, dense_mask, make_mask_mod
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -17,7 +17,7 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig
 
-from dflash.common.drafter.model import TargetHead
+from dflash.common.drafter.dflash import TargetHead
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +66,10 @@ def load_target_head(target: Any, *, dtype: torch.dtype = torch.bfloat16, device
     embedding), or an in-memory HF model (tests, or a process that already holds the target).
     """
     if isinstance(target, nn.Module):
-        embed = target.get_input_embeddings().weight
-        out = target.get_output_embeddings()
-        tied = out is None or out.weight.data_ptr() == embed.data_ptr()
+        shared = TargetHead.of(target)  # the target's own tensors; copied below in `dtype`
         head = TargetHead(
-            embed.detach().to(dtype).clone(), None if tied else out.weight.detach().to(dtype).clone()
+            shared.embed_weight.to(dtype).clone(),
+            None if shared.tied else shared.lm_head_weight.to(dtype).clone(),
         )
         return head.to(device) if device is not None else head
 

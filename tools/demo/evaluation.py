@@ -20,14 +20,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dflash.common.contract.spool import Spool
 from dflash.common.drafter.config import DrafterConfig
-from dflash.common.drafter.decode import DrafterProposer, summarize
 from dflash.common.drafter.decode_tau import first_response, read_held_out
+from dflash.common.drafter.dflash import DrafterProposer, TargetRunner, speculative_generate
 from dflash.common.drafter.hf_format import export_drafter
 from dflash.common.drafter.model import initial_drafter
+from dflash.common.drafter.report import summarize
 from dflash.common.target.attach import load_exported_drafter
 from dflash.common.target.head import load_target_head
-from dflash.common.target.runner import TargetRunner
-from dflash.common.target.speculative import speculative_generate
 
 log = logging.getLogger(__name__)
 
