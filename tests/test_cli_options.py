@@ -30,6 +30,10 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
         "--draft-sampling": "issue 27: drafts greedy (one-hot q) or sampled from the drafter",
         "--seed": "issue 27: repeatable sampled evaluations",
     },
+    "dflash-export": {
+        "--check": "issue 27: validate any drafter folder against what vLLM, SGLang and transformers read",
+        "--target": "issue 27: where the tokenizer files come from when the recorded target is not here",
+    },
 }
 # prog -> {option: (what it is now, why it changed)}: a deliberate change of a recorded option
 CHANGED: dict[str, dict[str, tuple[dict, str]]] = {
@@ -37,6 +41,16 @@ CHANGED: dict[str, dict[str, tuple[dict, str]]] = {
         "--compile-backend": (
             {"default": "'auto'", "choices": ["aot_eager", "auto", "eager", "inductor"], "required": False, "kind": "_StoreAction"},
             "issue 23: auto = inductor on CUDA, eager on the CPU (same CPU step time, no cold C++ build)",
+        ),
+    },
+    "dflash-export": {
+        "checkpoint": (
+            {"default": "None", "choices": None, "required": False, "kind": "_StoreAction"},
+            "issue 27: optional, as --check FOLDER takes none (without --check it is still needed: exit 2)",
+        ),
+        "out_dir": (
+            {"default": "None", "choices": None, "required": False, "kind": "_StoreAction"},
+            "issue 27: optional, as --check FOLDER takes none (without --check it is still needed: exit 2)",
         ),
     },
 }
