@@ -16,6 +16,12 @@ from dflash.common.drafter.layers import FULL, SLIDING, default_target_layer_ids
 log = logging.getLogger(__name__)
 
 
+# Rope fields of a target that describe ITS attention, not a rope scaling the drafter shares: Qwen3.5/3.6
+# rotate a quarter of each head (partial_rotary_factor 0.25) and their VL variants use multimodal rope,
+# while the public drafters for them are plain Qwen3 stacks with full rotary at the target's theta.
+_TARGET_ONLY_ROPE_FIELDS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
 def _rope_from_target(cfg: Any) -> tuple[float, dict | None]:
     """(rope_theta, extra rope parameters or None) from a transformers 5 or 4 style config."""
     params = getattr(cfg, "rope_parameters", None)
@@ -29,6 +35,7 @@ def _rope_from_target(cfg: Any) -> tuple[float, dict | None]:
         extra = dict(getattr(cfg, "rope_scaling", None) or {})
         if "type" in extra and "rope_type" not in extra:
             extra["rope_type"] = extra.pop("type")
+    extra = {k: v for k, v in extra.items() if k not in _TARGET_ONLY_ROPE_FIELDS}
     if extra.get("rope_type", "default") == "default" and set(extra) <= {"rope_type"}:
         return theta, None
     return theta, extra
