@@ -115,3 +115,63 @@ def test_flex_matches_sdpa_fwd_bwd_on_cuda():
             torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=f"{name} {what}")
     rows = valid.repeat_interleave(block)
     assert (results["flex"][0][:, :, ~rows] == 0).all() and (results["flex"][1][:, :, ~rows] == 0).all()
+
+
+# ------------------------------------------------------------------------------ sliding-window layers
+
+
+@pytest.mark.parametrize("window", [1, 5, 12])
+def test_flex_and_sdpa_agree_on_the_sliding_mask_on_cpu(window):
+    """Eager flex (forward only on CPU) and SDPA under the sliding mask, against the loop reference."""
+    doc_ids, anchors, valid = random_stream(3, s=120, n=12, max_doc_len=40)
+    block = 4
+    q_len, kv_len = anchors.shape[0] * block, doc_ids.shape[0] + anchors.shape[0] * block
+    q, k, v = qkv(window, q_len, kv_len, 4, 2)
+    out = {
+        backend: draft_attention(
+            q, k, v, build_draft_mask(doc_ids, anchors, valid, block_size=block, backend=backend, sliding_window=window)
+        )
+        for backend in ("flex", "sdpa")
+    }
+    allowed = reference_mask(doc_ids.tolist(), anchors.tolist(), valid.tolist(), block, window)
+    torch.testing.assert_close(out["flex"], out["sdpa"], atol=CPU_ATOL, rtol=0)
+    torch.testing.assert_close(out["sdpa"], naive_attention(q, k, v, allowed, 16**-0.5), atol=CPU_ATOL, rtol=0)
+    full = draft_attention(q, k, v, build_draft_mask(doc_ids, anchors, valid, block_size=block, backend="sdpa"))
+    assert (full - out["sdpa"]).abs().max() > 1e-3  # the window changes the result
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("window", [7, 64])
+def test_flex_matches_sdpa_on_the_sliding_mask_on_cuda(window):
+    """Compiled flex (training) vs dense SDPA on CUDA under the sliding mask, documents longer than the
+    window, GQA, B=16, fwd + bwd; tolerances as in test_flex_matches_sdpa_fwd_bwd_on_cuda (fp32: flex
+    equals the dense reference to 1e-4; bf16: each backend vs the fp32 reference, atol 5e-2 + rtol 2e-2)."""
+    doc_ids, anchors, valid = random_stream(6, s=900, n=40, max_doc_len=300)
+    block = 16
+    dev = torch.device("cuda")
+    doc_ids, anchors, valid = doc_ids.to(dev), anchors.to(dev), valid.to(dev)
+    q_len, kv_len = anchors.shape[0] * block, doc_ids.shape[0] + anchors.shape[0] * block
+    base = qkv(12, q_len, kv_len, 8, 2, dim=64, device=dev)
+    weights = torch.randn(1, 8, q_len, 64, device=dev, generator=torch.Generator(dev).manual_seed(0))
+    allowed = reference_mask(doc_ids.tolist(), anchors.tolist(), valid.tolist(), block, window).to(dev)
+    results = {}
+    for name, backend, dtype in (
+        ("ref", "sdpa", torch.float32),
+        ("flex32", "flex", torch.float32),
+        ("flex", "flex", torch.bfloat16),
+        ("sdpa", "sdpa", torch.bfloat16),
+    ):
+        q, k, v = (t.detach().to(dtype).requires_grad_() for t in base)
+        mask = build_draft_mask(doc_ids, anchors, valid, block_size=block, backend=backend, sliding_window=window)
+        if backend == "sdpa":
+            assert torch.equal(mask.dense[mask.row_valid], allowed[mask.row_valid])
+        out = draft_attention(q, k, v, mask)
+        (out.float() * weights).sum().backward()
+        results[name] = [t.float() for t in (out, q.grad, k.grad, v.grad)]
+    for name, atol, rtol in (("flex32", 1e-4, 0.0), ("flex", 5e-2, 2e-2), ("sdpa", 5e-2, 2e-2)):
+        for what, got, want in zip(("out", "dq", "dk", "dv"), results[name], results["ref"], strict=True):
+            assert torch.isfinite(got).all(), (name, what)
+            torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=f"{name} {what} (window {window})")
+    rows = valid.repeat_interleave(block)
+    assert (results["flex"][0][:, :, ~rows] == 0).all() and (results["flex"][1][:, :, ~rows] == 0).all()

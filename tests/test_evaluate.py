@@ -180,15 +180,21 @@ def test_target_features_match_the_producer_capture(target):
 # -------------------------------------------------------------------------------------------------- drafter
 
 
-def test_drafter_proposer_equals_the_training_forward():
+@pytest.mark.parametrize(
+    "layout", [None, (["sliding_attention", "full_attention"], 10)], ids=["full", "sliding-window-10"]
+)
+def test_drafter_proposer_equals_the_training_forward(layout):
     """A block drafted at inference (cached context K/V, context fed in pieces) has the same hidden states as
-    the same block in a training batch (dense mask kv < anchor within the document)."""
+    the same block in a training batch (dense mask kv < anchor within the document); with a sliding layer
+    too (documents of 25 and 40 tokens, window 10)."""
     from transformers import AutoConfig
 
     torch.manual_seed(0)
+    layer_types, window = layout or (None, None)
     config = DrafterConfig.from_target_config(
-        AutoConfig.from_pretrained(tiny_target_dir()), num_layers=2, block_size=8, mask_token_id=3
-    )
+        AutoConfig.from_pretrained(tiny_target_dir()), num_layers=2, block_size=8, mask_token_id=3,
+        layer_types=layer_types, sliding_window=window,
+    )  # fmt: skip
     drafter = DFlashDrafter(config, TargetHead(torch.randn(4096, 256) * 0.1, torch.randn(4096, 256) * 0.1))
     with torch.no_grad():
         for p in drafter.parameters():
