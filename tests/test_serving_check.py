@@ -173,3 +173,24 @@ def test_check_takes_no_checkpoint(exports, capsys):
     with pytest.raises(SystemExit) as exc:
         main([])
     assert exc.value.code == 2 and "CHECKPOINT and OUT_DIR" in capsys.readouterr().err
+
+
+def test_check_against_the_target(exports, tmp_path, capsys):
+    """--target DIR: the folder is also compared with the target (width, layers, vocabulary) and the
+    target's own tokenizer decides SGLang's mask-token check."""
+    code = main(["--check", str(exports["full"]), "--target", str(tiny_target_dir())])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    other = tmp_path / "other-target"
+    shutil.copytree(tiny_target_dir(), other)
+    cfg = json.loads((other / CONFIG_FILE).read_text())
+    cfg.update(hidden_size=512, num_hidden_layers=4)
+    (other / CONFIG_FILE).write_text(json.dumps(cfg))
+    tok = json.loads((other / "tokenizer.json").read_text())
+    tok["added_tokens"].append({"id": 9, "content": "<|MASK|>", "special": True, "single_word": False,
+                                "lstrip": False, "rstrip": False, "normalized": False})  # fmt: skip
+    (other / "tokenizer.json").write_text(json.dumps(tok))
+    assert main(["--check", str(exports["full"]), "--target", str(other)]) == 2
+    out = capsys.readouterr().out
+    for field in ("hidden_size", "num_target_layers", "dflash_config.target_layer_ids", "dflash_config.mask_token_id"):
+        assert f"] {field}:" in out, (field, out)

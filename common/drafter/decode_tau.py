@@ -15,9 +15,9 @@ the document standing in for the target:
 When the response is the target's own greedy output this IS ``dflash-eval``'s loop, step for step
 (``speculative_generate`` with the same budget and stop tokens; tests/test_decode_tau.py checks equality),
 with no target forward; on other responses it estimates it. ``teacher_forced_generate`` walks one document
-through a proposer (``DrafterProposer``: dflash-eval's inference path); ``batched_teacher_forced_generate``, what the
-trainer runs, walks every held-out document at once, one drafter forward per round for all of them, and
-gives the same result (tests/test_decode_tau.py). Both run eagerly: the training step's compiled graphs are
+through a proposer (``DrafterProposer``: dflash-eval's inference path); ``batched_teacher_forced_generate``,
+what the trainer runs, walks every held-out document at once, one drafter forward per round for all of
+them (``draft_hidden``, the same inference form), and gives the same result (tests/test_decode_tau.py). Both run eagerly: the training step's compiled graphs are
 never touched, so evaluating cannot recompile them.
 """
 

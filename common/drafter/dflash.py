@@ -1,4 +1,4 @@
-"""Long by necessity (one self-contained file, ~1000 lines): the whole DFlash drafter, shipped verbatim as every export's remote code.
+"""Long by necessity (one self-contained file, ~1100 lines): the whole DFlash drafter, shipped verbatim as every export's remote code.
 
 Why one file: ``dflash-export`` copies this file into every export folder as ``dflash.py`` with
 ``auto_map {"AutoModel": "dflash.DFlashDraftModel"}`` (the public DFlash drafters' convention), so

@@ -91,8 +91,9 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def check_folder(path: str | Path) -> CheckReport:
-    """Every check of the serving contract on one folder (see the module docstring)."""
+def check_folder(path: str | Path, target: str | Path | None = None) -> CheckReport:
+    """Every check of the serving contract on one folder (see the module docstring); with ``target`` (the
+    target's folder) also against it: its width, layer count, vocabulary and tokenizer."""
     root = Path(path)
     report = CheckReport(folder=root)
     if not (root / CONFIG_FILE).is_file():
@@ -114,9 +115,34 @@ def check_folder(path: str | Path) -> CheckReport:
     _check_shape_fields(cfg, report)
     _check_dflash_fields(cfg, dflash, report)
     _check_layout(cfg, dflash, report)
-    _check_mask_token(cfg, dflash, root, report)
+    has_tokenizer = target is not None and (Path(target) / "tokenizer.json").is_file()
+    _check_mask_token(cfg, dflash, Path(target) if has_tokenizer else root, report)  # the target's decides
+    if target is not None:
+        _check_against_target(cfg, dflash, Path(target), report)
     _check_weights(cfg, root, report)
     return report
+
+
+def _check_against_target(cfg: dict, dflash: dict, target: Path, report: CheckReport) -> None:
+    """The drafter was trained for this target: same width (SGLang sizes fc from the draft's hidden size),
+    a layer count that holds the captured layers, the same vocabulary and rope theta."""
+    try:
+        tcfg = json.loads((target / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        report.add(LOADERS, "target", f"{target / CONFIG_FILE} unreadable ({err}): not compared")
+        return
+    text = tcfg.get("text_config") if isinstance(tcfg.get("text_config"), dict) else tcfg
+    for draft_key, target_key in (("hidden_size", "hidden_size"), ("num_target_layers", "num_hidden_layers"),
+                                  ("vocab_size", "vocab_size")):  # fmt: skip
+        if cfg.get(draft_key) is not None and text.get(target_key) is not None and cfg[draft_key] != text[target_key]:
+            report.add(LOADERS, draft_key, f"{cfg[draft_key]}, the target's {target_key} is {text[target_key]}")
+    ids, layers = dflash.get("target_layer_ids"), text.get("num_hidden_layers")
+    if isinstance(ids, list) and _is_int(layers) and any(not (_is_int(i) and 0 <= i < layers) for i in ids):
+        report.add((VLLM, SGLANG), "dflash_config.target_layer_ids", f"{ids}: the target has {layers} layers")
+    params = text.get("rope_parameters") if isinstance(text.get("rope_parameters"), dict) else {}
+    theta, mine = text.get("rope_theta", params.get("rope_theta")), cfg.get("rope_theta")
+    if theta is not None and mine is not None and float(theta) != float(mine):
+        report.add(LOADERS, "rope_theta", f"{mine}, the target's is {theta}", fatal=False)
 
 
 def _check_identity(cfg: dict, root: Path, report: CheckReport) -> None:
@@ -223,6 +249,7 @@ def _tokenizer_vocab(root: Path) -> dict[str, int] | None:
 
 
 def _check_mask_token(cfg: dict, dflash: dict, root: Path, report: CheckReport) -> None:
+    """``root``: the folder whose tokenizer.json is checked (the target's when given, else the export's)."""
     mask = dflash.get("mask_token_id")
     vocab_size = cfg.get("vocab_size")
     if mask is None:
@@ -240,7 +267,7 @@ def _check_mask_token(cfg: dict, dflash: dict, root: Path, report: CheckReport) 
         return
     name = dflash.get("mask_token", SGLANG_DEFAULT_MASK_TOKEN)
     if vocab is None:
-        report.add(SGLANG, "tokenizer", f"no tokenizer.json here: SGLang refuses if the target's tokenizer has {name!r} with an id other than {mask}", fatal=False)
+        report.add(SGLANG, "tokenizer", f"no tokenizer.json (pass --target DIR): SGLang refuses if the target's tokenizer has {name!r} with an id other than {mask}", fatal=False)
     elif name in vocab and vocab[name] != mask:
         report.add(SGLANG, "dflash_config.mask_token_id", f"{mask}, but the tokenizer has {name!r} = {vocab[name]}: SGLang refuses")
 

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from dflash.common.cli.flags import flag
 
 SETTINGS = ("target", "dataset", "num_prompts", "max_new_tokens", "max_prompt_tokens", "block_size")
+"""The fields that change τ: watch records are compared (and reused) only under equal settings."""
 SAMPLING_SETTINGS = ("temperature", "top_p", "draft_sampling", "seed")
 """Also change τ, but only when sampling: a greedy record keeps the settings it always had."""
-"""The fields that change τ: watch records are compared (and reused) only under equal settings."""
 
 
 @dataclass(kw_only=True)
@@ -64,7 +64,7 @@ class EvalConfig:
             raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
-        if self.top_p < 1 and self.temperature == 0:
+        if self.top_p < 1 and not self.sampled:
             raise ValueError("--top-p needs --temperature > 0 (greedy decoding ignores it)")
 
     @property

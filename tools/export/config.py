@@ -29,7 +29,8 @@ class ExportConfig:
     """replace OUT_DIR if it exists"""
     target: str | None = field(default=None, metadata=flag(metavar="DIR"))
     """target folder to copy the tokenizer files from (default: the checkpoint's recorded --target; when it
-    is not a readable folder here, the export says so in one line and goes on without them)"""
+    is not a readable folder here, the export says so in one line and goes on without them); with --check,
+    the target to check the folder against (width, layers, vocabulary, its tokenizer's mask token)"""
     check: str | None = field(default=None, metadata=flag(metavar="FOLDER"))
     """instead of exporting: validate FOLDER (any DFlash drafter folder) against what vLLM, SGLang and
     transformers read; prints what each would miss, exit 0 when it passes, 2 when not"""

@@ -125,10 +125,14 @@ def run(cfg: ExportConfig) -> int:
 
 
 def run_check(cfg: ExportConfig) -> int:
-    """``--check FOLDER``: print the findings and each loader's verdict; 0 when every loader would load
-    the folder as trained, 2 (the usage/input-error code) when not."""
-    if not Path(cfg.check).is_dir():
-        fail(PROG, f"--check {cfg.check}: no such folder")
-    report = check_folder(cfg.check)
+    """``--check FOLDER [--target DIR]``: print the findings and each loader's verdict; 0 when every loader
+    would load the folder as trained, 2 (the usage/input-error code) when not."""
+    for flag, folder in (("--check", cfg.check), ("--target", cfg.target)):
+        if folder is not None and not Path(folder).is_dir():
+            fail(PROG, f"{flag} {folder}: no such folder")
+    try:
+        report = check_folder(cfg.check, cfg.target)
+    except OSError as err:
+        fail(PROG, err)
     print(report.render())
     return 0 if report.ok else EXIT_USAGE
