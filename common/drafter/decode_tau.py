@@ -179,8 +179,6 @@ def batched_teacher_forced_generate(
             values = [v.new_zeros(len(walks), t_max, *v.shape[1:]) for v in v_doc]
         for i in range(len(keys)):
             keys[i][n, :t], values[i][n, :t] = k_doc[i], v_doc[i]
-    head = d.target_head.lm_head_weight
-
     while active := [n for n, w in enumerate(walks) if not w.stopped and len(w.gen.tokens) < w.budget]:
         a = len(active)
         anchor = torch.tensor([walks[n].anchor_pos for n in active], device=device)
@@ -192,7 +190,7 @@ def batched_teacher_forced_generate(
         hidden = d.draft_hidden(
             ids, anchor, [k[idx, :span] for k in keys], [v[idx, :span] for v in values], block_len=lens
         )
-        drafts = (hidden.to(head.dtype) @ head.t()).argmax(-1)[:, 1:].cpu()
+        drafts = d.logits(hidden).argmax(-1)[:, 1:].cpu()
 
         for row, n in enumerate(active):
             w = walks[n]

@@ -585,6 +585,11 @@ class DraftMath:
     def lm_head_weight(self) -> torch.Tensor:
         return self.target_head.lm_head_weight
 
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Token scores of final-normed hidden states [..., H]: the target's lm_head, in its dtype."""
+        head = self.lm_head_weight
+        return hidden.to(head.dtype) @ head.t()
+
     def _apply(self, fn, recurse=True):
         # `.to(device)` / `.cuda()` move the (unregistered) target head along, keeping its own dtype: a drafter
         # cast to fp32 must not turn a 250K x H bf16 embedding into fp32.
@@ -841,9 +846,7 @@ class DrafterProposer:
         """The drafter's logits [block_len - 1, V] for block positions 1.. (through the target's lm_head)."""
         ids = torch.full((block_len,), self.mask_token_id, dtype=torch.long)
         ids[0] = anchor_token
-        hidden = self.block_hidden(ids, anchor_pos)[1:]
-        head = self.drafter.lm_head_weight
-        return hidden.to(head.dtype) @ head.t()
+        return self.drafter.logits(self.block_hidden(ids, anchor_pos)[1:])
 
     def propose(self, anchor_token: int, anchor_pos: int, block_len: int) -> torch.Tensor:
         return self.draft_logits(anchor_token, anchor_pos, block_len).argmax(-1).cpu()
