@@ -620,3 +620,48 @@ def test_draft_spec_names_what_a_config_lacks():
     no_mask = Qwen3Config(**{**good.to_dict(), "dflash_config": {"target_layer_ids": [1]}})
     with pytest.raises(ValueError, match="mask_token_id"):
         DraftSpec.from_config(no_mask)
+
+
+def test_a_mixed_layout_compiles_in_the_first_step_only():
+    """The trainer's compile (each layer compiled on its own, masks built outside) with a sliding and a
+    full layer: whatever the first step compiles, nothing compiles again in later steps of the same shapes."""
+    import torch._dynamo
+
+    from dflash.common.drafter.dflash import recompile_count
+    from dflash.common.drafter.loss import draft_loss
+    from dflash.consumer.step import compile_drafter
+
+    layout = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5}
+    torch._dynamo.reset()
+    drafter, _ = make_drafter_and_batch(seed=2, **layout)
+    compile_drafter(drafter, "aot_eager")
+    before, counts = recompile_count(), []
+    for seed in range(3):
+        _, batch = make_drafter_and_batch(seed=seed + 10, **layout)
+        draft_loss(drafter(batch, drafter.build_mask(batch)), batch, drafter.lm_head_weight).loss_sum.backward()
+        counts.append(recompile_count())
+    assert counts[0] > before and counts[0] == counts[1] == counts[2], (before, counts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_sliding_drafter_trains_alike_on_compiled_flex_and_sdpa_on_cuda():
+    """The training step of a sliding + full drafter on CUDA: compiled layers with flex_attention (what
+    dflash-consume runs) equal eager SDPA in fp32 (outputs and every gradient, atol 1e-4)."""
+    from dflash.common.drafter.loss import draft_loss
+    from dflash.consumer.step import compile_drafter
+
+    layout = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}
+    results = {}
+    for backend in ("sdpa", "flex"):
+        drafter, batch = make_drafter_and_batch(seed=3, **layout)
+        drafter.attention_backend = backend
+        drafter = drafter.cuda()
+        if backend == "flex":
+            compile_drafter(drafter, "inductor")
+        batch = batch.to("cuda")
+        out = drafter(batch, drafter.build_mask(batch))
+        draft_loss(out, batch, drafter.lm_head_weight).loss_sum.backward()
+        results[backend] = [out.detach()] + [p.grad.detach() for p in drafter.parameters()]
+    for got, want in zip(results["flex"], results["sdpa"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
