@@ -32,7 +32,13 @@ import numpy as np
 from dflash.common.contract.liveness import (
     heartbeat_alive,
 )
-from dflash.common.contract.names import _check_id, _is_shard_name, parse_shard_name
+from dflash.common.contract.names import (
+    _check_id,
+    _is_shard_name,
+    parse_shard_name,
+    shard_epoch,
+    shard_sort_key,
+)
 from dflash.common.contract.spool_records import (
     RUN_FILE,
     SpoolError,
@@ -283,7 +289,9 @@ class Spool(SpoolRecords, SpoolScan):
 
     def claim(self, consumer_id: str, *, bucket: int | None | str = None) -> Path | None:
         """Lease one ready shard by renaming it into claimed/<consumer_id>/; exactly one consumer wins a
-        race, losers try the next name. bucket: None = any (lowest name first), an int = only that
+        race, losers try the next name. Only shards of the lowest epoch ready are candidates (epochs are
+        trained in order; producers publish epoch k+1 only once all of epoch k is published: their epoch
+        barrier, producer/worker.py). bucket: None = any (lowest name first), an int = only that
         bucket, "fullest" = the bucket with the most ready shards, "random" = any, uniformly (consumers
         that pack fixed-size steps use it: training order then mixes lengths instead of running through
         the buckets shortest first). None when nothing matches."""
@@ -297,17 +305,20 @@ class Spool(SpoolRecords, SpoolScan):
         with self._lock:
             if consumer_id not in self._adopted:
                 self._adopt(consumer_id)
-        names = sorted(self._scan_names(self.ready_dir), key=parse_shard_name)
+        names = sorted(self._scan_names(self.ready_dir), key=shard_sort_key)
+        if bucket is not None and not isinstance(bucket, str):
+            names = [n for n in names if parse_shard_name(n)[0] == bucket]
+        if names:  # epochs in order: only the lowest epoch ready is claimable (docs/training.md, "A campaign")
+            lowest = shard_epoch(names[0])
+            names = [n for n in names if shard_epoch(n) == lowest]
         if bucket == "fullest":
             counts: dict[int, int] = {}
             for n in names:
                 counts[parse_shard_name(n)[0]] = counts.get(parse_shard_name(n)[0], 0) + 1
             order = {b: i for i, b in enumerate(sorted(counts, key=lambda b: (-counts[b], b)))}
-            names.sort(key=lambda n: (order[parse_shard_name(n)[0]], parse_shard_name(n)))
+            names.sort(key=lambda n: (order[parse_shard_name(n)[0]], shard_sort_key(n)))
         elif bucket == "random":
             random.shuffle(names)
-        elif bucket is not None:
-            names = [n for n in names if parse_shard_name(n)[0] == bucket]
         for name in names:
             try:
                 os.rename(self.ready_dir / name, mine / name)

@@ -203,8 +203,25 @@ class SpoolRecords:
         _atomic_write_text(self.state_dir / f"DONE-{producer_id}", f"{time.time():.3f}\n")
 
     def clear_done(self, producer_id: str) -> None:
-        """Remove a stale DONE marker (a producer restarted on a resumed run)."""
+        """Remove a stale DONE marker and epoch marker (a producer restarted on a resumed run)."""
         (self.state_dir / f"DONE-{_check_id('producer_id', producer_id)}").unlink(missing_ok=True)
+        (self.state_dir / f"epoch-{producer_id}.json").unlink(missing_ok=True)
+
+    def mark_epoch_done(self, producer_id: str, epoch: int) -> None:
+        """state/epoch-<id>.json: every shard of ``epoch`` (and the ones before) this producer will write is
+        published. The producers' epoch barrier (producer/epoch_barrier.py) reads it."""
+        _check_id("producer_id", producer_id)
+        _atomic_write_text(self.state_dir / f"epoch-{producer_id}.json", json.dumps({"epoch_done": int(epoch)}) + "\n")
+
+    def epochs_done(self) -> dict[str, int]:
+        """{producer id: the last epoch it has fully published} for the producers that said so."""
+        out = {}
+        for name in os.listdir(self.state_dir):
+            if name.startswith("epoch-") and name.endswith(".json"):
+                rec = self._read_json(self.state_dir / name)
+                if rec is not None and isinstance(rec.get("epoch_done"), int):
+                    out[name[len("epoch-") : -len(".json")]] = rec["epoch_done"]
+        return out
 
     def done_producers(self) -> list[str]:
         return sorted(n[len("DONE-") :] for n in os.listdir(self.state_dir) if n.startswith("DONE-"))
