@@ -143,6 +143,7 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
             tokenizer=_maybe_tokenizer(cfg.target),
         )
         head = load_target_head(cfg.target, dtype=self.compute_dtype, device=self.device)
+        self.drafter_config.target_fingerprint = head.fingerprint  # checkpoints and exports carry it
         self.model = initial_drafter(self.drafter_config, head, seed=cfg.seed + self.dist.rank).to(self.device)
         cast_parameters(self.model, cfg.param_dtype(self.device.type))
         if cfg.compile:

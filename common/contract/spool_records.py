@@ -58,6 +58,36 @@ IDENTITY_KEYS = ("run", "model", "layer_ids", "dataset", "plan")
 sides record is another run. A consumer records only ``run``; a producer fills in the rest."""
 
 
+FLAG_OF = {
+    "model": "--model", "layer_ids": "--layer-ids", "epochs": "--epochs", "shuffle_seed": "--shuffle-seed",
+    "eval_samples": "--eval-samples", "rows": "dataset rows (--limit)", "max_length": "--max-length",
+    "min_loss_tokens": "min supervised tokens (2 x --block-size)", "format": "--format",
+    "spec": "--dataset", "fingerprint": "dataset content (fingerprint)",
+}  # fmt: skip
+"""The flag (or what) behind each field of a run record, for the line that names a difference."""
+
+
+def differences(recorded: dict, given: dict, keys: list[str]) -> list[str]:
+    """``--max-length 512 recorded, 1024 given`` for each differing field (nested plan/dataset fields one
+    by one), so a refused launch says exactly what to change."""
+    out = []
+    for key in keys:
+        a, b = recorded.get(key), given.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [
+                f"{FLAG_OF.get(k, k)} {_short(a.get(k))} recorded, {_short(b.get(k))} given"
+                for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
+            ]  # fmt: skip
+        else:
+            out.append(f"{FLAG_OF.get(key, key)} {_short(a)} recorded, {_short(b)} given")
+    return out
+
+
+def _short(value) -> str:
+    text = str(value)
+    return text if len(text) <= 40 else text[:12] + "…"
+
+
 def describe_run(rec: dict) -> str:
     """One phrase for a run record: ``run 'x' (model m, dataset d, 612 rows)``."""
     parts = []
@@ -116,15 +146,17 @@ class SpoolRecords:
                         tmp.unlink(missing_ok=True)
                     return new
                 differ = [k for k in IDENTITY_KEYS if k in ident and k in rec and ident[k] != rec[k]]
-                if differ:
-                    what = (
-                        "another run"
-                        if "run" in differ
-                        else f"the same run name with another {', '.join(differ)}"
-                    )
+                if "run" in differ:
                     raise RunMismatchError(
                         f"spool {self.root} belongs to {describe_run(rec)}; {who} is {describe_run(ident)} "
-                        f"({what}): use another --spool, or discard this one (ops/run_all.sh --fresh-spool)"
+                        "(another run): use another --spool, or discard this one (ops/run_all.sh --fresh-spool)"
+                    )
+                if differ:
+                    raise RunMismatchError(
+                        f"spool {self.root} belongs to run {rec['run']!r}, and {who} is the same run name with "
+                        f"another {', '.join(differ)}: {'; '.join(differences(rec, ident, differ))} (a run's "
+                        "settings are fixed: give the same, use another --spool, or discard this one with "
+                        "ops/run_all.sh --fresh-spool)"
                     )
                 missing = {k: v for k, v in ident.items() if k not in rec}
                 if not missing:

@@ -55,6 +55,9 @@ class DrafterConfig:
     num_target_layers: int
     mask_token_id: int
     initializer_range: float = 0.02  # std of Linear init, as the public model's post_init
+    target_fingerprint: str | None = None
+    """Digest of the target's embedding and lm_head the drafter was trained with (common/target/head.py):
+    dflash-eval refuses another target of the same shape. None: unknown (older checkpoints, public drafters)."""
 
     def __post_init__(self) -> None:
         for name in (

@@ -57,6 +57,8 @@ def export_config(config: DrafterConfig, dtype: torch.dtype) -> dict:
     out["dtype"] = str(dtype).removeprefix("torch.")
     out["block_size"] = config.block_size
     out["num_target_layers"] = config.num_target_layers
+    if config.target_fingerprint:
+        out["dflash_target_fingerprint"] = config.target_fingerprint
     out["dflash_config"] = {
         "target_layer_ids": list(config.target_layer_ids),
         "mask_token_id": config.mask_token_id,
@@ -111,6 +113,7 @@ def drafter_config_from_export(cfg: dict) -> DrafterConfig:
             num_target_layers=int(field("num_target_layers")),
             mask_token_id=int(field("mask_token_id")),
             initializer_range=float(cfg.get("initializer_range", 0.02)),
+            target_fingerprint=cfg.get("dflash_target_fingerprint"),
         )
     except ValueError as err:
         raise ExportError(f"config.json: {err}") from None

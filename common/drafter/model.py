@@ -36,9 +36,11 @@ log = logging.getLogger(__name__)
 
 class TargetHead(nn.Module):
     """The target's token embedding and lm_head, frozen. Tied targets store one tensor (moved once by `.to`)."""
+
     def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None):
         super().__init__()
         self.tied = lm_head_weight is None
+        self.fingerprint: str | None = None  # of the weights it was read from (common/target/head.py)
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         if not self.tied:
             if lm_head_weight.shape != embed_weight.shape:

@@ -22,7 +22,9 @@ from dflash.common.cli.exits import fail
 from dflash.common.drafter.decode import DrafterProposer, EvalReport, summarize
 from dflash.common.drafter.hf_format import ExportError, read_export_config
 from dflash.common.target.attach import load_exported_drafter
+from dflash.common.target.checks import check_target
 from dflash.common.target.data import DataConfig, DataError, load_raw_dataset
+from dflash.common.target.head import target_fingerprint
 from dflash.common.target.runner import TargetRunner
 from dflash.common.target.speculative import greedy_generate, speculative_generate
 from dflash.tools.eval.cli import PROG
@@ -186,6 +188,25 @@ def evaluate_with(cfg: EvalConfig, target: nn.Module, tokenizer: Any, drafter: n
     )
 
 
+def check_same_target(cfg: EvalConfig, target: nn.Module, drafter_config) -> None:
+    """The target's weights are those the drafter was trained with (the fingerprint of its embedding and
+    lm_head recorded at training, common/target/head.py), else ExportError, or one warning with --force. A
+    drafter with no recorded fingerprint (older checkpoints, public drafters) is not checked."""
+    want = getattr(drafter_config, "target_fingerprint", None)
+    if not want:
+        return
+    got = target_fingerprint(target)
+    if got == want:
+        return
+    text = (
+        f"--target {cfg.target}: its weights are not those the drafter was trained with (embedding/lm_head "
+        f"fingerprint {got}, the drafter records {want}): another model of the same shape"
+    )
+    if not cfg.force:
+        raise ExportError(text + "; evaluate the target it was trained on, or pass --force")
+    log.warning("%s; evaluating anyway (--force): acceptance will be low", text)
+
+
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s eval %(levelname)s %(message)s", datefmt="%H:%M:%S")
 
@@ -195,9 +216,11 @@ def run(cfg: EvalConfig) -> int:
     setup_logging()
     try:
         device, dtype = resolve_device(cfg)
+        check_target(cfg.target, what="--target")
         read_export_config(cfg.drafter)  # a wrong folder fails before the target is loaded
         tokenizer, target, prompts = load_target(cfg, device, dtype)
         drafter = load_exported_drafter(cfg.drafter, target, device=device, dtype=dtype)
+        check_same_target(cfg, target, drafter.config)
         report = evaluate_with(cfg, target, tokenizer, drafter, prompts)
     except (ExportError, DataError, ValueError, OSError) as err:
         fail(PROG, err)
