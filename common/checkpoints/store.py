@@ -164,7 +164,9 @@ class LocalStore(CheckpointStore):
             finally:
                 tmp.unlink(missing_ok=True)
         except OSError as err:
-            raise CheckpointStoreError(_one_line(f"cannot write {dest}: {err.strerror or err}")) from None
+            blocker = next((p for p in dest.parents if p.exists() and not p.is_dir()), None)
+            why = f"{blocker} is a file, not a folder" if blocker is not None else (err.strerror or str(err))
+            raise CheckpointStoreError(_one_line(f"cannot write {dest}: {why}")) from None
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self._atomic_write(key, lambda tmp: tmp.write_bytes(data))

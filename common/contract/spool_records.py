@@ -67,6 +67,14 @@ FLAG_OF = {
 """The flag (or what) behind each field of a run record, for the line that names a difference."""
 
 
+def _conflict(recorded, given) -> bool:
+    """Two values of a run-record field disagree: for a dict (plan, dataset), on a key both have (a key one
+    side lacks is filled in: an older record, or a consumer that records only the run)."""
+    if isinstance(recorded, dict) and isinstance(given, dict):
+        return any(recorded[k] != given[k] for k in recorded.keys() & given.keys())
+    return recorded != given
+
+
 def differences(recorded: dict, given: dict, keys: list[str]) -> list[str]:
     """``--max-length 512 recorded, 1024 given`` for each differing field (nested plan/dataset fields one
     by one), so a refused launch says exactly what to change."""
@@ -76,7 +84,7 @@ def differences(recorded: dict, given: dict, keys: list[str]) -> list[str]:
         if isinstance(a, dict) and isinstance(b, dict):
             out += [
                 f"{FLAG_OF.get(k, k)} {_short(a.get(k))} recorded, {_short(b.get(k))} given"
-                for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)
+                for k in sorted(a.keys() & b.keys()) if a[k] != b[k]
             ]  # fmt: skip
         else:
             out.append(f"{FLAG_OF.get(key, key)} {_short(a)} recorded, {_short(b)} given")
@@ -145,7 +153,7 @@ class SpoolRecords:
                     finally:
                         tmp.unlink(missing_ok=True)
                     return new
-                differ = [k for k in IDENTITY_KEYS if k in ident and k in rec and ident[k] != rec[k]]
+                differ = [k for k in IDENTITY_KEYS if k in ident and k in rec and _conflict(rec[k], ident[k])]
                 if "run" in differ:
                     raise RunMismatchError(
                         f"spool {self.root} belongs to {describe_run(rec)}; {who} is {describe_run(ident)} "
@@ -158,7 +166,8 @@ class SpoolRecords:
                         "settings are fixed: give the same, use another --spool, or discard this one with "
                         "ops/run_all.sh --fresh-spool)"
                     )
-                missing = {k: v for k, v in ident.items() if k not in rec}
+                missing = {k: v for k, v in ident.items() if k not in rec or rec[k] != v}  # fill in, merge dicts
+                missing = {k: {**rec[k], **v} if isinstance(v, dict) and isinstance(rec.get(k), dict) else v for k, v in missing.items()}
                 if not missing:
                     return rec
                 rec = {**rec, **missing}
