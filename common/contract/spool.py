@@ -50,7 +50,8 @@ from dflash.common.contract.spool_scan import SpoolScan, _entry_nbytes
 log = logging.getLogger(__name__)
 
 DIR_MODE = 0o700
-ACK_PREFIX = ".ack-"  # a shard being deleted: renamed first, so a crash mid-delete never looks claimed
+ACK_PREFIX = ".ack-"  # an ack's trash beside its claim (spools of earlier versions): finished on recovery
+ACKED_SEP = "~"  # acked/<owner>~<shard name>~<uuid>: "~" is in no consumer id or shard name
 
 
 def default_budget_bytes(root: str | Path, fraction: float = 0.5) -> int:
@@ -87,6 +88,7 @@ class Spool(SpoolRecords, SpoolScan):
         self.claimed_dir = self.root / "claimed"
         self.quarantine_dir = self.root / "quarantine"
         self.state_dir = self.root / "state"
+        self.acked_dir = self.root / "acked"  # acked shards being deleted (see ack)
         self._lock = threading.RLock()
         self._size_cache: dict[tuple[str, int], int] = {}  # (name, inode) -> bytes; shards are immutable
         self._adopted: set[str] = set()  # consumer ids whose leftovers this object has taken over
@@ -94,7 +96,7 @@ class Spool(SpoolRecords, SpoolScan):
         self._rates: dict[tuple[str, str], dict] = {}
         self._started = time.time()
         if create:
-            for d in (self.tmp_dir, self.ready_dir, self.claimed_dir, self.quarantine_dir, self.state_dir):
+            for d in (self.tmp_dir, self.ready_dir, self.claimed_dir, self.quarantine_dir, self.state_dir, self.acked_dir):
                 self._makedirs(d)
         elif not self.root.is_dir():
             raise SpoolError(f"no spool directory at {self.root}")
@@ -141,8 +143,8 @@ class Spool(SpoolRecords, SpoolScan):
             except (ShardFormatError, OSError, ValueError):
                 pass
             shards += 1
-        for d in (self.tmp_dir, self.ready_dir):
-            for e in list(os.scandir(d)):
+        for d in (self.tmp_dir, self.ready_dir, self.acked_dir):
+            for e in list(os.scandir(d)) if d.is_dir() else []:
                 _remove(Path(e.path))
         for d in self._scan_dirs(self.claimed_dir):
             _remove(d)
@@ -344,6 +346,7 @@ class Spool(SpoolRecords, SpoolScan):
         n = self._return_to_ready(mine, remove_dir=False)
         if n:
             log.warning("consumer %s: returned %d shards left claimed by its previous life", consumer_id, n)
+        self._finish_acks_of(consumer_id)
         self._adopted.add(consumer_id)
 
     def _claimed_path_parts(self, path: Path) -> tuple[Path, str]:
@@ -360,10 +363,17 @@ class Spool(SpoolRecords, SpoolScan):
         ``remove_trash`` (freeing a 1.6 GB shard of tmpfs pages takes tens of ms: a training loop hands it
         to a background thread); None if the shard was already gone."""
         owner_dir, name = self._claimed_path_parts(claimed_path)
-        trash = owner_dir / f"{ACK_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+        # Into acked/, not beside the claim: a directory listing that runs while an entry is renamed
+        # within it may miss the entry altogether, and a producer's budget scan that missed a 1.6 GB
+        # shard being deleted would admit the next one early. acked/ is scanned after claimed/ (flow
+        # order), so an acked shard is always counted until its pages are freed.
+        trash = self.acked_dir / f"{owner_dir.name}{ACKED_SEP}{name}{ACKED_SEP}{uuid.uuid4().hex[:8]}"
         try:
             os.rename(claimed_path, trash)
         except FileNotFoundError:
+            if not self.acked_dir.is_dir() and claimed_path.exists():  # a spool made before acked/ existed
+                self._makedirs(self.acked_dir)
+                return self.ack(claimed_path, delete=delete)
             log.warning("ack: %s is gone (recovered as dead and re-delivered?)", claimed_path)
             return None
         if not delete:
@@ -426,7 +436,18 @@ class Spool(SpoolRecords, SpoolScan):
                 if moved:
                     log.warning("recovered %d shards claimed by dead consumer %s", moved, d.name)
                 n += moved
+                self._finish_acks_of(d.name)
         return n
+
+    def _finish_acks_of(self, owner: str) -> None:
+        """Delete what a dead consumer left half-deleted in acked/ (a crash mid-ack: already trained)."""
+        try:
+            names = os.listdir(self.acked_dir)
+        except FileNotFoundError:
+            return
+        for name in names:
+            if name.split(ACKED_SEP, 1)[0] == owner:
+                _remove(self.acked_dir / name)
 
     def _return_to_ready(self, owner_dir: Path, *, remove_dir: bool) -> int:
         n = 0
