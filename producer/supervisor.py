@@ -11,7 +11,6 @@ without a word (kill -9, OOM killer) is noticed by its exit code.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing as mp
 import os
@@ -23,6 +22,7 @@ from multiprocessing.connection import Connection, wait
 
 from tqdm import tqdm
 
+from dflash.common.child_process import anonymous_library_locks, die_with_parent
 from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, one_line
 from dflash.common.metrics import format_bytes, format_duration, format_rate
 from dflash.common.target.chat import format_drops
@@ -30,25 +30,6 @@ from dflash.producer.config import PROG, LaunchConfig
 from dflash.producer.launch import Launch
 
 log = logging.getLogger(__name__)
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """Have the kernel SIGKILL this worker when the dflash-produce parent dies, however it dies (Linux).
-
-    Why: a worker that outlives a parent killed with SIGKILL keeps publishing shards and finally writes its
-    DONE marker, possibly into the fresh spool of the pipeline's next life (run_all.sh --restarts wipes and
-    recreates it): consumers there would see "producers done" early and stop with samples never trained.
-    SIGKILL, not SIGTERM: an orphan must not publish even the shard it is writing.
-    """
-    if sys.platform != "linux":
-        return
-
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 class _Channel:
@@ -80,7 +61,8 @@ def _worker_entry(cfg, cuda_index: int | None, conn, log_level: str, parent_pid:
     """Spawned process body: own the device, run, report the outcome through the pipe ``conn``. After
     tokenizing its slice it reports ("tokenized", summary) and waits for the parent's "go" (or "abort": the
     dataset yields no trainable sample) before loading the target."""
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
+    anonymous_library_locks()
     channel = _Channel(conn)
     if cuda_index is not None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
