@@ -46,6 +46,8 @@ def test_three_epochs_two_producers_train_in_order_and_never_a_row_twice_in_a_st
         assert life.wait() == 0, life.text()[-4000:]
     finally:
         life.kill_all()
+    # a finished run frees its spool's RAM (a failed or stopped one keeps it: test_rerun, test_run_all)
+    assert not (tmp_path / "spool").exists() and "removed the spool" in life.text()
 
     steps = sorted(read_jsonl(run_dir / "metrics" / "ledger-r0.jsonl"), key=lambda r: r["step"])
     assert [r["step"] for r in steps] == list(range(1, len(steps) + 1))

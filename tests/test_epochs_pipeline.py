@@ -45,7 +45,7 @@ def test_two_epochs_kill9_mid_epoch_2_then_the_same_command_trains_each_row_once
     data = _dataset(tmp_path / "data.jsonl", ROWS)
     run_dir, spool, ckpt = tmp_path / "run", tmp_path / "spool", tmp_path / "ckpt"
     cmd = [
-        "bash", str(REPO / "ops" / "run_all.sh"), "--producers", "cpu:2", "--consumers", "cpu:2",
+        "bash", str(REPO / "ops" / "run_all.sh"), "--keep-spool", "--producers", "cpu:2", "--consumers", "cpu:2",
         "--model", str(tiny_target), "--dataset", str(data), "--run", "epochs", "--run-dir", str(run_dir),
         "--spool", str(spool), "--checkpoint", str(ckpt), "--epochs", str(EPOCHS),
         "--producer-args", f"--max-length {MAX_LENGTH} --batch-tokens 2048 --eval-samples {HELD_OUT}",
