@@ -222,6 +222,7 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
                 tokens = agreed.tokens
                 if self.first_step_s is None:
                     self._plan_campaign()
+                    self._say_phase("compiling" if self._compiles else "training")
                 self._train_step(item, stats)
                 self._replan(tokens)
                 if self.first_step_s is None:
@@ -385,8 +386,22 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
             fatal=any(r[3] for r in ranks), epoch=lowest, tokens=tokens,
         )  # fmt: skip
 
+    @property
+    def _compiles(self) -> bool:
+        return self.cfg.compile and self.cfg.resolved_compile_backend(self.device.type) != "eager"
+
+    def _say_phase(self, phase: str) -> None:
+        """A metrics event saying what the consumer does before its first step record (the demo's progress
+        line and dflash-status show it: a first compile takes a minute and must not look like a hang)."""
+        if self.metrics is not None and self.dist.is_main:
+            self.metrics.write({"event": "phase", "phase": phase, "step": self.step, "time": time.time()})
+        if phase == "compiling" and self.dist.is_main:
+            log.info("compiling the draft layers (the first step; cached for later launches)")
+
     def _evaluate(self, *, periodic: bool = False) -> None:
         """The held-out decode-order τ at this step (rank 0; consumer/held_out.py)."""
+        if self.dist.is_main and self.step == 0:
+            self._say_phase("evaluating")
         if self.dist.is_main:
             in_loop = self.history[-1]["tau"] if self.history else None
             self.held_out.evaluate(self.model, self.step, in_loop_tau=in_loop, periodic=periodic)

@@ -76,8 +76,10 @@ def export_initial_drafter(
         block_size=block_size,
         tokenizer=AutoTokenizer.from_pretrained(target),
     )
+    head = load_target_head(str(target), dtype=torch.float32)
+    config.target_fingerprint = head.fingerprint  # as the trainer records it
     with torch.random.fork_rng(devices=[]):  # the demo's own RNG state is not the trainer's business
-        model = initial_drafter(config, load_target_head(str(target), dtype=torch.float32), seed=seed)
+        model = initial_drafter(config, head, seed=seed)
     return export_drafter(model.state_dict(), config, out, dtype=torch.float32, overwrite=True)
 
 

@@ -33,7 +33,22 @@ from dflash.tools.eval.config import EvalConfig
 log = logging.getLogger(__name__)
 
 
-def format_table(r: EvalReport) -> str:
+def speedup_note(device: str) -> str:
+    """What the wall-clock speed-up means on the device it was measured on (printed under it)."""
+    if device.startswith("cuda"):
+        return (
+            "wall clock on this GPU, drafting and verifying included; tau is the part that carries over "
+            "to a serving engine (vLLM, SGLang), whose kernels and batching set the rest"
+        )
+    return (
+        "wall clock on the CPU: below 1x is expected here. Speculation pays when the target's forward is "
+        "far costlier than the drafter's and costs about the same for 1 or B tokens (a large model on a "
+        "GPU, memory-bound); on a CPU a verify of B tokens costs about B single steps and a small target "
+        "costs little more than its drafter. tau (tokens per verify step) is the device-independent figure"
+    )
+
+
+def format_table(r: EvalReport, device: str = "cpu") -> str:
     rows = [
         ("prompts", f"{r.prompts}"),
         ("generated tokens", f"{r.generated_tokens}"),
@@ -51,6 +66,8 @@ def format_table(r: EvalReport) -> str:
         ]
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    if r.baseline:
+        lines.append(f"  (speedup: {speedup_note(device)})")
     lines.append("acceptance by block position (k: P[draft k accepted]):")
     lines.append("  " + "  ".join(f"{k}:{p:.2f}" for k, p in enumerate(r.accept_rate) if k > 0))
     return "\n".join(lines)
@@ -224,7 +241,7 @@ def run(cfg: EvalConfig) -> int:
         report = evaluate_with(cfg, target, tokenizer, drafter, prompts)
     except (ExportError, DataError, ValueError, OSError) as err:
         fail(PROG, err)
-    print(format_table(report))
+    print(format_table(report, str(device)))
     if cfg.json:
         text = json.dumps(
             {
