@@ -74,6 +74,9 @@ class Batch:
     bucket: int
     pad_len: int
     samples: list[Sample] = field(default_factory=list)
+    epoch: int | None = None
+    """The campaign epoch of every sample (the producer flushes its buckets at each epoch's end, so a
+    batch, and the shard made of it, never mixes epochs); None outside a campaign (held-out shards)."""
 
     @property
     def num_tokens(self) -> int:

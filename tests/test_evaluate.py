@@ -256,6 +256,13 @@ def test_summarize_counts_by_hand():
     assert r.tokens_per_s == pytest.approx(5.5)
     assert r.baseline["mismatched_prompts"] == 1 and r.baseline["speedup"] == pytest.approx(5.5 / (11 / 3))
     assert r.outputs == [list(range(9)), [5, 6]]
+    # the speed-up figure says what it means on the device it was measured on (issue 23)
+    from dflash.tools.eval.run import format_table
+
+    cpu, gpu = format_table(r, "cpu"), format_table(r, "cuda:0")
+    assert "below 1x is expected here" in cpu and "tokens per verify step" in cpu
+    assert "wall clock on this GPU" in gpu and "below 1x" not in gpu
+    assert "(speedup:" not in format_table(summarize(gens, 4), "cpu")  # no baseline, no speed-up
 
 
 def test_load_prompts_formats(tmp_path, tokenizer):
@@ -297,14 +304,13 @@ def test_cli_errors_are_one_line(tmp_path, target, capsys):
     for path in tiny_target_dir().iterdir():
         if path.suffix != ".safetensors":
             shutil.copyfile(path, weightless / path.name)
-    weightless = str(weightless)
     cases = [
-        (["--drafter", str(tmp_path / "none")], "no config.json"),
-        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-        ([], "model.safetensors"),
+        (str(tiny_target_dir()), ["--drafter", str(tmp_path / "none")], "no config.json"),
+        (str(tiny_target_dir()), ["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (str(weightless), [], "is incomplete: no weights (model.safetensors"),  # checked before loading
     ]
-    for extra, match in cases:
-        argv = ["--target", weightless, "--drafter", str(tmp_path / "export"), "--dataset", "x.jsonl", *extra]
+    for target_dir, extra, match in cases:
+        argv = ["--target", target_dir, "--drafter", str(tmp_path / "export"), "--dataset", "x.jsonl", *extra]
         with pytest.raises(SystemExit) as exc:
             main(argv)
         err = capsys.readouterr().err

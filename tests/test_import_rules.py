@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"common": "dflash.common", "producer": "dflash.producer", "consumer": "dflash.consumer", "tools": "dflash.tools"}
 LIBRARY = {
     "common.redact",
+    "common.child_process",
     "common.metrics",
     "common.cli",
     "common.contract",
@@ -26,6 +27,7 @@ LIBRARY = {
 ALLOWED: dict[str, set[str]] = {
     "common.redact": set(),
     "common.metrics": set(),
+    "common.child_process": set(),
     "common.cli": {"common.redact"},
     "common.contract": {"common.redact", "common.cli"},
     "common.checkpoints": {"common.redact", "common.contract"},

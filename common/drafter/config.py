@@ -66,6 +66,9 @@ class DrafterConfig:
     """Per draft layer: full_attention or sliding_attention (None: all full, as checkpoints before issue 27)."""
     sliding_window: int | None = None
     """W of the sliding layers (HF convention: W keys counting the query's own); None when no layer slides."""
+    target_fingerprint: str | None = None
+    """Digest of the target's embedding and lm_head the drafter was trained with (common/target/head.py):
+    dflash-eval refuses another target of the same shape. None: unknown (older checkpoints, public drafters)."""
 
     def __post_init__(self) -> None:
         for name in (

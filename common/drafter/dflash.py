@@ -340,6 +340,7 @@ class TargetHead(nn.Module):
     def __init__(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None):
         super().__init__()
         self.tied = lm_head_weight is None
+        self.fingerprint: str | None = None  # of the weights it was read from (dflash.common.target.head)
         self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
         if not self.tied:
             if lm_head_weight.shape != embed_weight.shape:

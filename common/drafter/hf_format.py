@@ -100,6 +100,8 @@ def export_config(config: DrafterConfig, dtype: torch.dtype) -> dict:
         rope_theta=config.rope_theta,
         rope_scaling=dict(config.rope_scaling) if config.rope_scaling else None,
     )
+    if config.target_fingerprint:
+        out["dflash_target_fingerprint"] = config.target_fingerprint
     return dict(sorted(out.items()))
 
 
@@ -152,6 +154,7 @@ def drafter_config_from_export(cfg: dict) -> DrafterConfig:
             initializer_range=float(cfg.get("initializer_range", 0.02)),
             layer_types=list(layer_types),
             sliding_window=None if window is None else int(window),
+            target_fingerprint=cfg.get("dflash_target_fingerprint"),
         )
     except ValueError as err:
         raise ExportError(f"config.json: {err}") from None

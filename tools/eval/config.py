@@ -53,6 +53,9 @@ class EvalConfig:
     """random seed of the sampling (--temperature > 0)"""
     json: str | None = field(default=None, metadata=flag(metavar="PATH"))
     """write the report as JSON ('-' = stdout; default: none)"""
+    force: bool = False
+    """evaluate even when the target's weights are not those the drafter was trained with (its recorded
+    fingerprint differs): one warning line instead of the error"""
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_new_tokens", "max_prompt_tokens"):

@@ -31,14 +31,31 @@ from dflash.common.drafter.dflash import (
 from dflash.common.drafter.hf_format import ExportError, read_export_config
 from dflash.common.drafter.report import EvalReport, summarize
 from dflash.common.target.attach import load_exported_drafter
+from dflash.common.target.checks import check_target
 from dflash.common.target.data import DataConfig, DataError, load_raw_dataset
+from dflash.common.target.head import target_fingerprint
 from dflash.tools.eval.cli import PROG
 from dflash.tools.eval.config import EvalConfig
 
 log = logging.getLogger(__name__)
 
 
-def format_table(r: EvalReport) -> str:
+def speedup_note(device: str) -> str:
+    """What the wall-clock speed-up means on the device it was measured on (printed under it)."""
+    if device.startswith("cuda"):
+        return (
+            "wall clock on this GPU, drafting and verifying included; tau is the part that carries over "
+            "to a serving engine (vLLM, SGLang), whose kernels and batching set the rest"
+        )
+    return (
+        "wall clock on the CPU: below 1x is expected here. Speculation pays when the target's forward is "
+        "far costlier than the drafter's and costs about the same for 1 or B tokens (a large model on a "
+        "GPU, memory-bound); on a CPU a verify of B tokens costs about B single steps and a small target "
+        "costs little more than its drafter. tau (tokens per verify step) is the device-independent figure"
+    )
+
+
+def format_table(r: EvalReport, device: str = "cpu") -> str:
     rows = [
         ("prompts", f"{r.prompts}"),
         ("generated tokens", f"{r.generated_tokens}"),
@@ -58,6 +75,8 @@ def format_table(r: EvalReport) -> str:
             rows.append(("prompts differing from greedy", f"{r.baseline['mismatched_prompts']}"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    if r.baseline:
+        lines.append(f"  (speedup: {speedup_note(device)})")
     lines.append("acceptance by block position (k: P[draft k accepted]):")
     lines.append("  " + "  ".join(f"{k}:{p:.2f}" for k, p in enumerate(r.accept_rate) if k > 0))
     return "\n".join(lines)
@@ -208,6 +227,25 @@ def sampling_of(cfg: EvalConfig, device: torch.device) -> Sampling | None:
     return Sampling(temperature=cfg.temperature, top_p=cfg.top_p, draft=cfg.draft_sampling, generator=generator)
 
 
+def check_same_target(cfg: EvalConfig, target: nn.Module, drafter_config) -> None:
+    """The target's weights are those the drafter was trained with (the fingerprint of its embedding and
+    lm_head recorded at training, common/target/head.py), else ExportError, or one warning with --force. A
+    drafter with no recorded fingerprint (older checkpoints, public drafters) is not checked."""
+    want = getattr(drafter_config, "target_fingerprint", None)
+    if not want:
+        return
+    got = target_fingerprint(target)
+    if got == want:
+        return
+    text = (
+        f"--target {cfg.target}: its weights are not those the drafter was trained with (embedding/lm_head "
+        f"fingerprint {got}, the drafter records {want}): another model of the same shape"
+    )
+    if not cfg.force:
+        raise ExportError(text + "; evaluate the target it was trained on, or pass --force")
+    log.warning("%s; evaluating anyway (--force): acceptance will be low", text)
+
+
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s eval %(levelname)s %(message)s", datefmt="%H:%M:%S")
 
@@ -217,13 +255,15 @@ def run(cfg: EvalConfig) -> int:
     setup_logging()
     try:
         device, dtype = resolve_device(cfg)
+        check_target(cfg.target, what="--target")
         read_export_config(cfg.drafter)  # a wrong folder fails before the target is loaded
         tokenizer, target, prompts = load_target(cfg, device, dtype)
         drafter = load_exported_drafter(cfg.drafter, target, device=device, dtype=dtype)
+        check_same_target(cfg, target, drafter.config)
         report = evaluate_with(cfg, target, tokenizer, drafter, prompts)
     except (ExportError, DataError, ValueError, OSError) as err:
         fail(PROG, err)
-    print(format_table(report))
+    print(format_table(report, str(device)))
     if cfg.json:
         text = json.dumps(
             {
