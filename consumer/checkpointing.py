@@ -16,7 +16,7 @@ import torch._dynamo  # noqa: F401  first import in the main thread: concurrent 
 
 from dflash.common.checkpoints.load import load_latest_good, restore_rng_state
 from dflash.common.checkpoints.save import capture_rng_state, save_checkpoint
-from dflash.common.checkpoints.store import CheckpointStoreError
+from dflash.common.checkpoints.store import CheckpointStoreError, open_store
 from dflash.common.contract.sample_set import SampleSet
 from dflash.common.redact import redact
 from dflash.consumer import distributed as D
@@ -28,11 +28,40 @@ class CheckpointingMixin:
     """``Trainer``'s resume and save (see the module docstring)."""
 
     # ------------------------------------------------------------------------------ resume / save
+    def _open_store(self) -> None:
+        """Open the store and prove it takes checkpoints before the first step (rank 0 writes, reads back and
+        deletes a probe; every rank learns the outcome): a folder or bucket that refuses writes would
+        otherwise be found out at the first save, after the run's first steps, or never."""
+        self.store = open_store(self.cfg.checkpoint)
+        self._have_checkpoint = False  # a good checkpoint of this run exists (resumed, or saved since)
+        self._fatal_save_error: str | None = None
+        error = None
+        if self.dist.is_main:
+            try:
+                self.store.probe_writable(self.cfg.run)
+            except CheckpointStoreError as err:
+                error = f"{err}; no checkpoint could be saved: fix it, or pass another --checkpoint"
+        error = D.broadcast_object(error, self.dist)
+        if error is not None:
+            raise CheckpointStoreError(error)
+
     def _resume(self) -> None:
         ckpt = load_latest_good(self.store, self.cfg.run)
         if ckpt is None:
             log.info("no checkpoint under %s/%s: starting fresh", redact(self.cfg.checkpoint), self.cfg.run)
             return
+        saved = (ckpt.config or {}).get("drafter") or {}
+        layout = {"layer_types": self.drafter_config.layer_types, "sliding_window": self.drafter_config.sliding_window}
+        was = {  # checkpoints from before sliding layers existed: all full attention
+            "layer_types": saved.get("layer_types") or ["full_attention"] * self.drafter_config.num_layers,
+            "sliding_window": saved.get("sliding_window"),
+        }
+        if saved and was != layout:
+            raise ValueError(
+                f"checkpoint step {ckpt.step} was trained with draft layers {was['layer_types']} (window "
+                f"{was['sliding_window']}), this run asks for {layout['layer_types']} (window "
+                f"{layout['sliding_window']}): give the same --draft-layer-types/--sliding-window, or --resume none"
+            )
         missing, unexpected = self.model.load_state_dict(ckpt.model_state, strict=False)
         trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
         if trainable & set(missing) or unexpected:
@@ -47,6 +76,7 @@ class CheckpointingMixin:
             restore_rng_state(rng)
         self.step = ckpt.step
         self.trained = ckpt.trained
+        self._have_checkpoint = True
         log.info("resumed from step %d (%d samples already trained)", self.step, len(self.trained))
 
     def save(self, *, final: bool = False) -> None:
@@ -77,7 +107,7 @@ class CheckpointingMixin:
         for blob in D.all_gather_bytes(self.trained.to_bytes(), self.dist):
             self.trained.update(SampleSet.from_bytes(blob))  # in place: the feed skips from this set
         trained = SampleSet.from_bytes(self.trained.to_bytes())  # frozen at this step; the live set grows on
-        trained.epoch = self._epoch()  # recorded in the checkpoint (the merged set: equal on every rank)
+        trained.epoch = self._step_epoch  # recorded in the checkpoint (the merged set: equal on every rank)
         rng_states = D.all_gather_object(capture_rng_state(), self.dist)
         self._saved_step = self.step
         if not self.dist.is_main:
@@ -116,7 +146,14 @@ class CheckpointingMixin:
             if out.error is not None:
                 error = f"checkpoint step {out.step} failed: {redact(out.error)}"
                 self._last_save_error = error
-                log.error("%s; training goes on, latest still names the previous checkpoint", error)
+                if self._have_checkpoint:
+                    log.error("%s; training goes on, latest still names the previous checkpoint", error)
+                else:  # training on would lose every step if the process died: stop now and say so
+                    self._fatal_save_error = (
+                        f"{error}; no checkpoint of run {self.cfg.run!r} exists yet, so training on would "
+                        "lose every step: stopping (fix the store and run the same command again)"
+                    )
+                    log.error("%s", self._fatal_save_error)
                 event = {"event": "checkpoint_failed", "step": out.step, "error": error}
             else:
                 log.info(
@@ -127,6 +164,7 @@ class CheckpointingMixin:
                     stall,
                     out.write_s,
                 )
+                self._have_checkpoint = True
                 event = {"event": "checkpoint", "step": out.step, "url": redact(out.url)}
             if self.metrics:
                 self.metrics.write(

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, fail, one_line
 from dflash.common.cli.flags import add_flags, from_args
 from dflash.common.cli.help import DefaultsHelpFormatter, plain_text
+from dflash.common.target.checks import check_target
 from dflash.consumer.config import TrainConfig
 
 PROG = "dflash-consume"
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     run, _lock = _bind_spool(args.spool, args.run, rank)
     try:
         cfg = from_args(TrainConfig, args, run=run, device=device)
+        check_target(cfg.target, tokenizer=False, what="--target")
     except ValueError as err:
         fail(PROG, err, EXIT_USAGE)
     trainer = _build_trainer(cfg)

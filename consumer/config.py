@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from dflash.common.cli.flags import flag
+from dflash.common.drafter.layers import parse_layer_types
 
 
 @dataclass(kw_only=True)
@@ -40,6 +41,13 @@ class TrainConfig:
     """cosine schedule length (default: max-steps, else the campaign's length from the data, else 10000)"""
     num_layers: int = 5
     """draft decoder layers"""
+    draft_layer_types: str = "auto"
+    """attention of each draft layer, one per --num-layers, e.g. sliding,sliding,sliding,sliding,full; auto:
+    for a hybrid target (linear-attention layers: Qwen3.5/3.6) the public drafters' layout, every layer but
+    the last sliding, else all full (docs/training.md, "Sliding-window layers")"""
+    sliding_window: int | None = None
+    """window W of the sliding draft layers: a query sees the W positions up to its own (default when a
+    layer slides: 2048, the public Qwen3.6-27B drafter's)"""
     block_size: int = 16
     """tokens per draft block: the anchor token plus block-size - 1 predicted positions"""
     context_tokens: int = 4096
@@ -138,6 +146,13 @@ class TrainConfig:
             raise ValueError(f"resume must be 'auto' or 'none', got {self.resume!r}")
         if self.block_size < 2:
             raise ValueError(f"block-size must be >= 2, got {self.block_size}")
+        layer_types = parse_layer_types(self.draft_layer_types)
+        if layer_types is not None and len(layer_types) != self.num_layers:
+            raise ValueError(
+                f"draft-layer-types names {len(layer_types)} layers, num-layers is {self.num_layers}"
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding-window must be >= 1, got {self.sliding_window}")
         if self.bucket not in (None, "fullest", "random", "oldest") and not str(self.bucket).isdigit():
             raise ValueError(
                 f"bucket must be random, oldest, fullest or a bucket number, got {self.bucket!r}"
@@ -182,6 +197,11 @@ class TrainConfig:
         # auto: fp32 parameters and Adam state everywhere (on CUDA with bf16 autocast, i.e. amp): pure bf16
         # is faster but measured to learn worse (docs/training.md, tests/test_precision.py)
         return torch.bfloat16 if self.precision == "bf16" else torch.float32
+
+    @property
+    def layer_types(self) -> list[str] | None:
+        """--draft-layer-types in the HF names; None for auto (resolved against the target's config)."""
+        return parse_layer_types(self.draft_layer_types)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -88,6 +88,17 @@ def sum_ints(values: list[int], info: DistInfo) -> list[int]:
     return [int(x) for x in t.tolist()]
 
 
+def gather_ints(values: list[int], info: DistInfo) -> list[list[int]]:
+    """Every rank's ``values`` (one list per rank, in rank order), on the host-side control group: one
+    small collective, and each rank computes sums, minima or maxima from it alike (world size 1: as is)."""
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64)
+    if not info.enabled:
+        return [t.tolist()]
+    out = [torch.zeros_like(t) for _ in range(info.world_size)]
+    dist.all_gather(out, t, group=_control())
+    return [o.tolist() for o in out]
+
+
 def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     """Sum ``t`` over ranks in place (no-op at world size 1)."""
     if info.enabled:

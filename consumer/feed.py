@@ -32,7 +32,7 @@ from dflash.common.contract.shard import ShardFormatError
 from dflash.common.contract.shard_reader import read_shard, read_shard_meta
 from dflash.common.contract.spool import Spool
 from dflash.common.drafter.batch import PackedSamples, pack_samples
-from dflash.consumer.packing import Sample, best_fit
+from dflash.consumer.packing import Sample, best_fit, lowest_epoch
 
 log = logging.getLogger(__name__)
 
@@ -266,6 +266,7 @@ class ShardFeed:
                     hidden=shard.hidden[a:b],
                     sample_index=int(idx),
                     shard=path,
+                    epoch=shard.meta.epoch,
                 )
             )
         self.counters.samples_skipped += skipped
@@ -316,11 +317,14 @@ class ShardFeed:
             self._drain_loaded(wait_s if self._pool_tokens < self.context_tokens else 0.0)
         if not self._pool:
             return None
-        # A stream is packed from a pool that can fill it, from the run's last samples, or after
-        # ``fill_wait_s`` without enough data: packing whatever had arrived made half-empty streams, each
-        # costing a full step; waiting forever would deadlock against a producer blocked on a spool budget
-        # smaller than one stream (the samples held here count against it).
-        if self._pool_tokens < self.context_tokens and not self._end_seen:
+        # A stream is packed from a pool that can fill it, from the run's last samples, at an epoch's end
+        # (a stream holds one epoch: once a later epoch's samples arrive, the earlier one is complete
+        # here), or after ``fill_wait_s`` without enough data: packing whatever had arrived made half-empty
+        # streams, each costing a full step; waiting forever would deadlock against a producer blocked on
+        # a spool budget smaller than one stream (the samples held here count against it).
+        epoch = lowest_epoch(self._pool)
+        epoch_ends = any(s.epoch != epoch for s in self._pool)
+        if self._pool_tokens < self.context_tokens and not self._end_seen and not epoch_ends:
             now = time.monotonic()
             self._starved_since = self._starved_since or now
             if now - self._starved_since < self.fill_wait_s:
@@ -338,6 +342,7 @@ class ShardFeed:
             context_tokens=self.context_tokens,
             pin_memory=self.pin_memory,
             position_offsets=[s.start for s in chosen],
+            epoch=epoch,
         )
 
     def _best_fit(self) -> list[Sample]:

@@ -25,19 +25,12 @@ log = logging.getLogger(__name__)
 class IntervalLogMixin:
     """``Trainer``'s metrics records and console lines (see the module docstring)."""
 
-    def _epoch(self) -> int:
-        """The epoch in progress (0-based), by how much has been trained: epochs overlap (a producer starts
-        the next one when its slice of this one is done), so this counts samples, not ids."""
-        if self.plan is None:
-            return 0
-        return min(self.plan.epochs.epochs - 1, len(self.trained) // max(1, self.plan.campaign.samples))
-
     def _campaign_fields(self, step_s: float) -> dict:
         """epoch k/N, the planned steps and the ETA at this interval's step time (metrics and console)."""
         if self.plan is None:
             return {}
         total = self.scheduler.lr_lambdas[0].total_steps
-        out = {"epoch": self._epoch() + 1, "epochs": self.plan.epochs.epochs, "total_steps": total}
+        out = {"epoch": self._step_epoch + 1, "epochs": self.plan.epochs.epochs, "total_steps": total}
         eta = eta_s(self.step, total, step_s)
         return {**out, "eta_s": eta} if eta is not None else out
 

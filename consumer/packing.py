@@ -23,6 +23,7 @@ class Sample:
     shard: Path
     start: int = 0  # position of this piece's first token in its document
     last_piece: bool = True  # False for the head of a split document: the sample is not trained yet
+    epoch: int = 0  # the campaign epoch of the shard it came from
 
     @property
     def num_tokens(self) -> int:
@@ -32,18 +33,31 @@ class Sample:
         """(first n tokens, the rest) as two pieces of the same document."""
         head = Sample(
             self.input_ids[:n], self.loss_mask[:n], self.hidden[:n], self.sample_index, self.shard,
-            start=self.start, last_piece=False,
+            start=self.start, last_piece=False, epoch=self.epoch,
         )
         tail = Sample(
             self.input_ids[n:], self.loss_mask[n:], self.hidden[n:], self.sample_index, self.shard,
-            start=self.start + n, last_piece=self.last_piece,
+            start=self.start + n, last_piece=self.last_piece, epoch=self.epoch,
         )
         return head, tail
 
 
+def lowest_epoch(pool: list[Sample]) -> int:
+    return min(s.epoch for s in pool)
+
+
 def best_fit(pool: list[Sample], context_tokens: int, min_split_tokens: int | None) -> tuple[list[Sample], list[Sample]]:
-    """(the next stream's samples, the pool left): the oldest sample first (no starvation), then repeatedly
-    the largest sample that still fits.
+    """(the next stream's samples, the pool left): a stream holds samples of ONE epoch, the lowest in the
+    pool (epochs are trained in order, and no step trains one row twice); the rest keep their order."""
+    epoch = lowest_epoch(pool)
+    chosen, rest = _best_fit([s for s in pool if s.epoch == epoch], context_tokens, min_split_tokens)
+    # samples arrive epoch by epoch (claims take the lowest epoch first), so this keeps the pool's order
+    return chosen, rest + [s for s in pool if s.epoch != epoch]
+
+
+def _best_fit(pool: list[Sample], context_tokens: int, min_split_tokens: int | None) -> tuple[list[Sample], list[Sample]]:
+    """(the next stream's samples, the pool left) from samples of one epoch: the oldest sample first (no
+    starvation), then repeatedly the largest sample that still fits.
 
     Largest-first leaves the pool rich in short samples, which close the last gaps of later streams.
     Whole documents alone cannot fill streams when long documents outnumber the fillers (measured: 84 %

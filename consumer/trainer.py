@@ -19,18 +19,20 @@ import logging
 import os
 import signal
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch._dynamo  # noqa: F401  first import in the main thread: concurrent first imports from threads crash
 from transformers import AutoConfig, AutoTokenizer
 
-from dflash.common.checkpoints.store import open_store
+from dflash.common.checkpoints.store import CheckpointStoreError
 from dflash.common.contract.sample_set import SampleSet
 from dflash.common.contract.spool import Spool
-from dflash.common.drafter.attention import recompile_count
 from dflash.common.drafter.batch import DraftBatch, build_draft_batch, empty_packed
 from dflash.common.drafter.config import DrafterConfig
+from dflash.common.drafter.dflash import recompile_count
+from dflash.common.drafter.layers import SLIDING
 from dflash.common.drafter.model import initial_drafter
 from dflash.common.metrics import MetricsLog
 from dflash.common.target.head import load_target_head
@@ -64,6 +66,18 @@ def _maybe_tokenizer(target: str):
         return None
 
 
+@dataclass(frozen=True)
+class StepAgreement:
+    """The ranks' joint view before a step (Trainer._agree)."""
+
+    have: bool
+    exhausted: bool
+    stop: bool
+    fatal: bool
+    epoch: int
+    tokens: int
+
+
 class Trainer(CheckpointingMixin, IntervalLogMixin):
     """One consumer process's training: build everything in a visible order, then ``train()``."""
 
@@ -82,7 +96,10 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
         self._replanning = False  # the data sized the schedule: its length follows the tokens trained
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000 + self.dist.rank)
         # checkpoint resume (every rank loads the same files)
-        self.store = open_store(cfg.checkpoint) if cfg.checkpoint else None
+        self.store = None
+        self._fatal_save_error: str | None = None
+        if cfg.checkpoint:
+            self._open_store()
         self.checkpointer = AsyncCheckpointer(self.device)
         self.last_save_stall_s: float | None = None
         self._last_save_error: str | None = None
@@ -93,6 +110,8 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
         self._open_logs()
         self.held_out = HeldOutEval(self.spool, budget=cfg.eval_budget, metrics=self.metrics, wandb=self.wandb)
         self._stop_requested = False
+        self._deferred: StepInput | None = None  # a step held back while other ranks finish an epoch
+        self._step_epoch = 0  # the campaign epoch of the last step (all its samples are of it)
         self._recompiles_after_warmup = 0
         self._recompiles_at_warmup: int | None = None
         self.first_step_s: float | None = None
@@ -123,8 +142,13 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
             target_layer_ids=cfg.target_layer_ids,
             mask_token_id=cfg.mask_token_id,
             tokenizer=_maybe_tokenizer(cfg.target),
+            layer_types=cfg.layer_types,
+            sliding_window=cfg.sliding_window,
         )
+        if SLIDING in self.drafter_config.layer_types:
+            log.info("draft layers %s, sliding window %d", self.drafter_config.layer_types, self.drafter_config.sliding_window)
         head = load_target_head(cfg.target, dtype=self.compute_dtype, device=self.device)
+        self.drafter_config.target_fingerprint = head.fingerprint  # checkpoints and exports carry it
         self.model = initial_drafter(self.drafter_config, head, seed=cfg.seed + self.dist.rank).to(self.device)
         cast_parameters(self.model, cfg.param_dtype(self.device.type))
         if cfg.compile:
@@ -180,24 +204,30 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
         t_start = time.monotonic()
         try:
             while cfg.max_steps is None or self.step < cfg.max_steps:
-                item = self.inputs.get(timeout=0.5)
-                have, exhausted, stop, tokens = D.sum_ints(
-                    [item is not None, self.inputs.exhausted(), self._stop_requested, item.tokens if item else 0],
-                    self.dist,
-                )
-                if stop:
+                item, self._deferred = self._deferred or self.inputs.get(timeout=0.5), None
+                if self.dist.is_main:  # a finished background save: said at once (and fatal if none exists)
+                    self._report_saves(self.checkpointer.collect())
+                agreed = self._agree(item)
+                if agreed.fatal:
+                    raise CheckpointStoreError(D.broadcast_object(self._fatal_save_error, self.dist))
+                if agreed.stop:
                     log.warning("stop requested: saving a checkpoint at step %d", self.step)
                     break
-                if not have:
-                    if exhausted == self.dist.world_size:
+                if not agreed.have:
+                    if agreed.exhausted:
                         break
-                    if self.dist.is_main:  # waiting for data: still say when a background save has landed
-                        self._report_saves(self.checkpointer.collect())
                     continue
+                if item is not None and item.batch.epoch > agreed.epoch:
+                    # another rank still trains an earlier epoch: keep this step for later (no step mixes
+                    # epochs, so none trains one row twice) and take part with padding
+                    self._deferred, item = item, None
                 if item is None:  # others have data: take part in the collective step with padding only
                     item = self._padding()
+                self._step_epoch = agreed.epoch
+                tokens = agreed.tokens
                 if self.first_step_s is None:
                     self._plan_campaign()
+                    self._say_phase("compiling" if self._compiles else "training")
                 self._train_step(item, stats)
                 self._replan(tokens)
                 if self.first_step_s is None:
@@ -342,8 +372,41 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
             self._evaluate()
 
 
+    def _agree(self, item: StepInput | None) -> StepAgreement:
+        """What every rank decides together before a step, from one small host-side collective: anyone
+        has data, everyone is drained, a stop was asked, a save failed with no checkpoint to fall back
+        on, the lowest epoch any rank's step holds (the step's epoch), and the tokens the step trains."""
+        mine = [
+            item is not None, self.inputs.exhausted() and self._deferred is None and item is None,
+            self._stop_requested, self._fatal_save_error is not None,
+            item.batch.epoch if item is not None else -1, item.tokens if item is not None else 0,
+        ]  # fmt: skip
+        ranks = D.gather_ints(mine, self.dist)
+        epochs = [r[4] for r in ranks if r[0]]
+        lowest = min(epochs) if epochs else self._step_epoch
+        # only the ranks whose step is of the lowest epoch train data this step; the others pad
+        tokens = sum(r[5] for r in ranks if r[0] and r[4] == lowest)
+        return StepAgreement(
+            have=any(r[0] for r in ranks), exhausted=all(r[1] for r in ranks), stop=any(r[2] for r in ranks),
+            fatal=any(r[3] for r in ranks), epoch=lowest, tokens=tokens,
+        )  # fmt: skip
+
+    @property
+    def _compiles(self) -> bool:
+        return self.cfg.compile and self.cfg.resolved_compile_backend(self.device.type) != "eager"
+
+    def _say_phase(self, phase: str) -> None:
+        """A metrics event saying what the consumer does before its first step record (the demo's progress
+        line and dflash-status show it: a first compile takes a minute and must not look like a hang)."""
+        if self.metrics is not None and self.dist.is_main:
+            self.metrics.write({"event": "phase", "phase": phase, "step": self.step, "time": time.time()})
+        if phase == "compiling" and self.dist.is_main:
+            log.info("compiling the draft layers (the first step; cached for later launches)")
+
     def _evaluate(self, *, periodic: bool = False) -> None:
         """The held-out decode-order τ at this step (rank 0; consumer/held_out.py)."""
+        if self.dist.is_main and self.step == 0:
+            self._say_phase("evaluating")
         if self.dist.is_main:
             in_loop = self.history[-1]["tau"] if self.history else None
             self.held_out.evaluate(self.model, self.step, in_loop_tau=in_loop, periodic=periodic)

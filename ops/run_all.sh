@@ -29,6 +29,9 @@ Options:
   --producer-args "..." extra flags for dflash-produce
   --consumer-args "..." extra flags for dflash-consume
   --fresh-spool         discard the spool's contents first, even if it belongs to another run
+  --keep-spool          leave the spool as the processes left it (default: a finished run's spool is
+                        removed; a stopped or failed run's shards are discarded, the RAM they hold, and
+                        its records kept for the next launch; a spool this launch created is removed)
   --restarts N          after a process dies, restart the whole pipeline from the latest checkpoint up
                         to N times (not after a user or input error: exit status 2) (the spool's leftovers are discarded: producers re-produce what the
                         checkpoint has not trained)
@@ -41,7 +44,7 @@ USAGE
 }
 
 producers="0-4"; consumers="5-7"; model=""; dataset=""; run=""; run_dir=""; spool=""; checkpoint=""
-max_steps=""; epochs=1; producer_args=""; consumer_args=""; fresh_spool=0; restarts=0
+max_steps=""; epochs=1; producer_args=""; consumer_args=""; fresh_spool=0; keep_spool=0; restarts=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --producers|--consumers|--model|--dataset|--run|--run-dir|--spool|--checkpoint|--max-steps|--epochs|--producer-args|--consumer-args|--restarts)
@@ -56,6 +59,7 @@ while [ $# -gt 0 ]; do
       esac
       shift 2;;
     --fresh-spool) fresh_spool=1; shift;;
+    --keep-spool) keep_spool=1; shift;;
     -h|--help) usage; exit 0;;
     *) die "unknown argument '$1' (see --help)";;
   esac
@@ -133,12 +137,16 @@ checkpoint=${checkpoint:-$run_dir/checkpoints}
 mkdir -p "$spool" && chmod 700 "$spool" || die "cannot create spool $spool"
 exec 9>>"$spool/lock-launch" || die "cannot open $spool/lock-launch"
 if ! flock -n 9; then
-  holder=$(head -n 1 "$spool/lock-launch" 2>/dev/null); holder=${holder:-a launch that is starting up}
+  # the holder writes its line right after it took the lock: a launch started at the same moment waits
+  # for it (2 s at most) to say whose launch it is
+  for _ in $(seq 20); do holder=$(head -n 1 "$spool/lock-launch" 2>/dev/null); [ -n "$holder" ] && break; sleep 0.1; done
+  holder=${holder:-a launch that is starting up}
   die "spool $spool is in use by a live launch of $holder; this is run '$run': stop that launch first, or use another --spool"
 fi
 echo "run '$run' (ops/run_all.sh pid $$, since $(date +%H:%M:%S))" > "$spool/lock-launch"
 # The spool belongs to one run; what a previous launch left in its flow is discarded (producers
 # re-produce what the checkpoint has not trained): see docs/reliability.md, "Re-running a run".
+spool_was_new=1; [ -e "$spool/state/run.json" ] && spool_was_new=0
 prep_args=(); [ "$fresh_spool" = 1 ] && prep_args+=(--fresh)
 dflash-spool prepare "$spool" --run "$run" "${prep_args[@]}" || exit $?
 mkdir -p "$run_dir/logs" "$run_dir/metrics" || die "cannot create run directory $run_dir"
@@ -150,8 +158,12 @@ JSON
 declare -A name_of=()
 pids=(); consumer_pids=()
 start() {  # start NAME LOG CMD...: background process with its own log (appended across restarts)
+  # A command's own one-line reports ("dflash-produce: 237 trainable rows; dropped ...", "...: done",
+  # "...: error: ...") also reach this terminal; everything else is in the log. The tee ignores Ctrl-C
+  # and SIGTERM (it ends when the command closes its output): killed with the process group, it would
+  # take the log lines of a consumer's clean stop with it.
   local name="$1" logf="$2"; shift 2
-  "$@" >> "$logf" 2>&1 &
+  "$@" > >(trap '' INT TERM; tee -a "$logf" | grep --line-buffered -E '^dflash-(produce|consume): ' >&2) 2>&1 &
   local pid=$!
   name_of[$pid]=$name; pids+=("$pid")
   echo "$name $pid" >> "$run_dir/pids"
@@ -196,7 +208,21 @@ stop_all() {  # consumers first (they checkpoint on SIGTERM), then producers. $1
   for p in "${pids[@]}"; do pkill -KILL -P "$p" 2>/dev/null; kill -KILL "$p" 2>/dev/null; done
   wait 2>/dev/null
 }
-trap 'echo "run_all.sh: stopping (signal)"; stop_all; exit 130' INT TERM
+leave_spool() {  # $1: finished | stopped | failed. What a launch leaves in /dev/shm (docs/reliability.md).
+  [ "$keep_spool" = 1 ] && { echo "kept the spool $spool (--keep-spool)"; return; }
+  # only what is a spool and nothing else (a --spool pointed at a folder of the user's own is kept)
+  local others
+  others=$(ls -A "$spool" 2>/dev/null | grep -vE '^(tmp|ready|claimed|acked|quarantine|state|eval|lock-.*)$' || true)
+  if ! [ -d "$spool/state" ] || [ -n "$others" ]; then
+    echo "run_all.sh: kept $spool: it holds more than a spool (${others//$'\n'/ })" >&2; return
+  fi
+  if [ "$1" = finished ] || [ "$spool_was_new" = 1 ]; then  # nothing in it a later launch reads
+    rm -rf "$spool" && echo "removed the spool $spool (the run $1; --keep-spool keeps it)"
+  else  # the shards go (the next launch discards them anyway); the run's records stay for its next launch
+    dflash-spool free "$spool" || echo "run_all.sh: the spool $spool keeps its shards (dflash-spool gc removes abandoned spools)" >&2
+  fi
+}
+trap 'echo "run_all.sh: stopping (signal)"; stop_all; leave_spool stopped; exit 130' INT TERM
 
 attempt=0
 while :; do
@@ -211,7 +237,7 @@ while :; do
     if [ "$rc" -eq 130 ]; then
       # interrupted (Ctrl-C reaches every process of the group): a clean stop, not a failure — also when
       # the child's exit is seen before this shell's own INT trap has run
-      echo "run_all.sh: stopping ($name was interrupted)"; stop_all; exit 130
+      echo "run_all.sh: stopping ($name was interrupted)"; stop_all; leave_spool stopped; exit 130
     fi
     if [ "$rc" -ne 0 ]; then
       status=$rc; failed=$name
@@ -234,6 +260,11 @@ while :; do
   break
 done
 echo "run dir: $run_dir  (logs in $run_dir/logs, metrics in $run_dir/metrics, status: dflash-status $run_dir)"
-if [ -n "$failed" ]; then echo "run_all.sh: FAILED: $failed" >&2; exit "$status"; fi
+if [ -n "$failed" ]; then
+  leave_spool failed
+  echo "run_all.sh: FAILED: $failed" >&2
+  exit "$status"
+fi
+leave_spool finished
 python3 -c "import dflash.tools.plots as p; p.write_plots('$run_dir')" 2>/dev/null || true
 exit 0

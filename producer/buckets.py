@@ -83,6 +83,9 @@ class Batch:
     pad_len: int
     samples: list[Sample] = field(default_factory=list)
     rows: int | None = None  # forward rows when padded beyond the samples (fixed shapes); None: one per sample
+    epoch: int | None = None
+    """The campaign epoch of every sample (the producer flushes its buckets at each epoch's end, so a
+    batch, and the shard made of it, never mixes epochs); None outside a campaign (held-out shards)."""
 
     @property
     def num_rows(self) -> int:

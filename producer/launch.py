@@ -26,6 +26,7 @@ from dflash.common.contract.spool import Spool, SpoolError, default_budget_bytes
 from dflash.common.contract.spool_records import RunMismatchError, SpoolBusyError
 from dflash.common.drafter.layers import default_target_layer_ids
 from dflash.common.target.chat import check_tokenizer
+from dflash.common.target.checks import check_target as check_target_files
 from dflash.common.target.data import (
     DataConfig,
     DataError,
@@ -92,6 +93,7 @@ def check_target(model: str, layer_ids: list[int] | None) -> list[int]:
     """Model config and tokenizer load; the template exists; layer ids fit. Returns the layer ids the
     workers will capture. Raises UsageError."""
     try:
+        check_target_files(model, what="--model")
         config = AutoConfig.from_pretrained(model)
         tok = AutoTokenizer.from_pretrained(model)
     except (OSError, ValueError) as err:

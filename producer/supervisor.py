@@ -2,26 +2,27 @@
 decide after tokenization whether the dataset gives anything to train, and turn their outcomes into the
 launch's exit status.
 
-The protocol between parent and workers is a queue of events: ("tokenized", id, summary) once a worker's
-slice is tokenized (it then waits for ``go`` or ``abort``), ("hb", id, heartbeat) while it runs, then one of
+The protocol between parent and workers is a pipe per worker (no named semaphores: nothing to leak in
+/dev/shm however the launch dies), events up: ("tokenized", id, summary) once a worker's
+slice is tokenized (it then waits for "go" or "abort" down its pipe), ("hb", id, heartbeat) while it runs, then one of
 ("done" | "stopped" | "aborted", id, counters) or ("error", id, message, exit code). A worker that dies
 without a word (kill -9, OOM killer) is noticed by its exit code.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import multiprocessing as mp
 import os
-import queue
 import signal
 import sys
 import threading
 import time
+from multiprocessing.connection import Connection, wait
 
 from tqdm import tqdm
 
+from dflash.common.child_process import anonymous_library_locks, die_with_parent
 from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, one_line
 from dflash.common.metrics import format_bytes, format_duration, format_rate
 from dflash.common.target.chat import format_drops
@@ -31,30 +32,38 @@ from dflash.producer.launch import Launch
 log = logging.getLogger(__name__)
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Have the kernel SIGKILL this worker when the dflash-produce parent dies, however it dies (Linux).
+class _Channel:
+    """The worker's end of its pipe to the parent: events up, "go"/"abort" down. One lock: heartbeats and
+    the outcome may come from different threads."""
 
-    Why: a worker that outlives a parent killed with SIGKILL keeps publishing shards and finally writes its
-    DONE marker, possibly into the fresh spool of the pipeline's next life (run_all.sh --restarts wipes and
-    recreates it): consumers there would see "producers done" early and stop with samples never trained.
-    SIGKILL, not SIGTERM: an orphan must not publish even the shard it is writing.
-    """
-    if sys.platform != "linux":
-        return
+    def __init__(self, conn) -> None:
+        self.conn, self.lock = conn, threading.Lock()
 
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
+    def send(self, *event) -> None:
+        with self.lock:
+            try:
+                self.conn.send(event)
+            except (BrokenPipeError, OSError):  # the parent is gone: nobody to tell
+                pass
+
+    def wait_for_go(self, stop: threading.Event) -> bool:
+        """True on "go", False on "abort", a stop, or a parent that went away."""
+        while not stop.is_set():
+            try:
+                if self.conn.poll(0.2):
+                    return self.conn.recv() == "go"
+            except (EOFError, OSError):
+                return False
+        return False
 
 
-def _worker_entry(cfg, cuda_index: int | None, events, log_level: str, parent_pid: int, go, abort) -> None:
-    """Spawned process body: own the device, run, report the outcome through `events`. After
-    tokenizing its slice it reports ("tokenized", summary) and waits for the parent's `go` (or `abort`:
-    the dataset yields no trainable sample) before loading the target."""
-    _die_with_parent(parent_pid)
+def _worker_entry(cfg, cuda_index: int | None, conn, log_level: str, parent_pid: int) -> None:
+    """Spawned process body: own the device, run, report the outcome through the pipe ``conn``. After
+    tokenizing its slice it reports ("tokenized", summary) and waits for the parent's "go" (or "abort": the
+    dataset yields no trainable sample) before loading the target."""
+    die_with_parent(parent_pid)
+    anonymous_library_locks()
+    channel = _Channel(conn)
     if cuda_index is not None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         physical = visible.split(",")[cuda_index] if visible else str(cuda_index)
@@ -81,11 +90,8 @@ def _worker_entry(cfg, cuda_index: int | None, events, log_level: str, parent_pi
     from dflash.producer.worker import run_producer
 
     def tokenized(summary: dict) -> bool:
-        events.put(("tokenized", cfg.producer_id, summary))
-        while not go.wait(0.2):
-            if abort.is_set() or stop.is_set():
-                return False
-        return not abort.is_set()
+        channel.send("tokenized", cfg.producer_id, summary)
+        return channel.wait_for_go(stop)
 
     wlog = logging.getLogger(__name__)
     debug = logging.getLogger().isEnabledFor(logging.DEBUG)
@@ -93,22 +99,22 @@ def _worker_entry(cfg, cuda_index: int | None, events, log_level: str, parent_pi
         result = run_producer(
             cfg,
             stop=stop,
-            on_heartbeat=lambda hb: events.put(("hb", cfg.producer_id, hb)),
+            on_heartbeat=lambda hb: channel.send("hb", cfg.producer_id, hb),
             on_tokenized=tokenized,
         )
     except KeyboardInterrupt:  # a second signal: stop now, without the clean stop
-        events.put(("stopped", cfg.producer_id, {"done": False}))
+        channel.send("stopped", cfg.producer_id, {"done": False})
         sys.exit(EXIT_INTERRUPTED)
     except (DataError, ValueError, OSError) as err:
-        events.put(("error", cfg.producer_id, f"{type(err).__name__}: {one_line(err)}", EXIT_USAGE))
+        channel.send("error", cfg.producer_id, f"{type(err).__name__}: {one_line(err)}", EXIT_USAGE)
         wlog.error("producer %s failed: %s", cfg.producer_id, one_line(err), exc_info=debug)
         sys.exit(EXIT_USAGE)
     except BaseException as err:
-        events.put(("error", cfg.producer_id, f"{type(err).__name__}: {one_line(err)}", EXIT_FAILURE))
+        channel.send("error", cfg.producer_id, f"{type(err).__name__}: {one_line(err)}", EXIT_FAILURE)
         wlog.error("producer %s failed: %s", cfg.producer_id, one_line(err), exc_info=debug)
         sys.exit(EXIT_FAILURE)
     kind = "aborted" if result.get("aborted") else "done" if result["done"] else "stopped"
-    events.put((kind, cfg.producer_id, result))
+    channel.send(kind, cfg.producer_id, result)
 
 
 class Progress:
@@ -181,18 +187,22 @@ class Supervisor:
     """The workers of one launch, from spawn to exit status."""
     def __init__(self, prepared: Launch, launch: LaunchConfig):
         self.prepared, self.launch = prepared, launch
+        # Pipes, not mp.Queue/Event: those are named POSIX semaphores in /dev/shm, and a launch killed with
+        # its process group (run_all.sh's stop, a kill -9) takes the resource tracker along and leaks them.
         ctx = mp.get_context("spawn")
-        self.events = ctx.Queue()
-        self.go, self.abort = ctx.Event(), ctx.Event()
         self.procs: dict[str, mp.Process] = {}
+        self.conns: dict[str, Connection] = {}
         for cfg, w in zip(prepared.configs, prepared.workers, strict=True):
+            mine, theirs = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_worker_entry,
-                args=(cfg, w.cuda_index, self.events, launch.log_level, os.getpid(), self.go, self.abort),
+                args=(cfg, w.cuda_index, theirs, launch.log_level, os.getpid()),
                 name=w.producer_id,
             )
             proc.start()
-            self.procs[w.producer_id] = proc
+            theirs.close()
+            self.procs[w.producer_id], self.conns[w.producer_id] = proc, mine
+        self.go_sent = False
         self.progress = Progress(prepared.spool, list(self.procs), launch.progress_s)
         self.outcome: dict[str, tuple] = {}
         self.tokenized: dict[str, dict] = {}
@@ -210,9 +220,10 @@ class Supervisor:
         summary = merge_summaries(list(self.tokenized.values()))
         _say(f"{summary['ok']} trainable rows; {format_drops(summary)}")
         everyone = len(self.tokenized) == len(self.procs)
+        word = "go"
         if summary["ok"] == 0 and self.launch.num_nodes == 1 and everyone:
             self.no_data = f"no trainable sample in dataset {self.prepared.data.dataset}: {format_drops(summary)}"
-            self.abort.set()
+            word = "abort"
         elif everyone:  # what this node's slices give, for the consumers' plan
             campaign = {k: sum(int(t["campaign"][k]) for t in self.tokenized.values()) for k in ("samples", "tokens", "loss_tokens")}  # fmt: skip
             epochs = self.prepared.configs[0].epochs
@@ -220,24 +231,37 @@ class Supervisor:
                 self.launch.node_rank,
                 {**campaign, "epochs": epochs, "node_rank": self.launch.node_rank, "num_nodes": self.launch.num_nodes},
             )
-        self.go.set()
+        for conn in self.conns.values():
+            try:
+                conn.send(word)
+            except (BrokenPipeError, OSError):  # that worker is gone; its exit code tells
+                pass
+        self.go_sent = True
+
+    def _events(self, timeout: float):
+        """(kind, producer id, payload, *rest) events that arrived within ``timeout``; a closed pipe (the
+        worker ended) is dropped from the watch."""
+        open_conns = {c: pid for pid, c in self.conns.items()}
+        for conn in wait(list(open_conns), timeout=timeout):
+            try:
+                yield conn.recv()
+            except (EOFError, OSError):
+                del self.conns[open_conns[conn]]
 
     def watch(self) -> None:
-        """Relay events until every worker has ended and the queue is empty."""
-        while any(p.is_alive() for p in self.procs.values()) or not self.events.empty():
-            try:
-                kind, pid, payload, *rest = self.events.get(timeout=0.5)
-            except queue.Empty:
-                kind = None
-            if kind == "hb":
-                self.progress.update(pid, payload)
-            elif kind == "tokenized":
-                self.tokenized[pid] = payload
-            elif kind is not None:
-                self.outcome[pid] = (kind, payload, *rest)
-                if kind == "error":
-                    log.error("worker %s failed: %s (the other workers finish their slices)", pid, payload)
-            if not self.go.is_set() and not self.stopping:  # a stop: the waiting workers see it and end
+        """Relay events until every worker has ended and said all it had to say."""
+        while self.conns or any(p.is_alive() for p in self.procs.values()):
+            events = list(self._events(0.5)) if self.conns else (time.sleep(0.5) or [])
+            for kind, pid, payload, *rest in events:
+                if kind == "hb":
+                    self.progress.update(pid, payload)
+                elif kind == "tokenized":
+                    self.tokenized[pid] = payload
+                else:
+                    self.outcome[pid] = (kind, payload, *rest)
+                    if kind == "error":
+                        log.error("worker %s failed: %s (the other workers finish their slices)", pid, payload)
+            if not self.go_sent and not self.stopping:  # a stop: the waiting workers see it and end
                 pending = [
                     i for i, p in self.procs.items() if i not in self.tokenized and p.is_alive() and i not in self.outcome
                 ]

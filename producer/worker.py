@@ -41,6 +41,7 @@ from dflash.common.target.data import conversation_column, load_raw_dataset, sli
 from dflash.common.target.loading import TargetInfo, load_target
 from dflash.producer.buckets import Batch, Bucketer, Sample
 from dflash.producer.config import ProducerConfig
+from dflash.producer.epoch_barrier import EpochBarrier
 from dflash.producer.trunk import CompileSpec, Trunk, compile_spec, warm_trunk
 from dflash.producer.writers import Counters, _Job, _Writers, shard_of
 
@@ -265,7 +266,7 @@ def run_producer(
         if len(held_ids):
             n = write_held_out(cfg, capture, _samples(tok_ds, held_pos, held_ids), spool, pad_id)
             log.info("producer %s: %d held-out samples spooled for evaluation (eval/)", cfg.producer_id, n)
-        return produce(cfg, capture, _samples(tok_ds, positions, ids), pad_id=pad_id, stop=stop, counters=counters, heartbeat=heartbeat)  # fmt: skip
+        return produce(cfg, capture, _samples(tok_ds, positions, ids), pad_id=pad_id, stop=stop, counters=counters, heartbeat=heartbeat, epochs=epochs)  # fmt: skip
     finally:
         capture.close()
         heartbeat.close()
@@ -281,10 +282,15 @@ def produce(
     counters: Counters | None = None,
     heartbeat: _Heartbeat | None = None,
     on_heartbeat: Callable[[dict], None] | None = None,
+    epochs: Epochs | None = None,
 ) -> dict:
     """The producer loop over ready-made samples (run_producer's core; the benchmark calls it directly):
     buckets -> forward -> D2H -> writer thread -> spool; DONE marker if it ran to the end. ``capture``: a
-    Trunk (compiled, warmed by the caller) or a LayerCapture (run eagerly)."""
+    Trunk (compiled, warmed by the caller) or a LayerCapture (run eagerly).
+
+    With ``epochs`` (a campaign: samples come epoch by epoch, ids ``epoch x rows + row``), each epoch's
+    buckets are flushed at its end, so no batch or shard mixes epochs, and the producers' epoch barrier
+    (epoch_barrier.py) keeps every shard of epoch k published before any of k+1."""
     trunk = capture if isinstance(capture, Trunk) else Trunk(capture, CompileSpec())
     stop = stop or threading.Event()
     counters = counters or Counters()
@@ -305,12 +311,13 @@ def produce(
                 torch.empty(max_tokens, capture.feature_size, dtype=torch.bfloat16, pin_memory=True)
             )
     bucketer = Bucketer(trunk.bucket_config(cfg.buckets))
+    barrier = EpochBarrier(spool, cfg.producer_id, stop=stop, on_wait=lambda: heartbeat(phase="epoch barrier"))
     writer.start()
     finished = False
     t_start = time.monotonic()
     try:
         with torch.inference_mode():
-            for batch in _all_batches(samples, bucketer):
+            for batch in _campaign_batches(samples, bucketer, epochs, writer, barrier):
                 if stop.is_set():
                     break
                 t_launch = time.monotonic()
@@ -342,7 +349,7 @@ def produce(
     produce_s = time.monotonic() - t_start
     heartbeat(force=True, phase="done" if finished else "stopped", done=finished, produce_s=produce_s, **trunk.report())
     result = {**counters.snapshot(), "done": finished, "padding_waste": bucketer.padding_waste,
-              "produce_s": produce_s, **trunk.report()}  # fmt: skip
+              "produce_s": produce_s, "epoch_barrier_s": barrier.waited_s, **trunk.report()}  # fmt: skip
     log.info("producer %s %s: %s", cfg.producer_id, "done" if finished else "stopped", result)
     return result
 
@@ -369,6 +376,37 @@ def _hand_off(batch: Batch, packed: torch.Tensor, writer: _Writers, stop, heartb
             writer.free.put(job.buffer)
         return False
     return True
+
+
+def _campaign_batches(
+    samples: Iterable[Sample], bucketer: Bucketer, epochs: Epochs | None, writer: _Writers, barrier: EpochBarrier
+) -> Iterator[Batch]:
+    """The batches of ``samples``; with ``epochs``, epoch by epoch: each epoch's buckets flushed at its end
+    (batches tagged with it), its shards published (``writer.drain``), then the barrier (every epoch of
+    the campaign reaches it, also one this producer has nothing left of). Stops early when the barrier
+    says stop."""
+    if epochs is None:
+        yield from _all_batches(samples, bucketer)
+        return
+    it = iter(samples)
+    pending = next(it, None)
+    for epoch in range(epochs.epochs):
+
+        def this_epoch(epoch: int) -> Iterator[Sample]:
+            nonlocal pending
+            while pending is not None and int(epochs.epoch_of(pending.sample_index)) == epoch:
+                yield pending
+                pending = next(it, None)
+
+        for batch in _all_batches(this_epoch(epoch), bucketer):
+            batch.epoch = epoch
+            yield batch
+        if epoch < epochs.epochs - 1:
+            writer.drain()
+            if not barrier.reached(epoch):
+                return
+    if pending is not None:
+        raise ValueError(f"sample {pending.sample_index} is not of the campaign's {epochs.epochs} epoch(s)")
 
 
 def _all_batches(samples: Iterable[Sample], bucketer: Bucketer) -> Iterator[Batch]:

@@ -64,7 +64,7 @@ def shard_of(batch: Batch, hidden: torch.Tensor, meta_kw: dict):
         cu_seqlens=torch.from_numpy(cu),
         sample_index=torch.tensor([s.sample_index for s in samples], dtype=torch.int64),
         hidden=hidden,
-        meta=ShardMeta(bucket=batch.bucket, **meta_kw),
+        meta=ShardMeta(bucket=batch.bucket, epoch=batch.epoch or 0, **meta_kw),
     )
 
 
@@ -103,6 +103,10 @@ class _Writers:
         self.seq += 1
         return self.seq - 1
 
+    def drain(self) -> None:
+        """Wait until every job queued so far is published (or dropped: stopping, or a writer failed)."""
+        self.jobs.join()
+
     def close(self) -> None:
         """Finish queued jobs (dropped when stopping) and join the threads."""
         for _ in self.threads:
@@ -125,6 +129,7 @@ class _Writers:
                 if job.buffer is not None:
                     self.free.put(job.buffer)
                 self.counters.add(writer_busy_s=time.monotonic() - t0)
+                self.jobs.task_done()
 
     def _admit(self, spool, reserved: int) -> bool:
         """Wait for room in the spool budget, then reserve ``reserved`` bytes; False when stopping.
@@ -167,7 +172,7 @@ class _Writers:
             return
         try:
             t1 = time.monotonic()
-            tmp = spool.new_tmp_path(shard_name(job.batch.bucket, self.cfg.producer_id, job.seq))
+            tmp = spool.new_tmp_path(shard_name(job.batch.bucket, self.cfg.producer_id, job.seq, job.batch.epoch))
             nbytes = write_shard(tmp, shard, self.codec, chunk_bytes=self.cfg.chunk_bytes)
             spool.publish(tmp, nbytes=nbytes)
         finally:

@@ -119,3 +119,39 @@ def write_synthetic_spool(
     spool.register_producers([producer_id])
     spool.mark_done(producer_id)
     return spool
+
+
+class SemaphoreSpy:
+    """A ``sitecustomize`` for the processes a test starts (``env`` puts it on PYTHONPATH; spawned children
+    load it too) that logs every multiprocessing lock made: named ones (a spawn context's: a file in
+    /dev/shm that outlives a process-group SIGKILL) with their stack, anonymous ones (a fork context's,
+    unlinked at once) as a count, so a test can also check that the spy ran."""
+
+    def __init__(self, tmp_path: Path):
+        site = tmp_path / "semaphore-spy"
+        site.mkdir()
+        self.log = site / "locks.log"
+        self.log.write_text("")
+        (site / "sitecustomize.py").write_text(
+            "import multiprocessing.synchronize as s, os, traceback\n"
+            "_init = s.SemLock.__init__\n"
+            "def _spy(self, *a, ctx=None, **k):\n"
+            "    _init(self, *a, ctx=ctx, **k)\n"
+            "    named = self._semlock.name is not None\n"
+            f"    with open({str(self.log)!r}, 'a') as f:\n"
+            "        f.write(f'named pid {os.getpid()}:\\n' + ''.join(traceback.format_stack()) + '\\x00'"
+            " if named else 'anonymous\\x00')\n"
+            "s.SemLock.__init__ = _spy\n"
+        )
+        old = os.environ.get("PYTHONPATH")
+        self.env = {"PYTHONPATH": str(site) + (os.pathsep + old if old else "")}
+
+    def _entries(self) -> list[str]:
+        return [e for e in self.log.read_text().split("\x00") if e]
+
+    def named(self) -> list[str]:
+        """The stack of each named semaphore made."""
+        return [e for e in self._entries() if e.startswith("named")]
+
+    def anonymous(self) -> int:
+        return sum(e == "anonymous" for e in self._entries())

@@ -204,7 +204,7 @@ def test_quarantined_samples_are_said_and_the_next_launch_trains_them(tmp_path, 
 
     # the next launch: the same run on the same spool and checkpoint store
     cmd = [
-        "bash", str(REPO / "ops" / "run_all.sh"), "--producers", "cpu:1", "--consumers", "cpu:1",
+        "bash", str(REPO / "ops" / "run_all.sh"), "--keep-spool", "--producers", "cpu:1", "--consumers", "cpu:1",
         "--model", str(tiny_target), "--dataset", str(data), "--run", "q", "--run-dir", str(run_dir),
         "--spool", str(spool), "--checkpoint", str(ckpt),
         "--producer-args", f"--max-length {MAX_LENGTH} --batch-tokens 1024",
@@ -213,6 +213,8 @@ def test_quarantined_samples_are_said_and_the_next_launch_trains_them(tmp_path, 
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(tmp_path))
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     assert "run 'q' continues" in res.stdout
+    # the producer's own report of its dataset reaches the terminal, not only producer.log (issue 23)
+    assert re.search(r"^dflash-produce: \d+ trainable rows; ", res.stderr, re.M), res.stderr[-3000:]
     produced = (run_dir / "logs" / "producer.log").read_text()
     assert f"samples={len(lost)} " in produced, produced[-2000:]  # exactly the lost ones were produced again
     final = load_checkpoint(str(ckpt), "q")
@@ -229,7 +231,7 @@ def test_run_all_does_not_restart_after_a_user_error(tmp_path, tiny_target):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q {i}"}]}) + "\n" for i in range(4)))  # fmt: skip
     cmd = [
-        "bash", str(REPO / "ops" / "run_all.sh"), "--producers", "cpu:1", "--consumers", "cpu:1",
+        "bash", str(REPO / "ops" / "run_all.sh"), "--keep-spool", "--producers", "cpu:1", "--consumers", "cpu:1",
         "--model", str(tiny_target), "--dataset", str(data), "--run", "nodata", "--run-dir", str(tmp_path / "run"),
         "--spool", str(tmp_path / "spool"), "--checkpoint", str(tmp_path / "ckpt"), "--restarts", "3",
         "--consumer-args", "--context-tokens 512 --num-anchors 32 --max-anchors-per-doc 8 --compile-backend eager",

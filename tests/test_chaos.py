@@ -404,7 +404,7 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
     rng.shuffle(whens)
     plan = list(zip(kinds, whens, strict=True))
     cmd = [
-        "bash", str(REPO / "ops" / "run_all.sh"), "--producers", "cpu:2", "--consumers", "cpu:2",
+        "bash", str(REPO / "ops" / "run_all.sh"), "--keep-spool", "--producers", "cpu:2", "--consumers", "cpu:2",
         "--model", str(tiny_target), "--dataset", str(data), "--run", RUN, "--run-dir", str(run_dir),
         "--spool", str(spool), "--checkpoint", str(ckpt), "--epochs", str(EPOCHS), "--producer-args", PRODUCER_ARGS,
         "--consumer-args", CONSUMER_ARGS,

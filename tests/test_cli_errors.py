@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from pipeline_helpers import consume_cmd, cpu_env, produce_cmd
+from pipeline_helpers import BIN, consume_cmd, cpu_env, produce_cmd
 
 from dflash.common.contract.spool import Spool
 from dflash.tools.demo.assets import demo_dataset_path
@@ -66,7 +66,41 @@ CASES = {
     "consume_no_credentials": "no usable AWS credentials",
     "consume_unreachable_endpoint": "cannot reach the S3 endpoint",
     "consume_no_usable_checkpoint": "start over with --resume none",
+    # issue 23: errors that now say what is wrong and what to do
+    "produce_missing_model": "--model /nonexistent/models/target: no such folder (give a model folder, or a hub id",
+    "produce_config_only": "is incomplete: no tokenizer (tokenizer.json, tokenizer_config.json); no weights (model.safetensors",
+    "consume_missing_target": "--target /nonexistent/models/target: no such folder",
+    "produce_plan_clash": "the same run name with another plan: --max-length 512 recorded, 1024 given",
+    "eval_other_target": "its weights are not those the drafter was trained with",
 }
+
+
+def _drafter_for_another_target(tmp: Path, target: Path) -> tuple[Path, Path]:
+    """(an exported drafter trained for ``target``, a copy of ``target`` with other weights of the same
+    shape): the drafter records ``target``'s head fingerprint; the copy's embedding rows are perturbed."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    from dflash.common.drafter.config import DrafterConfig
+    from dflash.common.drafter.hf_format import export_drafter
+    from dflash.common.drafter.model import DFlashDrafter
+    from dflash.common.target.head import target_fingerprint
+
+    cfg = DrafterConfig.from_target_config(AutoConfig.from_pretrained(target), num_layers=1, block_size=4, mask_token_id=0)
+    cfg.target_fingerprint = target_fingerprint(target)
+    torch.manual_seed(0)
+    drafter = export_drafter(DFlashDrafter(cfg).state_dict(), cfg, tmp / "drafter", dtype=torch.float32)
+    other = tmp / "other-target"
+    shutil.copytree(target, other)
+    weights = load_file(str(other / "model.safetensors"))
+    key = next(k for k in weights if k.endswith("embed_tokens.weight"))
+    weights[key] = weights[key] + 0.01
+    save_file(weights, str(other / "model.safetensors"), metadata={"format": "pt"})
+    assert target_fingerprint(other) != cfg.target_fingerprint
+    return drafter, other
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +118,12 @@ def outcomes(tmp_path_factory, tiny_target):
     ]
     store = tmp / "store"
     _corrupt_checkpoint(store, "mine")
+    config_only = tmp / "config-only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((Path(tiny_target) / "config.json").read_text())
+    planned = Spool(tmp / "planned")
+    planned.bind_run({"run": "mine", "plan": {"max_length": 512}})
+    drafter, other = _drafter_for_another_target(tmp, tiny_target)
     def empty(name: str) -> Path:  # one spool per case: they run at once, each takes the rank-0 lock
         return Spool(tmp / f"empty-{name}").root
 
@@ -117,6 +157,19 @@ def outcomes(tmp_path_factory, tiny_target):
             _env(tmp),
         ),
     }
+    cmds |= {
+        "produce_missing_model": (produce_cmd(tmp / "never2", "/nonexistent/models/target", data), _env(tmp)),
+        "produce_config_only": (produce_cmd(tmp / "never3", config_only, data), _env(tmp)),
+        "consume_missing_target": (consume_cmd(empty("target"), "/nonexistent/models/target"), _env(tmp)),
+        "produce_plan_clash": (
+            produce_cmd(planned.root, tiny_target, data, "--run", "mine", "--max-length", "1024"), _env(tmp)
+        ),
+        "eval_other_target": (
+            [str(BIN / "dflash-eval"), "--target", str(other), "--drafter", str(drafter), "--dataset", str(data),
+             "--num-prompts", "1", "--max-new-tokens", "4", "--device", "cpu"],
+            _env(tmp),
+        ),  # fmt: skip
+    }
     # consume_cmd puts "--gpu cpu" first; a later --gpu wins in argparse
     procs = {k: subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k, (c, e) in cmds.items()}  # fmt: skip
     out = {}
@@ -138,7 +191,7 @@ def outcomes(tmp_path_factory, tiny_target):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_user_errors_are_one_line_and_exit_2(outcomes, case):
     code, err = outcomes[case]
-    prog = "dflash-produce" if case.startswith("produce") else "dflash-consume"
+    prog = {"produce": "dflash-produce", "consume": "dflash-consume", "eval": "dflash-eval"}[case.split("_")[0]]
     assert "Traceback" not in err, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith(f"{prog}: error: ")]
     assert len(errors) == 1 and CASES[case] in errors[0], err[-3000:]
@@ -146,6 +199,21 @@ def test_user_errors_are_one_line_and_exit_2(outcomes, case):
     if case == "produce_missing_gpu":  # caught before anything loads or is created
         assert not (outcomes["_tmp"] / "never").exists()
         assert "Loading" not in err and "tokenize" not in err
+    if case in ("produce_missing_model", "produce_config_only"):  # before the spool is created
+        assert not (outcomes["_tmp"] / ("never2" if case == "produce_missing_model" else "never3")).exists()
+
+
+@pytest.mark.slow
+def test_eval_of_another_target_runs_with_force_and_says_so(outcomes, tmp_path, tiny_target):
+    """--force evaluates a target whose weights differ from the drafter's, with one warning line."""
+    tmp = outcomes["_tmp"]
+    cmd = [str(BIN / "dflash-eval"), "--target", str(tmp / "other-target"), "--drafter", str(tmp / "drafter"),
+           "--dataset", str(demo_dataset_path()), "--num-prompts", "1", "--max-new-tokens", "4", "--device", "cpu",
+           "--force"]  # fmt: skip
+    p = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    warnings = [line for line in p.stderr.splitlines() if "evaluating anyway (--force)" in line]
+    assert len(warnings) == 1 and "not those the drafter was trained with" in warnings[0], p.stderr[-2000:]
 
 
 def test_an_empty_spool_logs_waiting_for_producers(tmp_path, monkeypatch, caplog):

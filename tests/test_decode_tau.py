@@ -10,7 +10,6 @@ import torch
 from test_evaluate import OracleProposer, _manual_greedy
 
 from dflash.common.drafter.config import DrafterConfig
-from dflash.common.drafter.decode import DrafterProposer, summarize
 from dflash.common.drafter.decode_tau import (
     HeldOutDoc,
     batched_teacher_forced_generate,
@@ -18,10 +17,10 @@ from dflash.common.drafter.decode_tau import (
     first_response,
     teacher_forced_generate,
 )
+from dflash.common.drafter.dflash import DrafterProposer, TargetRunner, speculative_generate
 from dflash.common.drafter.model import DFlashDrafter
+from dflash.common.drafter.report import summarize
 from dflash.common.target.head import load_target_head
-from dflash.common.target.runner import TargetRunner
-from dflash.common.target.speculative import speculative_generate
 from dflash.tools.demo.assets import build_tiny_target, demo_dataset_path, tiny_target_dir
 from dflash.tools.eval.run import load_prompts
 
@@ -165,3 +164,24 @@ def test_periodic_evaluations_keep_to_their_share_of_the_run():
     budget.add(0.5)
     assert (budget.spent_s, budget.last_s) == (1.5, 0.5)
     assert not budget.allows(60.0) and budget.allows(70.0)  # 2 s again, priced at the last one
+
+
+def test_the_batched_walk_equals_the_proposer_with_sliding_layers(setup):
+    """The batched walk's key masks and the proposer's cache agree on sliding layers too (window 6 against
+    documents of ~60 tokens): the same steps and tokens, and drafts were accepted."""
+    target, prompts, docs = setup
+    config = DrafterConfig.from_target_config(
+        target.config, num_layers=2, mask_token_id=3, target_layer_ids=LAYERS,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(config, load_target_head(target, dtype=torch.float32))
+    _overfit(drafter, docs)
+    cases = [(d.input_ids, d.hidden, len(p), n) for p, d in zip(prompts, docs, strict=True) for n in (MAX_NEW, 9)]
+    together = batched_teacher_forced_generate(drafter, cases)
+    for (ids, hidden, start, n), gen in zip(cases, together, strict=True):
+        alone = teacher_forced_generate(
+            DrafterProposer(drafter), ids, hidden, start=start, max_new_tokens=n, block_size=config.block_size
+        )
+        assert gen.steps == alone.steps and gen.tokens == alone.tokens
+    assert any(a > 0 for g in together for _, a, _ in g.steps)

@@ -26,11 +26,10 @@ def test_logged_decode_order_tau_equals_dflash_eval_on_the_same_checkpoint_and_d
     from dflash.common.checkpoints.load import load_checkpoint
     from dflash.common.contract.shard_reader import read_shard
     from dflash.common.contract.spool import Spool
-    from dflash.common.drafter.decode import DrafterProposer, summarize
     from dflash.common.drafter.decode_tau import first_response
+    from dflash.common.drafter.dflash import DrafterProposer, TargetRunner, speculative_generate
+    from dflash.common.drafter.report import summarize
     from dflash.common.target.attach import build_drafter
-    from dflash.common.target.runner import TargetRunner
-    from dflash.common.target.speculative import speculative_generate
     from dflash.tools.export.run import checkpoint_drafter_config
 
     data = tmp_path / "data.jsonl"

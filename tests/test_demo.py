@@ -6,10 +6,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
-from pipeline_helpers import cpu_env
+import pytest
+from pipeline_helpers import as_from_a_terminal, cpu_env
 
 from dflash.common.metrics import read_metrics
 from dflash.tools.demo.config import QUICK
@@ -90,11 +94,56 @@ def test_demo_trains_a_better_drafter_talks_checkpoints_to_s3_and_leaves_nothing
     progress = [line for line in proc.stdout.splitlines() if re.match(r"\[demo \d", line)]
     # (how many periodic lines come depends on the box's speed; the closing one always comes)
     assert re.search(r"step \d+: .*loss \d", progress[-1]), proc.stdout[-3000:]
-    # the checkpoint is in the (moto) S3 store and `latest` names the last step
-    assert s["checkpoint"].startswith("s3://dflash-demo/checkpoints/demo/step-")
-    assert s["checkpoint_latest"] == s["checkpoint"].rsplit("/", 1)[1]
+    # the checkpoint is in the (moto) S3 store and `latest` names the last step; a local copy outlives the
+    # demo's S3 server (the summary's commands must work after it)
+    assert s["checkpoint_s3"].startswith("s3://dflash-demo/checkpoints/demo/step-")
+    assert s["checkpoint_latest"] == s["checkpoint_s3"].rsplit("/", 1)[1] == s["checkpoint"].rsplit("/", 1)[1]
+    assert (Path(s["checkpoint"]) / "model.safetensors").is_file()
+    assert (run_dir / "checkpoints" / "demo" / "latest").read_text().strip() == s["checkpoint_latest"]
+    assert f"--num-prompts {QUICK.eval_samples}" in proc.stdout  # the "try" line decodes what the summary did
     assert {p.rsplit("/", 1)[1] for p in s["plots"]} >= {"loss.png", "tau.png", "throughput.png"}
     # no process of the pipeline is left running
     pids = [int(line.split()[1]) for line in (run_dir / "pids").read_text().splitlines() if line.strip()]
     assert pids and not any(_alive(p) for p in pids)
     assert s["s3_server_pid"] and not _alive(s["s3_server_pid"])  # the demo's S3 server was stopped
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_demo_cleanly_after_its_stop_checkpoint(tmp_path):
+    """Issue 23: Ctrl-C mid-training (SIGINT to the whole process group, as a terminal sends it): the
+    pipeline's consumer saves its stop checkpoint into the demo's S3 server BEFORE the server stops, the
+    demo says so in one line and exits 130, no traceback, nothing left running."""
+    run_dir = tmp_path / "demo"
+    env = cpu_env()
+    env.pop("OMP_NUM_THREADS")
+    out, err = tmp_path / "demo.out", tmp_path / "demo.err"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen(
+            as_from_a_terminal([sys.executable, "-m", "dflash.tools.demo.cli", "--quick", "--run-dir", str(run_dir)]),
+            stdout=o, stderr=e, env=env, start_new_session=True,
+        )  # fmt: skip
+    ledger = run_dir / "metrics" / "ledger-r0.jsonl"
+    try:
+        deadline = time.monotonic() + 300  # a hang guard
+        while not (ledger.exists() and ledger.read_text().count("\n") >= 2):
+            assert proc.poll() is None, out.read_text()[-3000:] + err.read_text()[-3000:]
+            assert time.monotonic() < deadline, "no training step within 300 s"
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        rc = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = out.read_text() + err.read_text()
+    assert rc == 130, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    assert err.read_text().strip().splitlines()[-1].startswith("dflash-demo: stopped; the pipeline saved its checkpoint")
+    events = [r for r in read_metrics(run_dir / "metrics" / "consumer-0.jsonl") if r.get("event")]
+    saved = [r for r in events if r["event"] == "checkpoint"]
+    assert saved and saved[-1]["url"].startswith("s3://dflash-demo/"), events
+    assert not [r for r in events if r["event"] == "checkpoint_failed"], events
+    consumer_log = (run_dir / "logs" / "consumer-0.log").read_text()
+    assert "stop requested: saving a checkpoint" in consumer_log
+    pids = [int(line.split()[1]) for line in (run_dir / "pids").read_text().splitlines() if line.strip()]
+    assert pids and not any(_alive(p) for p in pids)

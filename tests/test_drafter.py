@@ -305,7 +305,8 @@ def test_load_target_head_reads_only_embed_and_lm_head(tmp_path, monkeypatch, ti
 def reference_block(drafter: DFlashDrafter, context_hidden, block_ids, positions):
     """One block drafted the way inference does it (public DFlashDraftModel semantics): context = the target
     features of the document prefix before the anchor, full non-causal attention over [context, block], rotary
-    from transformers' Qwen3RotaryEmbedding, norms and MLP from transformers' Qwen3 modules."""
+    from transformers' Qwen3RotaryEmbedding, norms and MLP from transformers' Qwen3 modules. A sliding layer
+    (vLLM's and SGLang's semantics) keeps, for the query at position p, the keys at positions p-W+1..p."""
     cfg = drafter.config
     qcfg = cfg.to_qwen3_config()
     sd = drafter.state_dict()
@@ -337,7 +338,11 @@ def reference_block(drafter: DFlashDrafter, context_hidden, block_ids, positions
         k = k * cos[:, None] + rotate_half(k) * sin[:, None]
         rep = cfg.num_attention_heads // cfg.num_key_value_heads
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) * d**-0.5, dim=-1)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * d**-0.5
+        if cfg.layer_types[i] == "sliding_attention":
+            q_pos, k_pos = positions[s:, None], positions[None, :]
+            scores = scores.masked_fill(~((k_pos <= q_pos) & (q_pos - k_pos < cfg.sliding_window)), float("-inf"))
+        att = torch.softmax(scores, dim=-1)
         o = torch.einsum("hqk,khd->qhd", att, v).reshape(q_len, -1)
         x = x + lin(p + "self_attn.o_proj.weight")(o)
         mlp = Qwen3MLP(qcfg)
@@ -347,7 +352,7 @@ def reference_block(drafter: DFlashDrafter, context_hidden, block_ids, positions
     return norm("norm.weight", cfg.hidden_size)(x)
 
 
-def make_drafter_and_batch(seed=0, block=4, num_layers=2, anchors=18):
+def make_drafter_and_batch(seed=0, block=4, num_layers=2, anchors=18, layer_types=None, sliding_window=None):
     torch.manual_seed(seed)
     cfg = DrafterConfig.from_target_config(
         tiny_target_config(),
@@ -355,6 +360,8 @@ def make_drafter_and_batch(seed=0, block=4, num_layers=2, anchors=18):
         block_size=block,
         mask_token_id=96,
         target_layer_ids=[1, 4],
+        layer_types=layer_types,
+        sliding_window=sliding_window,
     )
     head = TargetHead(torch.randn(97, 32), torch.randn(97, 32))
     drafter = DFlashDrafter(cfg, head, attention_backend="sdpa")
@@ -394,6 +401,27 @@ def test_packed_forward_equals_per_block_inference_reference(backend):
         for b in batch.anchor_valid.nonzero().squeeze(1).tolist():
             a = int(batch.anchors[b])
             start = a - int(batch.positions[a])  # document start in the packed stream
+            positions = torch.cat([batch.positions[start:a], batch.block_positions[b]])
+            ref = reference_block(drafter, batch.hidden[start:a], batch.block_input_ids[b], positions)
+            torch.testing.assert_close(out[b], ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize("window", [3, 6])
+def test_sliding_layers_forward_equals_the_dense_reference(backend, window):
+    """A sliding layer then a full one, documents (up to 17 tokens) longer than the window: every block
+    equals the dense per-block reference with the window applied in the sliding layer; the window bites."""
+    layout = ["sliding_attention", "full_attention"]
+    drafter, batch = make_drafter_and_batch(layer_types=layout, sliding_window=window)
+    drafter.attention_backend = backend
+    assert [layer.layer_type for layer in drafter.layers] == layout
+    full, _ = make_drafter_and_batch()  # same seed: the same weights, all layers full
+    with torch.no_grad():
+        out = drafter(batch)
+        assert (out - full(batch)).abs().max() > 1e-3
+        for b in batch.anchor_valid.nonzero().squeeze(1).tolist():
+            a = int(batch.anchors[b])
+            start = a - int(batch.positions[a])
             positions = torch.cat([batch.positions[start:a], batch.block_positions[b]])
             ref = reference_block(drafter, batch.hidden[start:a], batch.block_input_ids[b], positions)
             torch.testing.assert_close(out[b], ref, atol=2e-5, rtol=1e-4)
@@ -494,9 +522,146 @@ def test_autocast_forward_matches_fp32():
 def test_recompile_count_sees_compiles():
     import torch._dynamo
 
-    from dflash.common.drafter.attention import recompile_count
+    from dflash.common.drafter.dflash import recompile_count
 
     before = recompile_count()
     f = torch.compile(lambda x: x * 2 + 1, backend="eager")
     f(torch.ones(3))
     assert recompile_count() > before
+
+
+# ------------------------------------------------------------------------------ sliding-window layers
+
+
+def hybrid_target_config():
+    """A Qwen3.5-style hybrid target (Gated DeltaNet 'linear_attention' layers + full attention), small."""
+    from transformers import Qwen3_5Config
+
+    return Qwen3_5Config(text_config=dict(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
+        vocab_size=97, num_hidden_layers=8,
+    ))  # fmt: skip
+
+
+def test_layer_type_names_are_the_modules():
+    """layers.py repeats the two names (it must import without torch): they equal the drafter module's."""
+    from dflash.common.drafter import dflash, layers
+
+    assert (layers.FULL, layers.SLIDING) == (dflash.FULL, dflash.SLIDING)
+    assert set(layers.LAYER_TYPE_NAMES.values()) == set(dflash.LAYER_TYPES)
+
+
+def test_auto_layout_is_the_public_hybrid_drafters():
+    """--draft-layer-types auto: a hybrid target gets 4 sliding + 1 full with window 2048 (z-lab
+    Qwen3.6-27B-DFlash); any other target all full layers."""
+    hybrid = DrafterConfig.from_target_config(hybrid_target_config(), mask_token_id=5)
+    assert hybrid.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and hybrid.sliding_window == 2048
+    assert hybrid.rope_scaling is None  # the target's partial rotary is its own, not the drafter's
+    three = DrafterConfig.from_target_config(hybrid_target_config(), num_layers=3, sliding_window=512, mask_token_id=5)
+    assert three.layer_types == ["sliding_attention", "sliding_attention", "full_attention"] and three.sliding_window == 512
+    plain = DrafterConfig.from_target_config(tiny_target_config(), mask_token_id=5)
+    assert plain.layer_types == ["full_attention"] * 5 and plain.sliding_window is None
+    explicit = DrafterConfig.from_target_config(
+        tiny_target_config(), num_layers=2, layer_types=["full_attention", "sliding_attention"], mask_token_id=5
+    )
+    assert explicit.sliding_window == 2048 and explicit.layer_types == ["full_attention", "sliding_attention"]
+    q = explicit.to_qwen3_config()
+    assert q.layer_types == explicit.layer_types and q.sliding_window == 2048 and q.use_sliding_window
+    with pytest.raises(ValueError, match="no draft layer slides"):
+        DrafterConfig.from_target_config(tiny_target_config(), sliding_window=64, mask_token_id=5)
+    with pytest.raises(ValueError, match="names 2 layers"):
+        DrafterConfig.from_target_config(tiny_target_config(), layer_types=["full_attention"] * 2, mask_token_id=5)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"layer_types": ["sliding_attention"] * 5}, "window is needed"),
+        ({"sliding_window": 8}, "window is needed"),
+        ({"layer_types": ["linear_attention"] * 5, "sliding_window": 8}, "layer_types"),
+        ({"layer_types": ["sliding_attention"] * 5, "sliding_window": 0}, ">= 1"),
+    ],
+)
+def test_layout_validation(change, match):
+    cfg = DrafterConfig.from_target_config(tiny_target_config(), mask_token_id=5).to_dict()
+    cfg.update(change)
+    with pytest.raises(ValueError, match=match):
+        DrafterConfig(**cfg)
+
+
+def test_train_config_flags_for_the_layout():
+    from dflash.consumer.config import TrainConfig
+
+    base = {"spool": "s", "target": "t", "num_layers": 3}
+    assert TrainConfig(**base).layer_types is None  # auto
+    cfg = TrainConfig(**base, draft_layer_types="sliding, sliding,full", sliding_window=64)
+    assert cfg.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert TrainConfig(**base, draft_layer_types="sliding_attention,full_attention,full").layer_types[0] == "sliding_attention"
+    for bad, match in (("sliding,full", "names 2 layers"), ("sliding,causal,full", "sliding/full"), ("", "sliding/full")):
+        with pytest.raises(ValueError, match=match):
+            TrainConfig(**base, draft_layer_types=bad)
+    with pytest.raises(ValueError, match="sliding-window"):
+        TrainConfig(**base, sliding_window=0)
+
+
+def test_draft_spec_names_what_a_config_lacks():
+    from dflash.common.drafter.dflash import DraftSpec
+
+    good = DrafterConfig.from_target_config(
+        tiny_target_config(), num_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=9,
+        mask_token_id=5,
+    ).to_qwen3_config()  # fmt: skip
+    spec = DraftSpec.from_config(good)
+    assert spec.layer_types == ("sliding_attention", "full_attention") and spec.sliding_window == 9
+    assert spec.window("full_attention") is None and spec.window("sliding_attention") == 9
+    dropped = Qwen3Config(**{**good.to_dict(), "use_sliding_window": False})  # Qwen3Config drops the window
+    with pytest.raises(ValueError, match="sliding_window"):
+        DraftSpec.from_config(dropped)
+    no_mask = Qwen3Config(**{**good.to_dict(), "dflash_config": {"target_layer_ids": [1]}})
+    with pytest.raises(ValueError, match="mask_token_id"):
+        DraftSpec.from_config(no_mask)
+
+
+def test_a_mixed_layout_compiles_in_the_first_step_only():
+    """The trainer's compile (each layer compiled on its own, masks built outside) with a sliding and a
+    full layer: whatever the first step compiles, nothing compiles again in later steps of the same shapes."""
+    import torch._dynamo
+
+    from dflash.common.drafter.dflash import recompile_count
+    from dflash.common.drafter.loss import draft_loss
+    from dflash.consumer.step import compile_drafter
+
+    layout = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5}
+    torch._dynamo.reset()
+    drafter, _ = make_drafter_and_batch(seed=2, **layout)
+    compile_drafter(drafter, "aot_eager")
+    before, counts = recompile_count(), []
+    for seed in range(3):
+        _, batch = make_drafter_and_batch(seed=seed + 10, **layout)
+        draft_loss(drafter(batch, drafter.build_mask(batch)), batch, drafter.lm_head_weight).loss_sum.backward()
+        counts.append(recompile_count())
+    assert counts[0] > before and counts[0] == counts[1] == counts[2], (before, counts)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_sliding_drafter_trains_alike_on_compiled_flex_and_sdpa_on_cuda():
+    """The training step of a sliding + full drafter on CUDA: compiled layers with flex_attention (what
+    dflash-consume runs) equal eager SDPA in fp32 (outputs and every gradient, atol 1e-4)."""
+    from dflash.common.drafter.loss import draft_loss
+    from dflash.consumer.step import compile_drafter
+
+    layout = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}
+    results = {}
+    for backend in ("sdpa", "flex"):
+        drafter, batch = make_drafter_and_batch(seed=3, **layout)
+        drafter.attention_backend = backend
+        drafter = drafter.cuda()
+        if backend == "flex":
+            compile_drafter(drafter, "inductor")
+        batch = batch.to("cuda")
+        out = drafter(batch, drafter.build_mask(batch))
+        draft_loss(out, batch, drafter.lm_head_weight).loss_sum.backward()
+        results[backend] = [out.detach()] + [p.grad.detach() for p in drafter.parameters()]
+    for got, want in zip(results["flex"], results["sdpa"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

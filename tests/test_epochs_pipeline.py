@@ -45,7 +45,7 @@ def test_two_epochs_kill9_mid_epoch_2_then_the_same_command_trains_each_row_once
     data = _dataset(tmp_path / "data.jsonl", ROWS)
     run_dir, spool, ckpt = tmp_path / "run", tmp_path / "spool", tmp_path / "ckpt"
     cmd = [
-        "bash", str(REPO / "ops" / "run_all.sh"), "--producers", "cpu:2", "--consumers", "cpu:2",
+        "bash", str(REPO / "ops" / "run_all.sh"), "--keep-spool", "--producers", "cpu:2", "--consumers", "cpu:2",
         "--model", str(tiny_target), "--dataset", str(data), "--run", "epochs", "--run-dir", str(run_dir),
         "--spool", str(spool), "--checkpoint", str(ckpt), "--epochs", str(EPOCHS),
         "--producer-args", f"--max-length {MAX_LENGTH} --batch-tokens 2048 --eval-samples {HELD_OUT}",
@@ -84,6 +84,16 @@ def test_two_epochs_kill9_mid_epoch_2_then_the_same_command_trains_each_row_once
     resumed = got["resumed"][max(got["resumed"])]
     assert resumed > 0, got  # the second launch resumed mid-campaign, not from scratch
     assert set(final.trained.indices().tolist()) == eligible
+    # issue 23: no step of the group (both ranks' samples of one step, in any life) mixes epochs or trains
+    # a row twice: a rank whose step is of a later epoch than another's holds it and pads
+    life_of = {launch[f"consumer-{r}"]: i for i, launch in enumerate(launches) for r in (0, 1)}
+    group_steps: dict[tuple[int, int], list[int]] = {}
+    for r in (0, 1):
+        for rec in read_jsonl(run_dir / "metrics" / f"ledger-r{r}.jsonl"):
+            group_steps.setdefault((life_of[rec["pid"]], rec["step"]), []).extend(rec["samples"])
+    for (life_no, step), ids in sorted(group_steps.items()):
+        assert len({i // ROWS for i in ids}) <= 1, f"life {life_no} step {step} mixes epochs: {ids}"
+        assert len({i % ROWS for i in ids}) == len(ids), f"life {life_no} step {step} trains a row twice: {ids}"
     assert final.epoch == EPOCHS - 1 and final.meta["epoch"] == EPOCHS - 1  # the checkpoint records the epoch
 
     # the plan each launch printed: samples x epochs and the steps they make in full streams. Steps taken

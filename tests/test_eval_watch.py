@@ -61,9 +61,8 @@ def _train_drafter(target_dir: Path) -> tuple[dict, dict, DrafterConfig]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash.common.drafter.batch import build_draft_batch, pack_samples
+    from dflash.common.drafter.dflash import TargetRunner, greedy_generate
     from dflash.common.drafter.loss import draft_loss
-    from dflash.common.target.runner import TargetRunner
-    from dflash.common.target.speculative import greedy_generate
     from dflash.tools.eval.run import load_prompts
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()

@@ -12,11 +12,16 @@ import torch
 
 from dflash.common.drafter.batch import build_draft_batch, pack_samples
 from dflash.common.drafter.config import DrafterConfig
-from dflash.common.drafter.decode import DrafterProposer, Generation, summarize
+from dflash.common.drafter.dflash import (
+    DrafterProposer,
+    Generation,
+    TargetRunner,
+    greedy_generate,
+    speculative_generate,
+)
 from dflash.common.drafter.model import DFlashDrafter, TargetHead
+from dflash.common.drafter.report import summarize
 from dflash.common.target.head import load_target_head
-from dflash.common.target.runner import TargetRunner
-from dflash.common.target.speculative import greedy_generate, speculative_generate
 from dflash.tools.demo.assets import (
     build_tiny_target,
     demo_dataset_path,
@@ -175,15 +180,21 @@ def test_target_features_match_the_producer_capture(target):
 # -------------------------------------------------------------------------------------------------- drafter
 
 
-def test_drafter_proposer_equals_the_training_forward():
+@pytest.mark.parametrize(
+    "layout", [None, (["sliding_attention", "full_attention"], 10)], ids=["full", "sliding-window-10"]
+)
+def test_drafter_proposer_equals_the_training_forward(layout):
     """A block drafted at inference (cached context K/V, context fed in pieces) has the same hidden states as
-    the same block in a training batch (dense mask kv < anchor within the document)."""
+    the same block in a training batch (dense mask kv < anchor within the document); with a sliding layer
+    too (documents of 25 and 40 tokens, window 10)."""
     from transformers import AutoConfig
 
     torch.manual_seed(0)
+    layer_types, window = layout or (None, None)
     config = DrafterConfig.from_target_config(
-        AutoConfig.from_pretrained(tiny_target_dir()), num_layers=2, block_size=8, mask_token_id=3
-    )
+        AutoConfig.from_pretrained(tiny_target_dir()), num_layers=2, block_size=8, mask_token_id=3,
+        layer_types=layer_types, sliding_window=window,
+    )  # fmt: skip
     drafter = DFlashDrafter(config, TargetHead(torch.randn(4096, 256) * 0.1, torch.randn(4096, 256) * 0.1))
     with torch.no_grad():
         for p in drafter.parameters():
@@ -245,6 +256,13 @@ def test_summarize_counts_by_hand():
     assert r.tokens_per_s == pytest.approx(5.5)
     assert r.baseline["mismatched_prompts"] == 1 and r.baseline["speedup"] == pytest.approx(5.5 / (11 / 3))
     assert r.outputs == [list(range(9)), [5, 6]]
+    # the speed-up figure says what it means on the device it was measured on (issue 23)
+    from dflash.tools.eval.run import format_table
+
+    cpu, gpu = format_table(r, "cpu"), format_table(r, "cuda:0")
+    assert "below 1x is expected here" in cpu and "tokens per verify step" in cpu
+    assert "wall clock on this GPU" in gpu and "below 1x" not in gpu
+    assert "(speedup:" not in format_table(summarize(gens, 4), "cpu")  # no baseline, no speed-up
 
 
 def test_load_prompts_formats(tmp_path, tokenizer):
@@ -286,14 +304,13 @@ def test_cli_errors_are_one_line(tmp_path, target, capsys):
     for path in tiny_target_dir().iterdir():
         if path.suffix != ".safetensors":
             shutil.copyfile(path, weightless / path.name)
-    weightless = str(weightless)
     cases = [
-        (["--drafter", str(tmp_path / "none")], "no config.json"),
-        (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
-        ([], "model.safetensors"),
+        (str(tiny_target_dir()), ["--drafter", str(tmp_path / "none")], "no config.json"),
+        (str(tiny_target_dir()), ["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+        (str(weightless), [], "is incomplete: no weights (model.safetensors"),  # checked before loading
     ]
-    for extra, match in cases:
-        argv = ["--target", weightless, "--drafter", str(tmp_path / "export"), "--dataset", "x.jsonl", *extra]
+    for target_dir, extra, match in cases:
+        argv = ["--target", target_dir, "--drafter", str(tmp_path / "export"), "--dataset", "x.jsonl", *extra]
         with pytest.raises(SystemExit) as exc:
             main(argv)
         err = capsys.readouterr().err

@@ -15,6 +15,7 @@ from dflash.common.contract.sample_set import SampleSet
 from dflash.common.drafter.batch import build_draft_batch, pack_samples
 from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.hf_format import (
+    CODE_FILE,
     CONFIG_FILE,
     WEIGHTS_FILE,
     ExportError,
@@ -93,7 +94,9 @@ def _batch(config: DrafterConfig, seed: int = 0):
     )
 
 
-def _save(tmp_path, model: DFlashDrafter, config: DrafterConfig, step: int = 7, run: str = "r1") -> str:
+def _save(
+    tmp_path, model: DFlashDrafter, config: DrafterConfig, step: int = 7, run: str = "r1", target: str = "tiny-target"
+) -> str:
     store = str(tmp_path / "ckpt")
     opt = torch.optim.AdamW(model.parameters())
     save_checkpoint(
@@ -105,7 +108,7 @@ def _save(tmp_path, model: DFlashDrafter, config: DrafterConfig, step: int = 7, 
         scheduler_state={},
         rng_state=capture_rng_state(),
         trained=SampleSet(),
-        config={"train": {"target": "tiny-target"}, "drafter": config.to_dict()},
+        config={"train": {"target": target}, "drafter": config.to_dict()},
     )
     return store
 
@@ -190,7 +193,7 @@ def test_weights_have_the_public_names_and_no_target_tensors(tmp_path, config, t
         names = set(f.keys())
         assert all(f.get_tensor(n).dtype == torch.bfloat16 for n in names)
     assert names == _public_names(2)
-    assert sorted(p.name for p in out.iterdir()) == [CONFIG_FILE, WEIGHTS_FILE]
+    assert sorted(p.name for p in out.iterdir()) == [CONFIG_FILE, CODE_FILE, WEIGHTS_FILE]  # issue 27: + remote code
     assert not list(tmp_path.glob(".out.tmp-*"))
 
 
@@ -205,7 +208,7 @@ def test_export_is_readable_by_others_whatever_the_umask(tmp_path, config, targe
     finally:
         os.umask(old)
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
-    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {CONFIG_FILE: 0o644, WEIGHTS_FILE: 0o644}
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {CONFIG_FILE: 0o644, CODE_FILE: 0o644, WEIGHTS_FILE: 0o644}
 
 
 # ------------------------------------------------------------------------------------------- round trip
@@ -319,3 +322,61 @@ def test_weights_that_do_not_fit_the_config_are_refused(tmp_path, config, target
     compiled = {f"_orig_mod.{k}": v for k, v in state.items()}  # torch.compile's prefix is dropped
     export_drafter(compiled, config, tmp_path / "c")
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+# ------------------------------------------------------------------------------------- issue 27: serving
+
+
+def test_the_export_ships_the_drafter_module_as_remote_code(tmp_path, config, target):
+    """dflash.py is the project's drafter module byte for byte, and auto_map points at its model class."""
+    from pathlib import Path
+
+    from dflash.common.drafter import dflash as drafter_module
+
+    out = export_drafter(_trained_like(config, target).state_dict(), config, tmp_path / "out")
+    assert (out / CODE_FILE).read_bytes() == Path(drafter_module.__file__).read_bytes()
+    cfg = json.loads((out / CONFIG_FILE).read_text())
+    assert cfg["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
+    assert "is_causal" not in cfg and cfg["use_sliding_window"] is False and cfg["sliding_window"] is None
+    assert cfg["layer_types"] == ["full_attention"] * 2 and cfg["max_window_layers"] == 2
+
+
+def test_sliding_layers_round_trip_through_the_exported_config(tmp_path, config):
+    import dataclasses
+
+    from transformers import Qwen3Config
+
+    sliding = dataclasses.replace(config, layer_types=["sliding_attention", "full_attention"], sliding_window=48)
+    cfg = export_config(sliding, torch.bfloat16)
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"]
+    assert cfg["sliding_window"] == 48 and cfg["use_sliding_window"] is True
+    assert drafter_config_from_export(cfg) == sliding
+    (tmp_path / CONFIG_FILE).write_text(json.dumps(cfg))
+    hf = Qwen3Config.from_pretrained(tmp_path)  # what vLLM and SGLang load it through: the window survives
+    assert hf.sliding_window == 48 and hf.layer_types == cfg["layer_types"]
+    # a config that drops use_sliding_window (as Qwen3Config then drops the window) is not a sliding drafter
+    with pytest.raises(ExportError, match="sliding_window"):
+        drafter_config_from_export({**cfg, "use_sliding_window": False})
+
+
+def test_tokenizer_files_come_from_the_target(tmp_path, config, target, caplog):
+    """The recorded target folder's tokenizer files are copied; a target that is not a folder here is said
+    in one line and the export goes on without them; --target names the folder instead."""
+    import logging
+
+    from dflash.tools.demo.assets import tiny_target_dir
+
+    model = _trained_like(config, target)
+    store = _save(tmp_path / "a", model, config, target=str(tiny_target_dir()))
+    assert main([f"{store}/r1", str(tmp_path / "with")]) == 0
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= {p.name for p in (tmp_path / "with").iterdir()}
+    assert (tmp_path / "with" / "tokenizer.json").read_bytes() == (tiny_target_dir() / "tokenizer.json").read_bytes()
+
+    store = _save(tmp_path / "b", model, config, target="Org/hub-only-target")
+    with caplog.at_level(logging.WARNING):
+        assert main([f"{store}/r1", str(tmp_path / "without")]) == 0
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(said) == 1 and "Org/hub-only-target" in said[0] and "tokenizer files not copied" in said[0]
+    assert sorted(p.name for p in (tmp_path / "without").iterdir()) == [CONFIG_FILE, CODE_FILE, WEIGHTS_FILE]
+    assert main([f"{store}/r1", str(tmp_path / "flag"), "--target", str(tiny_target_dir())]) == 0
+    assert (tmp_path / "flag" / "tokenizer.json").is_file()

@@ -827,3 +827,100 @@ def test_every_torch_load_in_the_source_tree_is_weights_only():
                     offenders.append(f"{rel}:{node.lineno}: {ast.unparse(node)[:100]}")
     assert calls >= 1, "the scan found no torch.load call at all (common/checkpoints/save.py has one)"
     assert not offenders, "torch.load without weights_only=True:\n" + "\n".join(offenders)
+
+
+# ------------------------------------------------------------- the first checkpoint of a run cannot be lost
+def _s3_env(proxy: FaultProxy) -> dict:
+    env = cpu_env(
+        AWS_ENDPOINT_URL=proxy.url, AWS_ACCESS_KEY_ID=FAKE_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY=FAKE_SECRET_ACCESS_KEY,
+        AWS_DEFAULT_REGION="us-east-1", AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+        AWS_EC2_METADATA_DISABLED="true",
+    )  # fmt: skip
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_DEFAULT_PROFILE"):
+        env.pop(name, None)
+    return env
+
+
+@pytest.mark.slow
+def test_a_store_that_refuses_writes_fails_the_run_before_its_first_step_or_at_its_first_save(
+    s3_endpoint, _s3_admin_client, tiny_target, tmp_path
+):
+    """Issue 23: (1) a store that refuses every write (403 from the start) is refused before step 1: exit 2,
+    one line, nothing trained; (2) a store that refuses writes once training runs, before any checkpoint
+    exists, stops the run at the first failed save (exit 1, one line saying why) instead of training on
+    with nothing saved."""
+    bucket = f"dflash-first-{uuid.uuid4().hex[:10]}"
+    _s3_admin_client.create_bucket(Bucket=bucket)
+    proxy = FaultProxy(s3_endpoint, seed=7)
+    env = _s3_env(proxy)
+    try:
+        # (1) denied from the start: the write probe fails, no step runs
+        proxy.set("deny")
+        spool = Spool(tmp_path / "spool1")
+        spool.register_producers(["p0"])
+        _publish_synthetic(spool, range(0, 2))
+        run_dir = tmp_path / "run1"
+        cmd = consume_cmd(spool.root, tiny_target, "--checkpoint", f"s3://{bucket}/ckpt", "--run", "first",
+                          "--run-dir", str(run_dir), "--compile-backend", "eager")  # fmt: skip
+        p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+        assert p.returncode == 2, p.stderr[-3000:]
+        line = p.stderr.strip().splitlines()[-1]
+        assert line.startswith("dflash-consume: error: checkpoint store s3://") and "not writable" in line, line
+        assert "Traceback" not in p.stderr and FAKE_SECRET_ACCESS_KEY not in p.stderr
+        assert not read_jsonl(run_dir / "metrics" / "ledger-r0.jsonl")  # before step 1
+
+        # (2) writable at start (the probe passes), denied before the first save (step 2)
+        proxy.set("pass")
+        spool = Spool(tmp_path / "spool2")
+        spool.register_producers(["p0"])
+        _publish_synthetic(spool, range(0, 1))
+        run_dir = tmp_path / "run2"
+        ledger = run_dir / "metrics" / "ledger-r0.jsonl"
+        cmd = consume_cmd(spool.root, tiny_target, "--checkpoint", f"s3://{bucket}/ckpt2", "--run", "first",
+                          "--run-dir", str(run_dir), "--compile-backend", "eager", "--save-every", "2")  # fmt: skip
+        log = tmp_path / "consumer2.log"
+        proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+        try:
+            wait_until(lambda: read_jsonl(ledger) or proc.poll() is not None, timeout_s=180, what="step 1")
+            proxy.set("deny")
+            _publish_synthetic(spool, range(1, 8), seed=1)  # step 2 saves (and fails); six more steps wait
+            rc = proc.wait(timeout=180)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        text = log.read_text()
+        assert rc == 1, text[-3000:]
+        last = text.strip().splitlines()[-1]
+        assert last.startswith("dflash-consume: error: CheckpointStoreError: checkpoint step 2 failed"), last
+        assert "no checkpoint of run 'first' exists yet" in last and "stopping" in last, last
+        steps = [r["step"] for r in read_jsonl(ledger)]
+        assert max(steps) < 8, steps  # it stopped at the failure, not after training everything
+        assert "Traceback" not in text
+    finally:
+        proxy.close()
+
+
+@pytest.mark.slow
+def test_a_checkpoint_folder_nothing_can_be_written_into_is_refused_before_step_1(tiny_target, tmp_path):
+    """Issue 23: a local --checkpoint folder the run's checkpoints cannot be written into is refused before
+    the first step (exit 2, one line naming the folder and the cause). The folder exists; the run's place
+    in it is taken by a file, which stops every write as a read-only mount does (and does so for root too,
+    whom a 0555 mode does not stop)."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "first").write_text("not a folder\n")
+    spool = Spool(tmp_path / "spool")
+    spool.register_producers(["p0"])
+    _publish_synthetic(spool, range(0, 2))
+    run_dir = tmp_path / "run"
+    cmd = consume_cmd(spool.root, tiny_target, "--checkpoint", str(ckpt), "--run", "first",
+                      "--run-dir", str(run_dir), "--compile-backend", "eager")  # fmt: skip
+    p = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=180)
+    assert p.returncode == 2, p.stderr[-3000:]
+    line = p.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"dflash-consume: error: checkpoint store {ckpt}/first is not writable"), line
+    assert f"{ckpt}/first is a file, not a folder" in line and "pass another --checkpoint" in line, line
+    assert "Traceback" not in p.stderr
+    assert not read_jsonl(run_dir / "metrics" / "ledger-r0.jsonl")
+    assert (ckpt / "first").read_text() == "not a folder\n"  # nothing of the user's was touched

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"common": "dflash.common", "producer": "dflash.producer", "consumer": "dflash.consumer", "tools": "dflash.tools"}
 LIBRARY = {
     "common.redact",
+    "common.child_process",
     "common.metrics",
     "common.cli",
     "common.contract",
@@ -26,6 +27,7 @@ LIBRARY = {
 ALLOWED: dict[str, set[str]] = {
     "common.redact": set(),
     "common.metrics": set(),
+    "common.child_process": set(),
     "common.cli": {"common.redact"},
     "common.contract": {"common.redact", "common.cli"},
     "common.checkpoints": {"common.redact", "common.contract"},
@@ -156,3 +158,21 @@ def test_the_checker_reports_a_broken_arrow():
     broken = violations(fake)
     assert len(broken) == 3, broken
     assert not any("drafter.model (" in b for b in broken if b.startswith("dflash.common.target.head imports dflash.common.drafter"))
+
+
+def test_the_drafter_module_is_self_contained():
+    """common/drafter/dflash.py is copied into every export as its remote code (issue 27): it imports the
+    standard library, torch and transformers only (no dflash module, no relative import, nothing else a
+    serving box may lack), at any depth."""
+    import sys
+
+    tree = ast.parse((ROOT / "common" / "drafter" / "dflash.py").read_text())
+    tops = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            tops.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            tops.add(node.module.split(".")[0] if node.level == 0 and node.module else "<relative import>")
+    allowed = {"torch", "transformers"} | set(sys.stdlib_module_names)
+    assert {"torch", "transformers"} <= tops, "torch and transformers not found: the check is not looking"
+    assert tops <= allowed, f"the drafter module imports {sorted(tops - allowed)}"

@@ -18,7 +18,7 @@ import dataclasses
 import torch
 from draft_reference import one_thread  # noqa: F401  (autouse fixture)
 
-from dflash.common.drafter import attention
+from dflash.common.drafter import dflash as drafter_module
 from dflash.common.drafter.batch import DraftBatch, build_draft_batch, pack_samples, position_decay
 from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.loss import draft_loss
@@ -142,14 +142,14 @@ def test_shifted_labels_fail():
 def test_leaky_mask_would_learn_the_invisible_token(monkeypatch):
     """Control for the test above: with kv <= anchor, hidden[a] leaks token a+B, and shifted training learns it.
     (So the strict mask, not model capacity, is what makes position B-1 unlearnable above.)"""
-    strict = attention.make_mask_mod
+    strict = drafter_module.make_mask_mod
 
-    def leaky(doc_ids, anchors, anchor_valid, block_size):
+    def leaky(doc_ids, anchors, anchor_valid, block_size, sliding_window=None):
         # every valid anchor's next token is in its document (sampling rule), so shifting the anchor by one
         # gives exactly "same document, kv <= anchor"
-        return strict(doc_ids, anchors + 1, anchor_valid, block_size)
+        return strict(doc_ids, anchors + 1, anchor_valid, block_size, sliding_window)
 
-    monkeypatch.setattr(attention, "make_mask_mod", leaky)
+    monkeypatch.setattr(drafter_module, "make_mask_mod", leaky)
     drafter, head = train(shifted=True, steps=150)
     own_acc, _ = evaluate(drafter, head, shifted=True)
     assert own_acc[-1] > 0.8, own_acc

@@ -4,8 +4,8 @@ import pytest
 import torch
 from draft_reference import one_thread, random_stream, reference_mask  # noqa: F401  (one_thread: autouse fixture)
 
-from dflash.common.drafter.attention import build_draft_mask, dense_mask, make_mask_mod
 from dflash.common.drafter.batch import build_draft_batch, pack_samples
+from dflash.common.drafter.dflash import build_draft_mask, dense_mask, make_mask_mod
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -62,3 +62,46 @@ def test_sdpa_mask_opens_padding_rows_and_marks_them_invalid():
     ].all()  # opened so SDPA never sees an all-masked row (NaN); output zeroed later
     ref = reference_mask(doc_ids.tolist(), anchors.tolist(), valid.tolist(), 4)
     assert torch.equal(m.dense[m.row_valid], ref[m.row_valid])
+
+
+# ------------------------------------------------------------------------------ sliding-window layers
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(("block_size", "window"), [(4, 1), (4, 3), (4, 6), (2, 9), (8, 5)])
+def test_sliding_mask_equals_loop_reference_on_documents_longer_than_the_window(seed, block_size, window):
+    """Documents up to 40 tokens against windows of 1-9: the window cuts the context of most blocks (and,
+    for W < B, the block itself); the mask_mod equals the loop reference built from document positions."""
+    doc_ids, anchors, valid = random_stream(seed, s=120, n=14, max_doc_len=40)
+    q_len, kv_len = anchors.shape[0] * block_size, doc_ids.shape[0] + anchors.shape[0] * block_size
+    got = dense_mask(make_mask_mod(doc_ids, anchors, valid, block_size, window), q_len, kv_len, "cpu")
+    want = reference_mask(doc_ids.tolist(), anchors.tolist(), valid.tolist(), block_size, window)
+    assert torch.equal(got, want)
+    full = reference_mask(doc_ids.tolist(), anchors.tolist(), valid.tolist(), block_size)
+    assert (got <= full).all() and (got != full).any()  # a strict subset: the window bites
+    # every valid query still sees its own token (the window counts it), so no softmax row is empty
+    rows = valid.repeat_interleave(block_size)
+    own = torch.arange(q_len) + doc_ids.shape[0]
+    assert got[rows, own[rows]].all()
+
+
+def test_sliding_mask_by_hand():
+    """One document of 10 tokens, anchor at position 6, B = 3, W = 4: query i (position 6+i) sees context
+    positions 3+i..5 and block offsets max(0, i-3)..i."""
+    doc_ids = torch.zeros(10, dtype=torch.int32)
+    anchors, valid = torch.tensor([6]), torch.tensor([True])
+    got = dense_mask(make_mask_mod(doc_ids, anchors, valid, 3, 4), 3, 13, "cpu")
+    want = torch.zeros(3, 13, dtype=torch.bool)
+    want[0, [3, 4, 5, 10]] = True
+    want[1, [4, 5, 10, 11]] = True
+    want[2, [5, 10, 11, 12]] = True
+    assert torch.equal(got, want)
+    full = dense_mask(make_mask_mod(doc_ids, anchors, valid, 3), 3, 13, "cpu")
+    assert full[:, :6].all() and full[:, 10:].all() and not full[:, 6:10].any()
+
+
+def test_sliding_sdpa_mask_matches_the_reference_on_valid_rows():
+    doc_ids, anchors, valid = random_stream(2, s=100, n=12, max_doc_len=40)
+    m = build_draft_mask(doc_ids, anchors, valid, block_size=4, backend="sdpa", sliding_window=5)
+    ref = reference_mask(doc_ids.tolist(), anchors.tolist(), valid.tolist(), 4, 5)
+    assert torch.equal(m.dense[m.row_valid], ref[m.row_valid]) and m.dense[~m.row_valid].all()

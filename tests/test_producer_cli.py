@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pipeline_helpers import SemaphoreSpy
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash.common.contract.sample_set import SampleSet
@@ -127,11 +128,13 @@ def test_sigterm_under_backpressure_stops_cleanly(tmp_path, target, demo_rows):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps({"messages": r["messages"]}) + "\n" for r in demo_rows[:24]))
     spool = tmp_path / "spool"
+    sems = SemaphoreSpy(tmp_path)
     proc = subprocess.Popen(
         _cmd("--gpus", "cpu:1", "--model", str(target), "--dataset", str(data), "--spool", str(spool),
              "--max-length", str(MAX_LENGTH), "--batch-tokens", "256", "--budget-gb", "1e-6",
              "--cache-dir", str(tmp_path / "hf")),
-        env=_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**_env(tmp_path), **sems.env},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 240
@@ -156,6 +159,11 @@ def test_sigterm_under_backpressure_stops_cleanly(tmp_path, target, demo_rows):
     assert not (spool / "state" / "DONE-n0p0.1").exists()
     counters = json.loads((spool / "state" / "producer-n0p0.1.json").read_text())["counters"]
     assert counters["phase"] == "stopped" and counters["done"] is False
+    # Not one named POSIX semaphore (mp.Queue/Event/Lock of a spawn context) in the producer or its worker:
+    # each is a file in /dev/shm that outlives a launch killed with its process group (13 per launch
+    # leaked before the supervisor talked to its workers over pipes).
+    assert sems.anonymous() >= 1, "the spy saw no lock at all: did it load?"
+    assert sems.named() == [], sems.named()[0][-3000:]
 
 
 def test_parse_gpus():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-from pipeline_helpers import REPO, cpu_env
+from pipeline_helpers import REPO, SemaphoreSpy, cpu_env
 
 SCRIPT = str(REPO / "ops" / "run_all.sh")
 OK = ["--model", "m", "--dataset", "d"]
@@ -149,6 +149,7 @@ def test_sigterm_checkpoints_then_stops_every_process(tmp_path, tiny_target):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, out[-2000:]
     assert "stop requested: saving a checkpoint" in (run_dir / "logs" / "consumer-0.log").read_text()
+    assert not (tmp_path / "spool").exists(), "a stopped launch's own new spool stays in RAM"
     last_step = json.loads(ledger.read_text().splitlines()[-1])["step"]
     assert load_checkpoint(str(ckpt), "t").step == last_step  # nothing trained after the checkpoint
     for line in (run_dir / "pids").read_text().splitlines():
@@ -159,3 +160,34 @@ def test_sigterm_checkpoints_then_stops_every_process(tmp_path, tiny_target):
                 assert f.read().split()[2] == "Z", f"{line} still running"
         except ProcessLookupError:
             pass
+
+
+def _pipeline(tmp_path, tiny_target, *extra: str) -> list[str]:
+    from dflash.tools.demo.assets import demo_dataset_path
+
+    return [
+        "bash", SCRIPT, "--producers", "cpu:1", "--consumers", "cpu:1", "--model", str(tiny_target),
+        "--dataset", str(demo_dataset_path()), "--run", "t", "--run-dir", str(tmp_path / "run"),
+        "--spool", str(tmp_path / "shm" / "t"), "--checkpoint", str(tmp_path / "ckpt"),
+        "--producer-args", "--max-length 512 --batch-tokens 4096", *extra,
+    ]  # fmt: skip
+
+
+def test_a_consumer_failing_at_start_up_leaves_nothing_in_shm(tmp_path, tiny_target):
+    """Issue 23: a consumer that fails at start-up (here: at its first shard, built for other target layers)
+    leaves nothing behind: no named semaphore in any process of the launch (each is a file in /dev/shm that
+    outlives the process-group kill that stops the producers), and no spool (this launch created it;
+    ``tmp_path/shm`` stands in for /dev/shm)."""
+    spy = SemaphoreSpy(tmp_path)
+    args = "--context-tokens 512 --num-anchors 32 --target-layer-ids 0,1 --compile-backend eager"
+    proc = subprocess.run(
+        _pipeline(tmp_path, tiny_target, "--consumer-args", args),
+        env={**cpu_env(), **spy.env}, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert "holds target layers" in out and "run_all.sh: FAILED: consumer-0" in out, out[-3000:]
+    assert spy.anonymous() >= 1, "the producers made no lock at all: the spy did not run, or they never started"
+    assert spy.named() == [], spy.named()[0][-3000:]
+    assert list((tmp_path / "shm").iterdir()) == [], out[-2000:]
+    assert "removed the spool" in out

@@ -231,6 +231,25 @@ def test_ack_interrupted_mid_delete_is_never_a_shard(tmp_path):
     assert not (sp.claimed_dir / "dead").exists()
 
 
+def test_an_acked_shard_counts_until_deleted_and_a_dead_consumers_are_finished(tmp_path):
+    """The ack moves the shard into acked/ (not beside the claim: a listing during a rename within a
+    folder can miss the entry, and the budget scan must never miss 1.6 GB being freed); its bytes count in
+    total_bytes until its pages are freed; a dead consumer's half-deleted acks are deleted on recovery."""
+    sp = Spool(tmp_path)
+    put_dummy(sp, 0, "p0", 0, [1], pad=1000)
+    before = sp.total_bytes()
+    trash = sp.ack(sp.claim("c0"), delete=False)
+    assert trash.parent == sp.acked_dir and not any((sp.claimed_dir / "c0").iterdir())
+    assert sp.total_bytes() == before and sp.stats()["total_bytes"] == before
+    Spool.remove_trash(trash)
+    assert sp.total_bytes() == 0
+    put_dummy(sp, 0, "p0", 1, [2], pad=10)
+    left = sp.ack(sp.claim("dead"), delete=False)  # the consumer dies before freeing it
+    _write_heartbeat(sp, "dead", pid=_dead_pid())
+    Spool(tmp_path).recover_dead_claims()
+    assert not left.exists() and sp.total_bytes() == 0
+
+
 def test_quarantine_writes_one_line_why_and_flow_continues(tmp_path):
     sp = Spool(tmp_path)
     put_dummy(sp, 0, "p0", 0, [1])

@@ -176,3 +176,64 @@ def test_installed_entry_point(spool: Spool, tmp_path: Path):
     )
     assert bad.returncode == 2 and bad.stdout == "" and "Traceback" not in bad.stderr
     assert bad.stderr == f"dflash-spool: error: {tmp_path / 'nope.zarr'}: no such shard\n"
+
+
+def _age_tree(root: Path, seconds: float) -> None:
+    """Make everything under ``root`` look untouched for ``seconds``."""
+    import time
+
+    t = time.time() - seconds
+    for p in [root, *root.rglob("*")]:
+        os.utime(p, (t, t), follow_symlinks=False)
+
+
+def test_gc_removes_only_abandoned_spools(tmp_path, capsys):
+    """gc removes a spool with no live process and no recent activity; it keeps a spool whose lock a live
+    process holds, one active a moment ago, and any folder that is not a spool; --dry-run removes nothing."""
+    root = tmp_path / "shm"
+    abandoned, locked, recent = (root / n for n in ("crashed", "running", "starting"))
+    for d in (abandoned, locked, recent):
+        sp = Spool(d)
+        sp.bind_run({"run": d.name})
+        publish_real(sp, 128, 0)
+    held = Spool(locked).acquire_lock("producer-p0", "test process")  # noqa: F841 (held for the test)
+    (root / "mine").mkdir()
+    (root / "mine" / "notes.txt").write_text("not a spool\n")
+    for d in (abandoned, locked, root / "mine"):
+        _age_tree(d, 2 * 3600)
+
+    rc, out, _ = run(capsys, "gc", str(root), "--dry-run")
+    assert rc == 0
+    assert f"would remove  {abandoned}" in out and "run 'crashed', no live process, idle 2.0h" in out
+    assert abandoned.exists()
+
+    rc, out, _ = run(capsys, "gc", str(root))
+    assert rc == 0, out
+    assert not abandoned.exists()
+    assert locked.exists() and recent.exists() and (root / "mine" / "notes.txt").exists()
+    assert f"kept          {locked}" in out and f"kept          {recent}" in out
+    assert "1 abandoned spool(s), freed" in out
+
+    rc, out, _ = run(capsys, "gc", str(tmp_path / "nowhere"))
+    assert rc == 0 and "does not exist" in out
+
+
+def test_free_discards_the_shards_keeps_the_records_and_refuses_a_live_spool(tmp_path, capsys):
+    """What ops/run_all.sh does to the spool of a stopped or failed run it did not create: the shards (the
+    RAM) go, the run record and the quarantine reasons stay; never while a producer or consumer is live."""
+    sp = Spool(tmp_path / "sp")
+    sp.bind_run({"run": "r"})
+    for seq in range(3):
+        publish_real(sp, 128, seq)
+    sp.quarantine(sp.claim("c0"), "bad bytes")
+    rc, out, _ = run(capsys, "free", str(sp.root))
+    assert rc == 0, out
+    assert "freed 2 shard(s) (6 samples" in out  # the quarantined one goes too (its samples are re-produced)
+    assert not list(sp.ready_dir.iterdir()) and sp.leftover_shards() == []
+    assert sp.read_run()["run"] == "r" and [p.suffix for p in sp.quarantine_dir.iterdir()] == [".why"]
+
+    held = sp.acquire_lock("consumer-r0", "a live consumer")  # noqa: F841 (held for the test)
+    publish_real(sp, 128, 9)
+    rc, _, err = run(capsys, "free", str(sp.root))
+    assert rc == 2 and "in use by a live process: a live consumer (pid" in err and "holds lock-consumer-r0" in err
+    assert len(list(sp.ready_dir.iterdir())) == 1

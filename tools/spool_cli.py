@@ -1,4 +1,4 @@
-"""dflash-spool: look at a spool or a shard without touching either.
+"""dflash-spool: look at a spool or a shard, and clean up after runs.
 
     dflash-spool stats DIR [--json]     shards and bytes per state x bucket, claims per consumer,
                                         process heartbeats with their counters and rates, DONE producers
@@ -9,6 +9,10 @@
                                         before a launch (ops/run_all.sh, holding the spool's launch lock):
                                         refuse a spool of another run or one a live process uses; discard
                                         what a previous launch left in the flow (see docs/reliability.md)
+    dflash-spool free DIR               after a launch stopped or failed (ops/run_all.sh does it): discard
+                                        its shards, the RAM a spool holds; keep its records
+    dflash-spool gc [ROOT] [--dry-run]  remove the abandoned spools under ROOT (/dev/shm/dflash): no live
+                                        process, nothing touched for --min-idle-s
 
 stats and inspect are read-only (``Spool(create=False)``), so they are safe on a live run. User errors
 print one line on stderr and exit with status 2, like argparse's own errors.
@@ -22,6 +26,7 @@ import math
 import os
 import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,10 +220,7 @@ def prepare(root: str, run: str, *, fresh: bool) -> str:
     path.mkdir(parents=True, exist_ok=True)
     try:
         spool = Spool(path)
-        live = {k: v for k, v in spool.live_locks().items() if k != "launch"}
-        if live:
-            name, who = next(iter(live.items()))
-            raise UserError(f"spool {spool.root} is in use by a live process: {who} holds lock-{name}")
+        _refuse_if_in_use(spool)
         rec = spool.read_run()
         if rec is not None and rec.get("run") != run and not fresh:
             raise UserError(
@@ -251,6 +253,104 @@ def prepare(root: str, run: str, *, fresh: bool) -> str:
     )
 
 
+def _refuse_if_in_use(spool: Spool) -> None:
+    """UserError when a live producer or consumer holds one of the spool's locks (the launch lock is the
+    caller's own: ops/run_all.sh holds it while it prepares or frees the spool)."""
+    live = {k: v for k, v in spool.live_locks().items() if k != "launch"}
+    if live:
+        name, who = next(iter(live.items()))
+        raise UserError(f"spool {spool.root} is in use by a live process: {who} holds lock-{name}")
+
+
+def free(root: str) -> str:
+    """Discard the shards of a spool no process uses: what a stopped or failed run holds in RAM, and what
+    the next launch would discard anyway (``prepare``). The run record, the held-out shards and the
+    quarantine reasons stay. Returns the line to print."""
+    try:
+        spool = Spool(Path(root), create=False)
+        _refuse_if_in_use(spool)
+        before = _tree_bytes(spool.root)
+        gone = spool.discard_flow()
+        freed = before - _tree_bytes(spool.root)
+    except SpoolError as e:
+        raise UserError(str(e)) from None
+    except OSError as e:
+        raise UserError(f"cannot free spool {root}: {e.strerror or e}") from None
+    return (
+        f"spool {spool.root}: freed {gone['shards']} shard(s) ({gone['samples']} samples, {fmt_bytes(freed)}); "
+        "the next launch re-produces what the checkpoint has not trained"
+    )
+
+
+DEFAULT_SPOOL_ROOT = "/dev/shm/dflash"
+"""Where spools live unless --spool says otherwise (ops/run_all.sh, dflash-produce: /dev/shm/dflash/<run>)."""
+
+
+def abandoned(spool_dir: Path, *, min_idle_s: float) -> str | None:
+    """Why ``spool_dir`` may go ("no live process, idle 3h"), or None when something may still use it: a
+    live lock (a launch, a producer, a consumer), a live heartbeat, or activity in the last
+    ``min_idle_s`` (a launch that is starting holds no lock yet)."""
+    sp = Spool(spool_dir, create=False)
+    if sp.live_locks():
+        return None
+    if any(p["alive"] for p in sp.stats(heartbeat_timeout_s=min_idle_s)["processes"]):
+        return None
+    idle = time.time() - _newest_mtime(spool_dir)
+    if idle < min_idle_s:
+        return None
+    run = (sp.read_run() or {}).get("run", "?")
+    return f"run {run!r}, no live process, idle {_age(idle)}"
+
+
+def _newest_mtime(root: Path) -> float:
+    """The latest modification time of anything in ``root`` (entries vanishing meanwhile are skipped)."""
+    newest, stack = root.stat().st_mtime, [root]
+    while stack:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
+                    newest = max(newest, st.st_mtime)
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(e.path)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+    return newest
+
+
+def _age(s: float) -> str:
+    return f"{s / 3600:.1f}h" if s >= 3600 else f"{s / 60:.0f}m" if s >= 60 else f"{s:.0f}s"
+
+
+def gc(root: str, *, dry_run: bool, min_idle_s: float) -> str:
+    """Remove the abandoned spools under ``root`` (a crashed or stopped run keeps its shards in RAM until
+    then); returns the lines to print. Only folders that are spools are looked at."""
+    base = Path(root)
+    if not base.is_dir():
+        return f"no spools: {root} does not exist"
+    lines, gone, size_gone = [], 0, 0
+    for d in sorted(p for p in base.iterdir() if p.is_dir() and not p.is_symlink()):
+        try:
+            why = abandoned(d, min_idle_s=min_idle_s)
+        except SpoolError:
+            continue  # not a spool
+        size = _tree_bytes(d)
+        if why is None:
+            lines.append(f"kept          {d}  {fmt_bytes(size)}  (in use or active in the last {_age(min_idle_s)})")
+            continue
+        if not dry_run:
+            shutil.rmtree(d, ignore_errors=True)
+        gone, size_gone = gone + 1, size_gone + size
+        lines.append(f"{'would remove' if dry_run else 'removed':<13} {d}  {fmt_bytes(size)}  ({why})")
+    if not lines:
+        return f"no spools under {root}"
+    verb = "would free" if dry_run else "freed"
+    return "\n".join([*lines, f"{gone} abandoned spool(s), {verb} {fmt_bytes(size_gone)}"])
+
+
 # ---- entry point ----
 
 
@@ -274,6 +374,22 @@ class InspectArgs:
     """print the result as JSON"""
 
 @dataclass(kw_only=True)
+class GcArgs:
+    root: str = field(default=DEFAULT_SPOOL_ROOT, metadata=flag(positional=True, nargs="?"))
+    """the folder holding spools"""
+    dry_run: bool = False
+    """only list what would be removed"""
+    min_idle_s: float = 600.0
+    """a spool with activity this recent is kept (a launch that is starting holds no lock yet)"""
+
+
+@dataclass(kw_only=True)
+class FreeArgs:
+    dir: str = field(metadata=flag(positional=True))
+    """the spool directory"""
+
+
+@dataclass(kw_only=True)
 class PrepareArgs:
     dir: str = field(metadata=flag(positional=True))
     """the spool directory (created if missing)"""
@@ -286,6 +402,8 @@ COMMANDS = {
     "stats": (StatsArgs, "shards/bytes per state and bucket, processes, rates"),
     "inspect": (InspectArgs, "metadata, counts, codec and compression of one shard"),
     "prepare": (PrepareArgs, "before a launch: check the spool's run, discard leftovers"),
+    "free": (FreeArgs, "after a run stopped: discard its shards (RAM), keep its records"),
+    "gc": (GcArgs, "remove abandoned spools (no live process, idle), e.g. those of crashed runs"),
 }
 
 
@@ -311,6 +429,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.cmd == "prepare":
             text = prepare(args.dir, args.run, fresh=args.fresh)
+        elif args.cmd == "free":
+            text = free(args.dir)
+        elif args.cmd == "gc":
+            text = gc(args.root, dry_run=args.dry_run, min_idle_s=args.min_idle_s)
         elif args.cmd == "stats":
             st = spool_stats(args.dir)
             text = json.dumps(st, indent=2, default=str) if args.json else format_stats(st)

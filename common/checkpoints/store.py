@@ -27,12 +27,6 @@ from dflash.common.redact import redact
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-# ----------------------------------------------------------------------------------------------------------
-# Redaction
-
-
-
-
 def _one_line(text: str) -> str:
     return redact(" ".join(str(text).split()))
 
@@ -99,6 +93,30 @@ class CheckpointStore(ABC):
     def url_for(self, key: str) -> str:
         return self.url.rstrip("/") + "/" + key if key else self.url
 
+    def probe_writable(self, prefix: str) -> None:
+        """Prove the store takes checkpoints under ``prefix``: write a small object, read it back, delete it.
+
+        Why a real write and not a permission check: a read-only mount, a full disk, a bucket policy that
+        denies PutObject, or a root user on a 0555 folder all pass ``os.access`` or HeadBucket and still
+        refuse the first checkpoint. Raises CheckpointStoreError (one line) naming the store and the cause.
+        """
+        key = f"{prefix.strip('/')}/.write-probe-{uuid.uuid4().hex[:12]}"
+        data = b"dflash-spool write probe " + key.encode()
+        try:
+            self.put_bytes(key, data)
+            back = self.get_bytes(key)
+            if back != data:
+                raise CheckpointStoreError(f"read back {len(back)} bytes that differ from the {len(data)} written")
+            self.delete_prefix(key)
+        except CheckpointStoreError as err:
+            raise CheckpointStoreError(
+                _one_line(f"checkpoint store {self.url_for(prefix)} is not writable: {err}")
+            ) from None
+        except (OSError, ValueError) as err:
+            raise CheckpointStoreError(
+                _one_line(f"checkpoint store {self.url_for(prefix)} is not writable: {err}")
+            ) from None
+
 
 # ----------------------------------------------------------------------------------------------------------
 # Local directory
@@ -146,7 +164,9 @@ class LocalStore(CheckpointStore):
             finally:
                 tmp.unlink(missing_ok=True)
         except OSError as err:
-            raise CheckpointStoreError(_one_line(f"cannot write {dest}: {err.strerror or err}")) from None
+            blocker = next((p for p in dest.parents if p.exists() and not p.is_dir()), None)
+            why = f"{blocker} is a file, not a folder" if blocker is not None else (err.strerror or str(err))
+            raise CheckpointStoreError(_one_line(f"cannot write {dest}: {why}")) from None
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self._atomic_write(key, lambda tmp: tmp.write_bytes(data))

@@ -77,6 +77,9 @@ class ShardMeta:
     producer_id: str
     bucket: int
     """Length bucket (max tokens per sample) the producer packed this shard for."""
+    epoch: int = 0
+    """The campaign's epoch every sample of the shard belongs to (sample id // rows; shards never mix
+    epochs). Optional in the file: a shard without it is of epoch 0."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.target_model, str) or not self.target_model:
@@ -98,6 +101,8 @@ class ShardMeta:
             raise ValueError(f"ShardMeta.producer_id={self.producer_id!r}: must be a non-empty string")
         if isinstance(self.bucket, bool) or not isinstance(self.bucket, int) or self.bucket < 0:
             raise ValueError(f"ShardMeta.bucket={self.bucket!r}: must be an int >= 0")
+        if isinstance(self.epoch, bool) or not isinstance(self.epoch, int) or self.epoch < 0:
+            raise ValueError(f"ShardMeta.epoch={self.epoch!r}: must be an int >= 0")
 
     @property
     def num_layers(self) -> int:

@@ -97,6 +97,7 @@ def read_shard(path: str | Path) -> Shard:
                 hidden_size=attrs["hidden_size"],
                 producer_id=attrs["producer_id"],
                 bucket=attrs["bucket"],
+                epoch=attrs.get("epoch", 0),
             )
         except ValueError as e:
             raise ShardFormatError(f"{path}: bad attributes: {e}") from e

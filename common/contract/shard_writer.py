@@ -75,6 +75,7 @@ def write_shard(
         "hidden_dtype": HIDDEN_DTYPE,
         "producer_id": meta.producer_id,
         "bucket": meta.bucket,
+        "epoch": meta.epoch,
         "num_tokens": num_tokens,
         "num_samples": num_samples,
         "codec": codec.spec,

@@ -32,7 +32,13 @@ import numpy as np
 from dflash.common.contract.liveness import (
     heartbeat_alive,
 )
-from dflash.common.contract.names import _check_id, _is_shard_name, parse_shard_name
+from dflash.common.contract.names import (
+    _check_id,
+    _is_shard_name,
+    parse_shard_name,
+    shard_epoch,
+    shard_sort_key,
+)
 from dflash.common.contract.spool_records import (
     RUN_FILE,
     SpoolError,
@@ -44,7 +50,8 @@ from dflash.common.contract.spool_scan import SpoolScan, _entry_nbytes
 log = logging.getLogger(__name__)
 
 DIR_MODE = 0o700
-ACK_PREFIX = ".ack-"  # a shard being deleted: renamed first, so a crash mid-delete never looks claimed
+ACK_PREFIX = ".ack-"  # an ack's trash beside its claim (spools of earlier versions): finished on recovery
+ACKED_SEP = "~"  # acked/<owner>~<shard name>~<uuid>: "~" is in no consumer id or shard name
 
 
 def default_budget_bytes(root: str | Path, fraction: float = 0.5) -> int:
@@ -81,6 +88,7 @@ class Spool(SpoolRecords, SpoolScan):
         self.claimed_dir = self.root / "claimed"
         self.quarantine_dir = self.root / "quarantine"
         self.state_dir = self.root / "state"
+        self.acked_dir = self.root / "acked"  # acked shards being deleted (see ack)
         self._lock = threading.RLock()
         self._size_cache: dict[tuple[str, int], int] = {}  # (name, inode) -> bytes; shards are immutable
         self._adopted: set[str] = set()  # consumer ids whose leftovers this object has taken over
@@ -88,7 +96,7 @@ class Spool(SpoolRecords, SpoolScan):
         self._rates: dict[tuple[str, str], dict] = {}
         self._started = time.time()
         if create:
-            for d in (self.tmp_dir, self.ready_dir, self.claimed_dir, self.quarantine_dir, self.state_dir):
+            for d in (self.tmp_dir, self.ready_dir, self.claimed_dir, self.quarantine_dir, self.state_dir, self.acked_dir):
                 self._makedirs(d)
         elif not self.root.is_dir():
             raise SpoolError(f"no spool directory at {self.root}")
@@ -135,8 +143,8 @@ class Spool(SpoolRecords, SpoolScan):
             except (ShardFormatError, OSError, ValueError):
                 pass
             shards += 1
-        for d in (self.tmp_dir, self.ready_dir):
-            for e in list(os.scandir(d)):
+        for d in (self.tmp_dir, self.ready_dir, self.acked_dir):
+            for e in list(os.scandir(d)) if d.is_dir() else []:
                 _remove(Path(e.path))
         for d in self._scan_dirs(self.claimed_dir):
             _remove(d)
@@ -283,7 +291,9 @@ class Spool(SpoolRecords, SpoolScan):
 
     def claim(self, consumer_id: str, *, bucket: int | None | str = None) -> Path | None:
         """Lease one ready shard by renaming it into claimed/<consumer_id>/; exactly one consumer wins a
-        race, losers try the next name. bucket: None = any (lowest name first), an int = only that
+        race, losers try the next name. Only shards of the lowest epoch ready are candidates (epochs are
+        trained in order; producers publish epoch k+1 only once all of epoch k is published: their epoch
+        barrier, producer/worker.py). bucket: None = any (lowest name first), an int = only that
         bucket, "fullest" = the bucket with the most ready shards, "random" = any, uniformly (consumers
         that pack fixed-size steps use it: training order then mixes lengths instead of running through
         the buckets shortest first). None when nothing matches."""
@@ -297,17 +307,20 @@ class Spool(SpoolRecords, SpoolScan):
         with self._lock:
             if consumer_id not in self._adopted:
                 self._adopt(consumer_id)
-        names = sorted(self._scan_names(self.ready_dir), key=parse_shard_name)
+        names = sorted(self._scan_names(self.ready_dir), key=shard_sort_key)
+        if bucket is not None and not isinstance(bucket, str):
+            names = [n for n in names if parse_shard_name(n)[0] == bucket]
+        if names:  # epochs in order: only the lowest epoch ready is claimable (docs/training.md, "A campaign")
+            lowest = shard_epoch(names[0])
+            names = [n for n in names if shard_epoch(n) == lowest]
         if bucket == "fullest":
             counts: dict[int, int] = {}
             for n in names:
                 counts[parse_shard_name(n)[0]] = counts.get(parse_shard_name(n)[0], 0) + 1
             order = {b: i for i, b in enumerate(sorted(counts, key=lambda b: (-counts[b], b)))}
-            names.sort(key=lambda n: (order[parse_shard_name(n)[0]], parse_shard_name(n)))
+            names.sort(key=lambda n: (order[parse_shard_name(n)[0]], shard_sort_key(n)))
         elif bucket == "random":
             random.shuffle(names)
-        elif bucket is not None:
-            names = [n for n in names if parse_shard_name(n)[0] == bucket]
         for name in names:
             try:
                 os.rename(self.ready_dir / name, mine / name)
@@ -333,6 +346,7 @@ class Spool(SpoolRecords, SpoolScan):
         n = self._return_to_ready(mine, remove_dir=False)
         if n:
             log.warning("consumer %s: returned %d shards left claimed by its previous life", consumer_id, n)
+        self._finish_acks_of(consumer_id)
         self._adopted.add(consumer_id)
 
     def _claimed_path_parts(self, path: Path) -> tuple[Path, str]:
@@ -349,10 +363,17 @@ class Spool(SpoolRecords, SpoolScan):
         ``remove_trash`` (freeing a 1.6 GB shard of tmpfs pages takes tens of ms: a training loop hands it
         to a background thread); None if the shard was already gone."""
         owner_dir, name = self._claimed_path_parts(claimed_path)
-        trash = owner_dir / f"{ACK_PREFIX}{name}-{uuid.uuid4().hex[:8]}"
+        # Into acked/, not beside the claim: a directory listing that runs while an entry is renamed
+        # within it may miss the entry altogether, and a producer's budget scan that missed a 1.6 GB
+        # shard being deleted would admit the next one early. acked/ is scanned after claimed/ (flow
+        # order), so an acked shard is always counted until its pages are freed.
+        trash = self.acked_dir / f"{owner_dir.name}{ACKED_SEP}{name}{ACKED_SEP}{uuid.uuid4().hex[:8]}"
         try:
             os.rename(claimed_path, trash)
         except FileNotFoundError:
+            if not self.acked_dir.is_dir() and claimed_path.exists():  # a spool made before acked/ existed
+                self._makedirs(self.acked_dir)
+                return self.ack(claimed_path, delete=delete)
             log.warning("ack: %s is gone (recovered as dead and re-delivered?)", claimed_path)
             return None
         if not delete:
@@ -415,7 +436,18 @@ class Spool(SpoolRecords, SpoolScan):
                 if moved:
                     log.warning("recovered %d shards claimed by dead consumer %s", moved, d.name)
                 n += moved
+                self._finish_acks_of(d.name)
         return n
+
+    def _finish_acks_of(self, owner: str) -> None:
+        """Delete what a dead consumer left half-deleted in acked/ (a crash mid-ack: already trained)."""
+        try:
+            names = os.listdir(self.acked_dir)
+        except FileNotFoundError:
+            return
+        for name in names:
+            if name.split(ACKED_SEP, 1)[0] == owner:
+                _remove(self.acked_dir / name)
 
     def _return_to_ready(self, owner_dir: Path, *, remove_dir: bool) -> int:
         n = 0

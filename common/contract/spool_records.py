@@ -58,6 +58,44 @@ IDENTITY_KEYS = ("run", "model", "layer_ids", "dataset", "plan")
 sides record is another run. A consumer records only ``run``; a producer fills in the rest."""
 
 
+FLAG_OF = {
+    "model": "--model", "layer_ids": "--layer-ids", "epochs": "--epochs", "shuffle_seed": "--shuffle-seed",
+    "eval_samples": "--eval-samples", "rows": "dataset rows (--limit)", "max_length": "--max-length",
+    "min_loss_tokens": "min supervised tokens (2 x --block-size)", "format": "--format",
+    "spec": "--dataset", "fingerprint": "dataset content (fingerprint)",
+}  # fmt: skip
+"""The flag (or what) behind each field of a run record, for the line that names a difference."""
+
+
+def _conflict(recorded, given) -> bool:
+    """Two values of a run-record field disagree: for a dict (plan, dataset), on a key both have (a key one
+    side lacks is filled in: an older record, or a consumer that records only the run)."""
+    if isinstance(recorded, dict) and isinstance(given, dict):
+        return any(recorded[k] != given[k] for k in recorded.keys() & given.keys())
+    return recorded != given
+
+
+def differences(recorded: dict, given: dict, keys: list[str]) -> list[str]:
+    """``--max-length 512 recorded, 1024 given`` for each differing field (nested plan/dataset fields one
+    by one), so a refused launch says exactly what to change."""
+    out = []
+    for key in keys:
+        a, b = recorded.get(key), given.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += [
+                f"{FLAG_OF.get(k, k)} {_short(a.get(k))} recorded, {_short(b.get(k))} given"
+                for k in sorted(a.keys() & b.keys()) if a[k] != b[k]
+            ]  # fmt: skip
+        else:
+            out.append(f"{FLAG_OF.get(key, key)} {_short(a)} recorded, {_short(b)} given")
+    return out
+
+
+def _short(value) -> str:
+    text = str(value)
+    return text if len(text) <= 40 else text[:12] + "…"
+
+
 def describe_run(rec: dict) -> str:
     """One phrase for a run record: ``run 'x' (model m, dataset d, 612 rows)``."""
     parts = []
@@ -115,18 +153,21 @@ class SpoolRecords:
                     finally:
                         tmp.unlink(missing_ok=True)
                     return new
-                differ = [k for k in IDENTITY_KEYS if k in ident and k in rec and ident[k] != rec[k]]
-                if differ:
-                    what = (
-                        "another run"
-                        if "run" in differ
-                        else f"the same run name with another {', '.join(differ)}"
-                    )
+                differ = [k for k in IDENTITY_KEYS if k in ident and k in rec and _conflict(rec[k], ident[k])]
+                if "run" in differ:
                     raise RunMismatchError(
                         f"spool {self.root} belongs to {describe_run(rec)}; {who} is {describe_run(ident)} "
-                        f"({what}): use another --spool, or discard this one (ops/run_all.sh --fresh-spool)"
+                        "(another run): use another --spool, or discard this one (ops/run_all.sh --fresh-spool)"
                     )
-                missing = {k: v for k, v in ident.items() if k not in rec}
+                if differ:
+                    raise RunMismatchError(
+                        f"spool {self.root} belongs to run {rec['run']!r}, and {who} is the same run name with "
+                        f"another {', '.join(differ)}: {'; '.join(differences(rec, ident, differ))} (a run's "
+                        "settings are fixed: give the same, use another --spool, or discard this one with "
+                        "ops/run_all.sh --fresh-spool)"
+                    )
+                missing = {k: v for k, v in ident.items() if k not in rec or rec[k] != v}  # fill in, merge dicts
+                missing = {k: {**rec[k], **v} if isinstance(v, dict) and isinstance(rec.get(k), dict) else v for k, v in missing.items()}
                 if not missing:
                     return rec
                 rec = {**rec, **missing}
@@ -203,8 +244,25 @@ class SpoolRecords:
         _atomic_write_text(self.state_dir / f"DONE-{producer_id}", f"{time.time():.3f}\n")
 
     def clear_done(self, producer_id: str) -> None:
-        """Remove a stale DONE marker (a producer restarted on a resumed run)."""
+        """Remove a stale DONE marker and epoch marker (a producer restarted on a resumed run)."""
         (self.state_dir / f"DONE-{_check_id('producer_id', producer_id)}").unlink(missing_ok=True)
+        (self.state_dir / f"epoch-{producer_id}.json").unlink(missing_ok=True)
+
+    def mark_epoch_done(self, producer_id: str, epoch: int) -> None:
+        """state/epoch-<id>.json: every shard of ``epoch`` (and the ones before) this producer will write is
+        published. The producers' epoch barrier (producer/epoch_barrier.py) reads it."""
+        _check_id("producer_id", producer_id)
+        _atomic_write_text(self.state_dir / f"epoch-{producer_id}.json", json.dumps({"epoch_done": int(epoch)}) + "\n")
+
+    def epochs_done(self) -> dict[str, int]:
+        """{producer id: the last epoch it has fully published} for the producers that said so."""
+        out = {}
+        for name in os.listdir(self.state_dir):
+            if name.startswith("epoch-") and name.endswith(".json"):
+                rec = self._read_json(self.state_dir / name)
+                if rec is not None and isinstance(rec.get("epoch_done"), int):
+                    out[name[len("epoch-") : -len(".json")]] = rec["epoch_done"]
+        return out
 
     def done_producers(self) -> list[str]:
         return sorted(n[len("DONE-") :] for n in os.listdir(self.state_dir) if n.startswith("DONE-"))

@@ -45,6 +45,11 @@ def _entry_nbytes(path: str) -> int:
     return total
 
 
+FLOW = ("tmp", "ready", "claimed", "acked")
+"""The states a shard moves through, in order: scanned in this order, a shard moving during a scan is
+seen in its later state and never missed (acked/: being deleted, still holding its bytes)."""
+
+
 class SpoolScan:
     """Read-only accounting of a spool's states (subclassed by ``Spool``, which sets the directories)."""
 
@@ -97,7 +102,7 @@ class SpoolScan:
                             self._size_cache[(name, inode)] = size
                     seen.add((name, inode))
                     out["q/" + name if state == "quarantine" else name] = (state, owner, name, size)
-        if "ready" in states and "claimed" in states:  # a full scan: forget shards that are gone
+        if "ready" in states and "claimed" in states and "acked" in states:  # a full scan: forget shards gone
             with self._lock:
                 self._size_cache = {k: v for k, v in self._size_cache.items() if k in seen}
         return list(out.values())
@@ -106,15 +111,19 @@ class SpoolScan:
         return sum(s for *_, s in self._scan(("ready",)))
 
     def total_bytes(self) -> int:
-        """Bytes in tmp+ready+claimed (what backpressure limits)."""
-        return sum(s for *_, s in self._scan(("tmp", "ready", "claimed")))
+        """Bytes in tmp+ready+claimed, and acked shards not yet deleted (what backpressure limits)."""
+        return sum(s for *_, s in self._scan(FLOW))
 
     def stats(self, *, heartbeat_timeout_s: float = 60.0) -> dict:
         """Shards and bytes per state and per bucket, per-consumer claims, process heartbeats (pid, age,
         alive, counters, rates) and producer completion. JSON-serializable (bucket keys become str)."""
         states: dict[str, dict] = {s: {"shards": 0, "bytes": 0, "buckets": {}} for s in self.STATES}
         claimed_by: dict[str, dict] = {}
-        for state, owner, name, size in self._scan(self.STATES):
+        acked = 0
+        for state, owner, name, size in self._scan((*self.STATES, "acked")):
+            if state == "acked":  # deleted as we look: only its bytes count (they still hold the budget)
+                acked += size
+                continue
             try:
                 bucket: int | str = parse_shard_name(name)[0]
             except ValueError:
@@ -148,7 +157,7 @@ class SpoolScan:
             "root": str(self.root),
             "time": now,
             "states": states,
-            "total_bytes": sum(states[s]["bytes"] for s in ("tmp", "ready", "claimed")),
+            "total_bytes": sum(states[s]["bytes"] for s in ("tmp", "ready", "claimed")) + acked,
             "claimed_by": claimed_by,
             "processes": procs,
             "producers": {"registered": self.registered_producers(), "done": self.done_producers()},

@@ -27,6 +27,7 @@ class PackedSamples:
     doc_ids: torch.Tensor  # int32 [S], 0..num_docs-1 in order, -1 = padding
     positions: torch.Tensor  # int64 [S], position within its document (0 for padding)
     sample_index: list[int]  # global dataset index of each document, in doc id order
+    epoch: int = 0  # the campaign epoch of every document (a stream never mixes epochs)
 
     def __post_init__(self) -> None:
         s = self.input_ids.shape[0]
@@ -106,6 +107,7 @@ def pack_samples(
     context_tokens: int,
     pin_memory: bool = False,
     position_offsets: Sequence[int] | None = None,
+    epoch: int = 0,
 ) -> PackedSamples:
     """Pack (input_ids [T], loss_mask [T], hidden [T, D], sample_index) documents into exactly S tokens.
 
@@ -155,6 +157,7 @@ def pack_samples(
         doc_ids=doc_ids,
         positions=positions,
         sample_index=[int(s[3]) for s in samples],
+        epoch=epoch,
     )
 
 

@@ -11,9 +11,15 @@ from typing import Any
 
 from transformers import Qwen3Config
 
-from dflash.common.drafter.layers import default_target_layer_ids
+from dflash.common.drafter.layers import FULL, SLIDING, default_target_layer_ids, resolve_layer_types
 
 log = logging.getLogger(__name__)
+
+
+# Rope fields of a target that describe ITS attention, not a rope scaling the drafter shares: Qwen3.5/3.6
+# rotate a quarter of each head (partial_rotary_factor 0.25) and their VL variants use multimodal rope,
+# while the public drafters for them are plain Qwen3 stacks with full rotary at the target's theta.
+_TARGET_ONLY_ROPE_FIELDS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
 
 
 def _rope_from_target(cfg: Any) -> tuple[float, dict | None]:
@@ -29,6 +35,7 @@ def _rope_from_target(cfg: Any) -> tuple[float, dict | None]:
         extra = dict(getattr(cfg, "rope_scaling", None) or {})
         if "type" in extra and "rope_type" not in extra:
             extra["rope_type"] = extra.pop("type")
+    extra = {k: v for k, v in extra.items() if k not in _TARGET_ONLY_ROPE_FIELDS}
     if extra.get("rope_type", "default") == "default" and set(extra) <= {"rope_type"}:
         return theta, None
     return theta, extra
@@ -55,6 +62,13 @@ class DrafterConfig:
     num_target_layers: int
     mask_token_id: int
     initializer_range: float = 0.02  # std of Linear init, as the public model's post_init
+    layer_types: list[str] | None = None
+    """Per draft layer: full_attention or sliding_attention (None: all full, as checkpoints before issue 27)."""
+    sliding_window: int | None = None
+    """W of the sliding layers (HF convention: W keys counting the query's own); None when no layer slides."""
+    target_fingerprint: str | None = None
+    """Digest of the target's embedding and lm_head the drafter was trained with (common/target/head.py):
+    dflash-eval refuses another target of the same shape. None: unknown (older checkpoints, public drafters)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -97,6 +111,20 @@ class DrafterConfig:
         if self.rope_scaling is not None and "rope_type" not in self.rope_scaling:
             raise ValueError(f"DrafterConfig.rope_scaling needs a 'rope_type', got {self.rope_scaling}")
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.layer_types is None:
+            self.layer_types = [FULL] * self.num_layers
+        self.layer_types = list(self.layer_types)
+        if len(self.layer_types) != self.num_layers or set(self.layer_types) - {FULL, SLIDING}:
+            raise ValueError(
+                f"DrafterConfig.layer_types {self.layer_types} must be {self.num_layers} of {FULL}/{SLIDING}"
+            )
+        if (SLIDING in self.layer_types) != (self.sliding_window is not None):
+            raise ValueError(
+                f"DrafterConfig.sliding_window={self.sliding_window} with layer_types {self.layer_types}: "
+                "a window is needed exactly when a layer slides"
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"DrafterConfig.sliding_window must be >= 1, got {self.sliding_window}")
 
     @property
     def num_context_layers(self) -> int:
@@ -115,7 +143,10 @@ class DrafterConfig:
         return cls(**d)
 
     def to_qwen3_config(self):
-        """The Qwen3Config the public `DFlashDraftModel` loads this drafter with (export, rotary init)."""
+        """The Qwen3Config of this drafter: what ``dflash-export`` writes as config.json and what both the
+        trainer's drafter and the exported ``DFlashDraftModel`` are built from. ``use_sliding_window`` must
+        be true when a layer slides: transformers' Qwen3Config drops ``sliding_window`` otherwise."""
+        sliding = self.sliding_window is not None
         return Qwen3Config(
             hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads,
@@ -127,7 +158,10 @@ class DrafterConfig:
             rope_parameters=self.rope_parameters,
             max_position_embeddings=self.max_position_embeddings,
             num_hidden_layers=self.num_layers,
-            layer_types=["full_attention"] * self.num_layers,
+            layer_types=list(self.layer_types),
+            use_sliding_window=sliding,
+            sliding_window=self.sliding_window,
+            max_window_layers=self.num_layers,
             attention_bias=False,
             hidden_act="silu",
             tie_word_embeddings=False,
@@ -152,6 +186,8 @@ class DrafterConfig:
         mask_token_id: int | None = None,
         num_context_layers: int = 5,
         tokenizer: Any = None,
+        layer_types: list[str] | None = None,
+        sliding_window: int | None = None,
     ) -> DrafterConfig:
         """Derive a drafter config from the target's HF config (`text_config` of multimodal models).
 
@@ -160,6 +196,9 @@ class DrafterConfig:
         mask_token_id: default `choose_mask_token_id(tokenizer, vocab_size)` when a tokenizer is given, else the
         config-only rule (the config's `mask_token_id`, else pad_token_id when it differs from eos/bos, else
         vocab_size - 1).
+        layer_types / sliding_window: None is ``--draft-layer-types auto`` (layers.resolve_layer_types: the
+        public hybrid-target layout, all but the last layer sliding with window 2048, when the target mixes
+        in linear attention; else all full).
         """
         cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         heads = int(cfg.num_attention_heads)
@@ -174,6 +213,7 @@ class DrafterConfig:
                 mask_token_id = choose_mask_token_id(tokenizer, vocab_size=vocab)
             else:
                 mask_token_id = _mask_token_from_config(cfg, vocab)
+        layer_types, sliding_window = resolve_layer_types(layer_types, num_layers, target_config, sliding_window)
         return cls(
             hidden_size=hidden,
             num_attention_heads=heads,
@@ -190,6 +230,8 @@ class DrafterConfig:
             target_layer_ids=list(target_layer_ids),
             num_target_layers=num_target_layers,
             mask_token_id=int(mask_token_id),
+            layer_types=layer_types,
+            sliding_window=sliding_window,
         )
 
 

@@ -15,9 +15,9 @@ the document standing in for the target:
 When the response is the target's own greedy output this IS ``dflash-eval``'s loop, step for step
 (``speculative_generate`` with the same budget and stop tokens; tests/test_decode_tau.py checks equality),
 with no target forward; on other responses it estimates it. ``teacher_forced_generate`` walks one document
-through ``DrafterProposer`` (dflash-eval's inference path); ``batched_teacher_forced_generate``, what the
-trainer runs, walks every held-out document at once, one drafter forward per round for all of them, and
-gives the same result (tests/test_decode_tau.py). Both run eagerly: the training step's compiled graphs are
+through a proposer (``DrafterProposer``: dflash-eval's inference path); ``batched_teacher_forced_generate``,
+what the trainer runs, walks every held-out document at once, one drafter forward per round for all of
+them (``draft_hidden``, the same inference form), and gives the same result (tests/test_decode_tau.py). Both run eagerly: the training step's compiled graphs are
 never touched, so evaluating cannot recompile them.
 """
 
@@ -30,15 +30,8 @@ import numpy as np
 import torch
 
 from dflash.common.contract.shard_reader import read_shard
-from dflash.common.drafter.decode import (
-    EvalReport,
-    Generation,
-    Proposer,
-    _emit,
-    block_layer,
-    context_keys_values,
-    summarize,
-)
+from dflash.common.drafter.dflash import Generation, Proposer, _emit
+from dflash.common.drafter.report import EvalReport, summarize
 
 
 @dataclass(kw_only=True)
@@ -161,9 +154,8 @@ def batched_teacher_forced_generate(
     (a key mask) instead of a cache grown by the accepted tokens: the same keys, the same math.
     """
     d = drafter
-    layers = list(d.layers)
-    device, dtype = d.fc.weight.device, d.fc.weight.dtype
-    block = d.config.block_size
+    device = d.fc.weight.device
+    block = d.spec.block_size
     stop = set(stop_token_ids)
     walks: list[_Walk] = []
     for ids, _, start, budget in docs:
@@ -177,38 +169,28 @@ def batched_teacher_forced_generate(
 
     # context keys/values of every document, padded to the longest: [N, Tmax, kv_heads, head_dim] per layer
     t_max = max(len(w.ids) for w in walks)
-    attn0 = layers[0].self_attn
-    keys = [torch.zeros(len(walks), t_max, attn0.num_kv_heads, attn0.head_dim, device=device, dtype=dtype) for _ in layers]
-    values = [torch.zeros_like(k) for k in keys]
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
     for n, (_, hidden, _, _) in enumerate(docs):
         t = hidden.shape[0]
-        context = d.hidden_norm(d.fc(hidden.to(device, dtype)))
-        cos, sin = d.rotary_emb(torch.arange(t, device=device), dtype)
-        for i, layer in enumerate(layers):
-            keys[i][n, :t], values[i][n, :t] = context_keys_values(layer, context, cos, sin)
-    head = d.target_head.lm_head_weight
-
+        k_doc, v_doc = d.context_keys_values(hidden, torch.arange(t))
+        if not keys:
+            keys = [k.new_zeros(len(walks), t_max, *k.shape[1:]) for k in k_doc]
+            values = [v.new_zeros(len(walks), t_max, *v.shape[1:]) for v in v_doc]
+        for i in range(len(keys)):
+            keys[i][n, :t], values[i][n, :t] = k_doc[i], v_doc[i]
     while active := [n for n, w in enumerate(walks) if not w.stopped and len(w.gen.tokens) < w.budget]:
         a = len(active)
         anchor = torch.tensor([walks[n].anchor_pos for n in active], device=device)
         lens = torch.tensor([min(block, walks[n].budget - len(walks[n].gen.tokens) + 1) for n in active], device=device)
-        ids = torch.full((a, block), d.config.mask_token_id, dtype=torch.long, device=device)
+        ids = torch.full((a, block), d.spec.mask_token_id, dtype=torch.long, device=device)
         ids[:, 0] = torch.tensor([walks[n].gen.tokens[-1] for n in active], device=device)
-        positions = (anchor[:, None] + torch.arange(block, device=device)).reshape(-1)
-        cos, sin = d.rotary_emb(positions, dtype)
         span = int(anchor.max())  # context keys past every anchor are masked anyway
-        visible = torch.cat(
-            [
-                torch.arange(span, device=device)[None, :] < anchor[:, None],  # context before the anchor
-                torch.arange(block, device=device)[None, :] < lens[:, None],  # the block's real positions
-            ],
-            dim=1,
-        )[:, None, None, :]  # [A, 1, 1, span + B]
         idx = torch.tensor(active, device=device)
-        x = d.target_head.embed(ids).to(dtype)
-        for i, layer in enumerate(layers):
-            x = block_layer(layer, x, cos, sin, keys[i][idx, :span], values[i][idx, :span], visible)
-        drafts = (d.norm(x).to(head.dtype) @ head.t()).argmax(-1)[:, 1:].cpu()
+        hidden = d.draft_hidden(
+            ids, anchor, [k[idx, :span] for k in keys], [v[idx, :span] for v in values], block_len=lens
+        )
+        drafts = d.logits(hidden).argmax(-1)[:, 1:].cpu()
 
         for row, n in enumerate(active):
             w = walks[n]

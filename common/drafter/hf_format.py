@@ -1,14 +1,20 @@
 """The HF-style drafter folder that DFlash inference code loads: writing it, reading it back, building a drafter.
 
-The folder (docs/export-and-eval.md) holds ``config.json``, a Qwen3 config plus the DFlash fields the public
-``DFlashDraftModel`` reads (``architectures``, ``num_target_layers``, ``block_size``,
-``dflash_config: {target_layer_ids, mask_token_id, block_size}``), and ``model.safetensors`` with the draft
-layers, ``fc``, ``hidden_norm`` and ``norm`` under the public parameter names. The target's embedding and
-lm_head are NOT in it: inference borrows them from the target, as training did.
+The folder (docs/export-and-eval.md, "The folder"):
+
+- ``config.json``: a Qwen3Config plus every DFlash field vLLM's and SGLang's loaders read (``architectures``,
+  ``block_size`` at the top level and in ``dflash_config``, ``dflash_config.{target_layer_ids, mask_token_id}``,
+  ``num_target_layers``, ``layer_types``, ``sliding_window`` + ``use_sliding_window`` when a layer slides)
+  and ``auto_map {"AutoModel": "dflash.DFlashDraftModel"}``;
+- ``model.safetensors``: the draft layers, ``fc``, ``hidden_norm`` and ``norm`` under the public names (no
+  ``model.`` prefix; the target's embedding and lm_head are NOT in it: inference borrows them);
+- ``dflash.py``: dflash.common.drafter.dflash, byte for byte: the remote code ``AutoModel`` runs, i.e. the
+  very code that trained the drafter;
+- the target's tokenizer files, when the target folder is readable (``copy_tokenizer_files``).
 
 Why the checkpoint's weights can be written without renames: ``DFlashDrafter`` names its parameters like the
-public model (dflash.common.drafter.model). Export still checks every name and shape against a drafter built from
-the checkpoint's own config, so a checkpoint of another architecture fails here, not at inference.
+public model. Export still checks every name and shape against a drafter built from the checkpoint's own
+config, so a checkpoint of another architecture fails here, not at inference.
 """
 
 from __future__ import annotations
@@ -24,15 +30,30 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from dflash.common.drafter import dflash as remote_code
 from dflash.common.drafter.config import DrafterConfig
+from dflash.common.drafter.layers import FULL, SLIDING
 from dflash.common.drafter.model import DFlashDrafter
-
-# The command line lives in export_cli (no torch before parsing); main/build_parser stay importable here.
 
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+CODE_FILE = "dflash.py"
+AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
+"""The public DFlash drafters' remote-code entry (z-lab HF repos: ``dflash.py``, class ``DFlashDraftModel``)."""
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+"""The files AutoTokenizer reads from a folder (whichever of them the target has)."""
 # Prefixes a wrapped module adds to parameter names (torch.compile, DDP); never part of the public names.
 _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 
@@ -44,27 +65,43 @@ class ExportError(ValueError):
 
 
 def export_config(config: DrafterConfig, dtype: torch.dtype) -> dict:
-    """config.json of an exported drafter: the Qwen3 config the public `DFlashDraftModel` loads.
+    """config.json of an exported drafter: ``DrafterConfig.to_qwen3_config()`` (what the drafter is built
+    from) plus what the serving loaders read (docs/export-and-eval.md, "What each loader reads").
 
-    `block_size` is written both at the top level (where the public Qwen3 drafters have it) and inside
-    `dflash_config` (where newer public configs have it; the public loader reads dflash_config first).
-    `rope_theta`/`rope_scaling` duplicate `rope_parameters` for transformers-4 era readers; transformers 5
-    takes `rope_parameters` when both are present.
+    ``block_size`` goes both at the top level (transformers/MLX readers) and in ``dflash_config`` (SGLang
+    reads it first); ``rope_theta``/``rope_scaling`` repeat ``rope_parameters`` for transformers-4 era
+    readers (transformers 5 takes ``rope_parameters``). ``layer_types`` is always explicit, and
+    ``use_sliding_window`` true exactly when a layer slides (Qwen3Config drops ``sliding_window``
+    otherwise). No ``is_causal``: vLLM would apply it to every layer, overriding "sliding causal, full not".
     """
     out = config.to_qwen3_config().to_diff_dict()
-    for key in ("transformers_version", "_name_or_path"):
+    for key in ("transformers_version", "_name_or_path", "is_causal"):
         out.pop(key, None)
-    out["dtype"] = str(dtype).removeprefix("torch.")
-    out["block_size"] = config.block_size
-    out["num_target_layers"] = config.num_target_layers
-    out["dflash_config"] = {
-        "target_layer_ids": list(config.target_layer_ids),
-        "mask_token_id": config.mask_token_id,
-        "block_size": config.block_size,
-    }
-    out["rope_parameters"] = config.rope_parameters
-    out["rope_theta"] = config.rope_theta
-    out["rope_scaling"] = dict(config.rope_scaling) if config.rope_scaling else None
+    sliding = SLIDING in config.layer_types
+    out.update(
+        architectures=["DFlashDraftModel"],
+        auto_map=dict(AUTO_MAP),
+        model_type="qwen3",
+        hidden_act="silu",
+        attention_bias=False,
+        dtype=str(dtype).removeprefix("torch."),
+        block_size=config.block_size,
+        num_target_layers=config.num_target_layers,
+        dflash_config={
+            "target_layer_ids": list(config.target_layer_ids),
+            "mask_token_id": config.mask_token_id,
+            "block_size": config.block_size,
+        },
+        layer_types=list(config.layer_types),
+        use_sliding_window=sliding,
+        sliding_window=config.sliding_window if sliding else None,
+        max_window_layers=config.num_layers,
+        rope_parameters=config.rope_parameters,
+        rope_theta=config.rope_theta,
+        rope_scaling=dict(config.rope_scaling) if config.rope_scaling else None,
+    )
+    if config.target_fingerprint:
+        out["dflash_target_fingerprint"] = config.target_fingerprint
     return dict(sorted(out.items()))
 
 
@@ -93,6 +130,10 @@ def drafter_config_from_export(cfg: dict) -> DrafterConfig:
         None if set(extra) <= {"rope_type"} and extra.get("rope_type", "default") == "default" else extra
     )
     heads = int(field("num_attention_heads"))
+    num_layers = int(field("num_hidden_layers"))
+    layer_types = cfg.get("layer_types") or [FULL] * num_layers
+    # transformers keeps `sliding_window` only with use_sliding_window; what a served drafter slides with
+    window = cfg.get("sliding_window") if SLIDING in layer_types and cfg.get("use_sliding_window") else None
     try:
         return DrafterConfig(
             hidden_size=int(field("hidden_size")),
@@ -105,12 +146,15 @@ def drafter_config_from_export(cfg: dict) -> DrafterConfig:
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
-            num_layers=int(field("num_hidden_layers")),
+            num_layers=num_layers,
             block_size=int(field("block_size", 16)),
             target_layer_ids=[int(i) for i in field("target_layer_ids")],
             num_target_layers=int(field("num_target_layers")),
             mask_token_id=int(field("mask_token_id")),
             initializer_range=float(cfg.get("initializer_range", 0.02)),
+            layer_types=list(layer_types),
+            sliding_window=None if window is None else int(window),
+            target_fingerprint=cfg.get("dflash_target_fingerprint"),
         )
     except ValueError as err:
         raise ExportError(f"config.json: {err}") from None
@@ -146,6 +190,16 @@ def _public_state(model_state: dict[str, torch.Tensor], config: DrafterConfig) -
     return state
 
 
+def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
+    """Copy the tokenizer files ``src`` has (TOKENIZER_FILES) into ``dst``; the names copied."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if (Path(src) / name).is_file():
+            shutil.copyfile(Path(src) / name, Path(dst) / name)
+            copied.append(name)
+    return copied
+
+
 def export_drafter(
     model_state: dict[str, torch.Tensor],
     config: DrafterConfig,
@@ -154,9 +208,11 @@ def export_drafter(
     dtype: torch.dtype = torch.bfloat16,
     metadata: dict[str, str] | None = None,
     overwrite: bool = False,
+    tokenizer_dir: str | Path | None = None,
 ) -> Path:
     """Write the export folder. It appears complete or not at all: files go to a temp folder beside
-    `out_dir`, which is renamed into place last. `metadata` (str -> str) goes into the safetensors header."""
+    `out_dir`, which is renamed into place last. `metadata` (str -> str) goes into the safetensors header;
+    `tokenizer_dir`: a folder whose tokenizer files are copied in (the target's)."""
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not overwrite:
@@ -169,6 +225,9 @@ def export_drafter(
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
         (tmp / CONFIG_FILE).write_text(json.dumps(export_config(config, dtype), indent=2) + "\n")
+        shutil.copyfile(remote_code.__file__, tmp / CODE_FILE)
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, tmp)
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", **(metadata or {})})
         for path in tmp.iterdir():  # readable by a serving container or another user, whatever the umask
             os.chmod(path, 0o644)
@@ -196,7 +255,3 @@ def read_export_config(path: str | Path) -> DrafterConfig:
     return drafter_config_from_export(raw)
 
 
-# ------------------------------------------------------------------------------------------- checkpoint
-
-
-# ----------------------------------------------------------------------------------------------------- CLI

@@ -1,4 +1,4 @@
-"""Which target layers feed the DFlash drafter.
+"""Which target layers feed the DFlash drafter, and which of its own layers slide.
 
 Producer and consumer must agree on the layer list (the producer captures exactly these layers and the
 drafter's `fc` expects K of them), so the default lives here, in the package both import.
@@ -29,3 +29,56 @@ def default_target_layer_ids(num_target_layers: int, k: int = 5) -> list[int]:
         )
     start, end = 1, num_target_layers - 3
     return [int(round(start + i * (end - start) / (k - 1))) for i in range(k)]
+
+
+# ------------------------------------------------------------------------------------ draft layer types
+# Standard library only (the consumer's CLI validates --draft-layer-types before importing torch), so these
+# two names repeat dflash.common.drafter.dflash's FULL / SLIDING (tests/test_drafter.py keeps them equal).
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+LAYER_TYPE_NAMES = {"full": FULL, "sliding": SLIDING, FULL: FULL, SLIDING: SLIDING}
+
+HYBRID_SLIDING_WINDOW = 2048
+"""The window of the public DFlash drafter for a hybrid target (z-lab Qwen3.6-27B-DFlash: 4 sliding
+layers + 1 full, ``sliding_window`` 2048): the default when a draft layer slides."""
+
+
+def parse_layer_types(text: str) -> list[str] | None:
+    """``--draft-layer-types``: 'auto' -> None; 'sliding,sliding,full' (or the HF names
+    sliding_attention / full_attention) -> the HF names; ValueError, one line, on anything else."""
+    if text.strip() == "auto":
+        return None
+    names = [t.strip() for t in text.split(",")]
+    bad = [t for t in names if t not in LAYER_TYPE_NAMES]
+    if bad or not names:
+        raise ValueError(f"draft-layer-types: expected 'auto' or a comma list of sliding/full, got {text!r}")
+    return [LAYER_TYPE_NAMES[t] for t in names]
+
+
+def is_hybrid_target(target_config) -> bool:
+    """Does the target mix linear attention into its layers (Qwen3.5/3.6 Gated DeltaNet: ``layer_types``
+    with ``linear_attention``)? Multimodal configs are read through their text config."""
+    cfg = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    return "linear_attention" in (getattr(cfg, "layer_types", None) or [])
+
+
+def resolve_layer_types(
+    layer_types: list[str] | None, num_layers: int, target_config, sliding_window: int | None
+) -> tuple[list[str], int | None]:
+    """(layer types, sliding window) of a new drafter. ``layer_types`` None is ``auto``: for a hybrid
+    target the public layout, every layer but the last sliding (Qwen3.6-27B-DFlash: 4 + 1), else all full.
+    The window defaults to HYBRID_SLIDING_WINDOW when a layer slides; a window with no sliding layer, or a
+    list of the wrong length, is a ValueError (one line)."""
+    if layer_types is None:
+        hybrid = is_hybrid_target(target_config)
+        layer_types = [SLIDING] * (num_layers - 1) + [FULL] if hybrid and num_layers > 1 else [FULL] * num_layers
+    if len(layer_types) != num_layers:
+        raise ValueError(f"draft-layer-types names {len(layer_types)} layers, num-layers is {num_layers}")
+    if SLIDING not in layer_types:
+        if sliding_window is not None:
+            raise ValueError(
+                f"sliding-window {sliding_window}: no draft layer slides (layer types {layer_types}); "
+                "give --draft-layer-types with sliding layers"
+            )
+        return list(layer_types), None
+    return list(layer_types), HYBRID_SLIDING_WINDOW if sliding_window is None else int(sliding_window)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.hf_format import WEIGHTS_FILE, ExportError, _public_state, read_export_config
-from dflash.common.drafter.model import DFlashDrafter, RotaryEmbedding
+from dflash.common.drafter.model import DFlashDrafter
 from dflash.common.target.head import load_target_head
 
 log = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ def build_drafter(
     with torch.device("meta"):
         model = DFlashDrafter(config, attention_backend=attention_backend)
     model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
-    model.rotary_emb = RotaryEmbedding(config)
+    model.reset_rotary()
     leftover = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     assert not leftover, f"tensors left uninitialized after loading: {leftover}"
     model.set_target_head(head)

@@ -7,8 +7,9 @@ hooks on the chosen layers copy just their outputs (real tokens only, already pa
 [T, K*H] buffer, and the hook of the last chosen layer raises a private exception that ends the forward,
 so later layers, the final norm and the lm_head never run.
 
-Semantics match HF `hidden_states[i + 1]` (the output of decoder layer i); for i = L-1, whose
-`hidden_states` entry is taken after the final norm, the hook sits on the final norm instead.
+Which module's output is layer i's feature is the drafter's capture rule (``feature_module`` in
+dflash.common.drafter.dflash: the output of decoder layer i, HF `hidden_states[i + 1]`, the final norm's
+output for the last layer), shared with ``dflash-eval`` and the exported ``spec_generate``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from dflash.common.drafter.dflash import feature_module, find_decoder
+
 log = logging.getLogger(__name__)
+
+__all__ = ["LayerCapture", "find_decoder", "num_target_layers"]
 
 
 class _StopForward(Exception):
@@ -37,25 +42,6 @@ class _Unused(nn.Module):
 
     def forward(self, *args, **kwargs):
         raise AssertionError(f"{self.name} was freed by LayerCapture(free_unused=True) but ran")
-
-
-def find_decoder(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module]:
-    """(text model, its decoder layers, its final norm) for causal LMs and their multimodal wrappers."""
-    text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    num_layers = text_cfg.num_hidden_layers
-    for name, mod in model.named_modules():
-        layers = getattr(mod, "layers", None)
-        if (
-            isinstance(layers, nn.ModuleList)
-            and len(layers) == num_layers
-            and hasattr(mod, "embed_tokens")
-            and isinstance(getattr(mod, "norm", None), nn.Module)
-        ):
-            log.debug("decoder found at %r", name)
-            return mod, layers, mod.norm
-    raise ValueError(
-        f"{type(model).__name__}: no decoder with {num_layers} layers, embed_tokens and norm found"
-    )
 
 
 def num_target_layers(model: nn.Module) -> int:
@@ -96,7 +82,7 @@ class LayerCapture:
         last = max(self.layer_ids)
         for i in sorted(set(self.layer_ids)):  # a repeated id (small L) fills several column slots
             slots = [k for k, j in enumerate(self.layer_ids) if j == i]
-            module = self.norm if i == num_layers - 1 else self.layers[i]
+            module = feature_module(self.layers, self.norm, i)
             self._handles.append(
                 module.register_forward_hook(self._make_hook(slots, stop=stop_early and i == last))
             )

@@ -6,18 +6,20 @@ index, tied embeddings reuse the embedding, multimodal checkpoints find the text
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from huggingface_hub import hf_hub_download, snapshot_download
 from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig
 
-from dflash.common.drafter.model import TargetHead
+from dflash.common.drafter.dflash import TargetHead
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +68,29 @@ def load_target_head(target: Any, *, dtype: torch.dtype = torch.bfloat16, device
     embedding), or an in-memory HF model (tests, or a process that already holds the target).
     """
     if isinstance(target, nn.Module):
-        embed = target.get_input_embeddings().weight
-        out = target.get_output_embeddings()
-        tied = out is None or out.weight.data_ptr() == embed.data_ptr()
+        shared = TargetHead.of(target)  # the target's own tensors; copied below in `dtype`
         head = TargetHead(
-            embed.detach().to(dtype).clone(), None if tied else out.weight.detach().to(dtype).clone()
+            shared.embed_weight.to(dtype).clone(),
+            None if shared.tied else shared.lm_head_weight.to(dtype).clone(),
         )
+        head.fingerprint = fingerprint_of(shared.embed_weight, None if shared.tied else shared.lm_head_weight)
         return head.to(device) if device is not None else head
+    files, embed_key, head_key = _head_keys(target)
+
+    def read(key: str) -> torch.Tensor:
+        with safe_open(str(_shard_file(target, files[key])), framework="pt", device="cpu") as f:
+            return f.get_tensor(key)
+
+    embed = read(embed_key)
+    lm_head = read(head_key) if head_key is not None else None
+    head = TargetHead(embed.to(dtype), lm_head.to(dtype) if lm_head is not None else None)
+    head.fingerprint = fingerprint_of(embed, lm_head)
+    log.info("target head from %s: embed %s, lm_head %s", target, embed_key, head_key or "tied to embed")
+    return head.to(device) if device is not None else head
 
 
+def _head_keys(target: Any) -> tuple[dict[str, Path], str, str | None]:
+    """(tensor name -> file, the embedding's name, the lm_head's name or None when tied)."""
     root = _local_dir(target)
     config = AutoConfig.from_pretrained(str(root))
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -93,16 +109,56 @@ def load_target_head(target: Any, *, dtype: torch.dtype = torch.bfloat16, device
         raise ValueError(f"{target}: no '*embed_tokens.weight' tensor in the checkpoint")
     if head_key is None and not tie:
         raise ValueError(f"{target}: no lm_head.weight and tie_word_embeddings is false")
+    return files, embed_key, head_key
 
-    def read(key: str) -> torch.Tensor:
-        file = files[key]
-        if not file.exists():  # hub snapshot: fetch just the shard holding this tensor
 
-            file = Path(hf_hub_download(str(target), file.name))
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            return f.get_tensor(key).to(dtype)
+def _shard_file(target: Any, file: Path) -> Path:
+    """The local file of a shard; for a hub snapshot, just the shard holding the tensor is fetched."""
+    return file if file.exists() else Path(hf_hub_download(str(target), file.name))
 
-    embed = read(embed_key)
-    head = TargetHead(embed, read(head_key) if head_key is not None else None)
-    log.info("target head from %s: embed %s, lm_head %s", target, embed_key, head_key or "tied to embed")
-    return head.to(device) if device is not None else head
+
+FINGERPRINT_ROWS = 64
+
+
+def _rows(n: int) -> np.ndarray:
+    return np.unique(np.linspace(0, n - 1, FINGERPRINT_ROWS).astype(np.int64))
+
+
+def _digest(parts: list[tuple[tuple[int, ...], torch.Tensor] | None]) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        if part is None:
+            h.update(b"tied")
+            continue
+        shape, rows = part
+        h.update(str(tuple(shape)).encode())
+        h.update(rows.to(torch.float32).contiguous().numpy().tobytes())
+    return "sha256:" + h.hexdigest()[:32]
+
+
+def fingerprint_of(embed: torch.Tensor, lm_head: torch.Tensor | None) -> str:
+    """A short digest of a target's embedding and lm_head: their shapes and 64 rows spread over the
+    vocabulary, as float32 values (the same for the bf16 file and a bf16 or fp32 copy of it).
+
+    Why a digest of the head: the drafter is trained on these exact tensors (it borrows them), so a target
+    of the same shape with other weights (another fine-tune) decodes with a drafter that never saw it; and
+    64 rows are read in milliseconds from a 2.5 GB embedding, where hashing all of it takes seconds."""
+    return _digest(
+        [None if t is None else (tuple(t.shape), t[torch.from_numpy(_rows(t.shape[0]))].cpu()) for t in (embed, lm_head)]
+    )
+
+
+def target_fingerprint(target: Any) -> str:
+    """``fingerprint_of`` the target's head, reading only the sampled rows (safetensors slices)."""
+    if isinstance(target, nn.Module):
+        shared = TargetHead.of(target)
+        return fingerprint_of(shared.embed_weight, None if shared.tied else shared.lm_head_weight)
+    files, embed_key, head_key = _head_keys(target)
+
+    def sampled(key: str) -> tuple[tuple[int, ...], torch.Tensor]:
+        with safe_open(str(_shard_file(target, files[key])), framework="pt", device="cpu") as f:
+            sl = f.get_slice(key)
+            shape = tuple(sl.get_shape())
+            return shape, torch.cat([sl[int(r) : int(r) + 1] for r in _rows(shape[0])])
+
+    return _digest([sampled(embed_key), sampled(head_key) if head_key is not None else None])

@@ -41,6 +41,7 @@ from dflash.common.contract.shard import DEFAULT_CHUNK_BYTES, Shard, ShardMeta
 from dflash.common.contract.shard_reader import read_shard, shard_nbytes
 from dflash.common.contract.shard_writer import write_shard
 from dflash.common.drafter.layers import default_target_layer_ids
+from dflash.common.target.capture import LayerCapture
 
 log = logging.getLogger(__name__)
 
@@ -87,8 +88,8 @@ def real_hidden_states(args: argparse.Namespace) -> tuple[torch.Tensor, list[int
     config = Qwen3Config(
         hidden_size=args.hidden,
         intermediate_size=3 * args.hidden,
-        # Like a producer, run only the layers needed, plus one: the last entry of hidden_states is after
-        # the final norm, so the deepest captured layer must not be the model's last.
+        # Like a producer, run only the layers needed, plus one, so that the deepest captured layer is not
+        # the model's last (whose feature is the final norm's output: the capture rule, feature_module).
         num_hidden_layers=max(layer_ids) + 2,
         num_attention_heads=heads,
         num_key_value_heads=max(1, heads // 4),
@@ -100,14 +101,13 @@ def real_hidden_states(args: argparse.Namespace) -> tuple[torch.Tensor, list[int
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     t0 = time.perf_counter()
     parts = []
-    with torch.no_grad():
-        for start in range(0, ids.numel(), args.seq_len):
-            out = model.model(input_ids=ids[None, start : start + args.seq_len], output_hidden_states=True)
-            # hidden_states[i + 1] is the output of decoder layer i (the last entry is after the final norm,
-            # which is why capture stops at L-3).
-            parts.append(
-                torch.cat([out.hidden_states[i + 1][0] for i in layer_ids], dim=-1).to(torch.bfloat16)
-            )
+    capture = LayerCapture(model, layer_ids)  # the producer's capture: the drafter's one capture rule
+    try:
+        with torch.no_grad():
+            for start in range(0, ids.numel(), args.seq_len):
+                parts.append(capture.run(ids[None, start : start + args.seq_len]).to(torch.bfloat16))
+    finally:
+        capture.close()
     log.info("forward of %d tokens: %.1f s", ids.numel(), time.perf_counter() - t0)
     desc = (
         f"Qwen3 from config (random init, fp32 forward -> bf16): hidden {args.hidden}, {args.layers} layers "

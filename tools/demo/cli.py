@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from dflash.common.cli.exits import EXIT_FAILURE, fail
+from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, fail
 from dflash.common.cli.flags import add_flags, from_args
 from dflash.common.cli.help import DefaultsHelpFormatter
 from dflash.tools.demo.config import PROG, DemoConfig
@@ -27,11 +27,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=None, help="also write the summary as JSON here")
     args = p.parse_args(argv)
     run_dir = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    from dflash.tools.demo.demo import run_demo  # torch, transformers, boto3: only once the flags parsed
-
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the demo as Ctrl-C does
     try:
-        summary = run_demo(from_args(DemoConfig, args, run_dir=run_dir))
+        from dflash.tools.demo.demo import DemoStopped, run_demo  # torch, boto3: only once the flags parsed
+
+        try:
+            summary = run_demo(from_args(DemoConfig, args, run_dir=run_dir))
+        except DemoStopped as stopped:
+            print(f"{PROG}: {stopped}", file=sys.stderr, flush=True)
+            return EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # outside the pipeline (set-up, evaluation): nothing to save
+        print(f"{PROG}: stopped", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
     except (RuntimeError, OSError, ValueError) as err:  # the pipeline failed, or could not start
         fail(PROG, " ".join(str(err).split()), EXIT_FAILURE)
     print_summary(summary)

@@ -10,8 +10,10 @@ drafter (``dflash-eval``'s loop) and prints what was trained, how much it helps 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -43,16 +45,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_this_process() -> None:
+    """In the child, before exec: SIGTERM when the demo dies, however it dies (Linux)."""
+    ctypes.CDLL(None).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+
+
 class LocalS3:
-    """moto's S3 server on loopback, for the demo's checkpoints; always stopped by ``close``."""
+    """moto's S3 server on loopback, for the demo's checkpoints; always stopped by ``close``.
+
+    In a session of its own: a terminal's Ctrl-C goes to the demo's process group, and the server must
+    outlive it until the pipeline's stop checkpoint is saved into it (close() stops it after that)."""
+
     def __init__(self, log_path: Path) -> None:
         exe = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [exe, "-H", "127.0.0.1", "-p", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT
-        )
+            [exe, "-H", "127.0.0.1", "-p", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT,
+            start_new_session=True, preexec_fn=_die_with_this_process if sys.platform == "linux" else None,
+        )  # fmt: skip
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
@@ -138,6 +150,7 @@ def _pipeline_cmd(cfg: DemoConfig, target: Path, dataset: Path, spool: Path, che
         str(spool),
         "--checkpoint",
         checkpoint,
+        "--keep-spool",  # the demo reads the held-out documents from it after training, then removes it
         "--producer-args",
         f"--max-length {z.context_tokens} --batch-tokens 4096 --epochs {z.epochs} --eval-samples {z.eval_samples}",
         "--consumer-args",
@@ -160,15 +173,35 @@ def _start_s3(run_dir: Path) -> tuple[LocalS3, str]:
     return s3, "s3://dflash-demo/checkpoints"
 
 
+class DemoStopped(Exception):
+    """Ctrl-C (or SIGTERM) during the demo; the pipeline has stopped and saved its checkpoint."""
+
+
 def _train(cfg: DemoConfig, target: Path, dataset: Path, spool: Path, checkpoint: str, env: dict) -> None:
-    """The pipeline (run_all.sh), with a progress line from its metrics every few seconds."""
+    """The pipeline (run_all.sh), with a progress line from its metrics every few seconds.
+
+    Ctrl-C reaches the pipeline too (one process group): its consumers finish the step and checkpoint. The
+    demo waits for that before it stops the S3 server the checkpoint goes to (a second Ctrl-C is passed
+    on as SIGTERM, which run_all.sh handles the same way), then raises DemoStopped."""
     cmd = _pipeline_cmd(cfg, target, dataset, spool, checkpoint)
     print("[demo] " + " ".join(cmd), flush=True)
     progress = ProgressPrinter(cfg.run_dir, every_s=cfg.progress_every_s).start()
+    stopping = False
+    proc = subprocess.Popen(cmd, env=env)
     try:
-        rc = subprocess.call(cmd, env=env)
+        while True:
+            try:
+                rc = proc.wait()
+                break
+            except KeyboardInterrupt:
+                if stopping:
+                    proc.send_signal(signal.SIGTERM)
+                stopping = True
+                print("[demo] stopping: the pipeline saves its checkpoint first (Ctrl-C again to hurry it)", flush=True)
     finally:
         progress.stop()
+    if stopping or rc == 130:
+        raise DemoStopped(f"stopped; the pipeline saved its checkpoint ({checkpoint}); logs in {cfg.run_dir / 'logs'}")
     if rc != 0:
         raise RuntimeError(f"the pipeline failed (exit {rc}); logs in {cfg.run_dir / 'logs'}")
 
@@ -197,6 +230,20 @@ def _evaluate(cfg: DemoConfig, target: Path, docs, checkpoint: str, env: dict) -
         "drafter_before": str(before),
         "drafter_after": str(after),
     }
+
+
+def _copy_latest(store_url: str, dest: Path) -> str:
+    """Copy the run's latest checkpoint from the demo's S3 server into a local folder (the server stops
+    with the demo: the summary's checkpoint and its commands must work after it); returns its path."""
+    src, local = open_store(store_url), open_store(dest)
+    name = src.get_bytes(f"{RUN}/latest").decode().strip()
+    with tempfile.TemporaryDirectory(prefix="dflash-demo-ckpt-") as tmp:
+        for key in src.list(f"{RUN}/{name}/"):
+            path = Path(tmp) / key.rsplit("/", 1)[-1]
+            src.get_file(key, path)
+            local.put_file(key, path)
+    local.put_bytes(f"{RUN}/latest", (name + "\n").encode())
+    return local.url_for(f"{RUN}/{name}")
 
 
 def run_demo(cfg: DemoConfig) -> dict:
@@ -236,11 +283,12 @@ def run_demo(cfg: DemoConfig) -> dict:
         s3_env = s3.env() if s3 is not None else {}
         summary.update(_evaluate(cfg, target, docs, checkpoint, s3_env))
         if s3 is not None and summary["checkpoint"]:
-
             with _environ(s3_env):
                 summary["checkpoint_latest"] = (
                     open_store(checkpoint).get_bytes(f"{RUN}/latest").decode().strip()
                 )
+                summary["checkpoint_s3"] = summary["checkpoint"]
+                summary["checkpoint"] = _copy_latest(checkpoint, run_dir / "checkpoints")
         summary["target"] = str(target)
         summary["wall_s"] = time.monotonic() - t0
         return summary

@@ -2,7 +2,7 @@
 
 Why not the trainer's in-loop τ: it is measured on the training batches themselves, per step, and swings
 with which shard a step drew. Here both drafters decode the held-out documents the producers spooled
-(never trained on) with ``dflash-eval``'s loop (common/drafter/decode.py) against the target, so before and
+(never trained on) with ``dflash-eval``'s loop (common/drafter/dflash.py) against the target, so before and
 after compare like with like, and the number is the acceptance length a user would get. The consumer's
 decode-order τ (common/drafter/decode_tau.py) is logged on the same documents with the same budgets: the demo
 prints both, equal when the answers are the target's own, the in-training one an estimate otherwise.
@@ -20,14 +20,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from dflash.common.contract.spool import Spool
 from dflash.common.drafter.config import DrafterConfig
-from dflash.common.drafter.decode import DrafterProposer, summarize
 from dflash.common.drafter.decode_tau import first_response, read_held_out
+from dflash.common.drafter.dflash import DrafterProposer, TargetRunner, speculative_generate
 from dflash.common.drafter.hf_format import export_drafter
 from dflash.common.drafter.model import initial_drafter
+from dflash.common.drafter.report import summarize
 from dflash.common.target.attach import load_exported_drafter
 from dflash.common.target.head import load_target_head
-from dflash.common.target.runner import TargetRunner
-from dflash.common.target.speculative import speculative_generate
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +75,10 @@ def export_initial_drafter(
         block_size=block_size,
         tokenizer=AutoTokenizer.from_pretrained(target),
     )
+    head = load_target_head(str(target), dtype=torch.float32)
+    config.target_fingerprint = head.fingerprint  # as the trainer records it
     with torch.random.fork_rng(devices=[]):  # the demo's own RNG state is not the trainer's business
-        model = initial_drafter(config, load_target_head(str(target), dtype=torch.float32), seed=seed)
+        model = initial_drafter(config, head, seed=seed)
     return export_drafter(model.state_dict(), config, out, dtype=torch.float32, overwrite=True)
 
 

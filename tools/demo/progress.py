@@ -40,6 +40,12 @@ def consumer_steps(run_dir: Path) -> list[dict]:
     return [r for r in _records(run_dir / "metrics" / "consumer-0.jsonl") if "loss" in r]
 
 
+def consumer_phase(run_dir: Path) -> str | None:
+    """What rank 0 said it is doing before its first step ("compiling", "evaluating"), if it said so."""
+    phases = [r["phase"] for r in _records(run_dir / "metrics" / "consumer-0.jsonl") if r.get("event") == "phase"]
+    return phases[-1] if phases else None
+
+
 def producer_avg_tok_s(last: list[dict]) -> float | None:
     """Tokens produced by all producers / the longest producer's wall time (their last heartbeats).
 
@@ -75,6 +81,7 @@ class Snapshot:
     tau: float | None = None
     spool_shards: int | None = None
     spool_bytes: float | None = None
+    consumer_phase: str | None = None
 
 
 def snapshot(run_dir: Path) -> Snapshot:
@@ -83,6 +90,7 @@ def snapshot(run_dir: Path) -> Snapshot:
         samples_produced=int(sum(float(r.get("samples", 0)) for r in prod)),
         tokens_produced=int(sum(float(r.get("tokens", 0)) for r in prod)),
         producer_tok_s=producer_avg_tok_s(prod),
+        consumer_phase=consumer_phase(run_dir),
     )
     if prod:
         s.spool_bytes = max(float(r.get("spool_bytes", 0.0)) for r in prod)
@@ -95,18 +103,27 @@ def snapshot(run_dir: Path) -> Snapshot:
     return s
 
 
+PHASES = {
+    "compiling": "compiling its kernels (the first step; later launches find them in the cache)",
+    "evaluating": "measuring the untrained drafter on the held-out documents",
+}
+
+
 def format_progress(s: Snapshot, elapsed_s: float) -> str:
     """One compact line, e.g. ``[demo 42s] produced 96 samples / 31.2K tok (1.1K tok/s) | step 14:
     40 samples, loss 5.21, τ 2.31 | spool 3 shards, 12.0 MB``."""
     head = f"[demo {format_duration(elapsed_s)}]"
+    doing = PHASES.get(s.consumer_phase or "", "waiting for the first shard")
     if s.tokens_produced == 0 and s.step is None:
+        if s.consumer_phase:
+            return f"{head} starting: the producer loads the target, the consumer is {doing}"
         return f"{head} starting: the producer loads the target, the consumer builds the drafter"
     parts = [
         f"produced {s.samples_produced} samples / {format_rate(s.tokens_produced)} tok"
         + (f" ({format_rate(s.producer_tok_s)} tok/s)" if s.producer_tok_s else "")
     ]
     if s.step is None:
-        parts.append("consumer waiting for the first shard")
+        parts.append(f"consumer {doing}")
     else:
         parts.append(f"step {s.step}: {s.samples_trained} samples trained, loss {s.loss:.2f}, τ {s.tau:.2f}")
     spool = []

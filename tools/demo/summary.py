@@ -74,7 +74,8 @@ def print_summary(s: dict) -> None:
         f"  throughput         producer {f(s['producer_tok_s'], '{:.0f}')} tok/s, "
         f"consumer {f(s['consumer_tok_s'], '{:.0f}')} tok/s   (run averages)"
     )
-    print(f"  checkpoint         {s['checkpoint']}")
+    where = f"   (a copy of {s['checkpoint_s3']}: the demo's S3 server stopped with it)" if s.get("checkpoint_s3") else ""
+    print(f"  checkpoint         {s['checkpoint']}{where}")
     print(f"  drafters           {s['drafter_before']} (untrained), {s['drafter_after']} (trained)")
     print(f"  logs               {s['logs']}")
     print(f"  plots              {', '.join(s['plots']) or 'none'}")
@@ -82,5 +83,5 @@ def print_summary(s: dict) -> None:
     print(f"  status             dflash-status {s['run_dir']}")
     print(
         f"  try                dflash-eval --target {s['target']} --drafter {s['drafter_after']} "
-        f"--dataset {s['heldout']} --baseline"
+        f"--dataset {s['heldout']} --num-prompts {s['heldout_prompts']} --baseline"
     )

@@ -17,8 +17,8 @@ PROG = "dflash-eval"
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
-        description="Greedy DFlash speculative decoding: acceptance and speed. With --watch: every checkpoint "
-        "of a training run as it lands, marking the best in the store.",
+        description="DFlash speculative decoding (greedy, or lossless sampling with --temperature): acceptance "
+        "and speed. With --watch: every checkpoint of a training run as it lands, marking the best in the store.",
         formatter_class=DefaultsHelpFormatter,
     )
     add_flags(p, EvalConfig)

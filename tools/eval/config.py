@@ -11,6 +11,8 @@ from dflash.common.cli.flags import flag
 
 SETTINGS = ("target", "dataset", "num_prompts", "max_new_tokens", "max_prompt_tokens", "block_size")
 """The fields that change τ: watch records are compared (and reused) only under equal settings."""
+SAMPLING_SETTINGS = ("temperature", "top_p", "draft_sampling", "seed")
+"""Also change τ, but only when sampling: a greedy record keeps the settings it always had."""
 
 
 @dataclass(kw_only=True)
@@ -38,9 +40,22 @@ class EvalConfig:
     ignore_eos: bool = False
     """always generate --max-new-tokens tokens"""
     baseline: bool = False
-    """also run plain greedy: speedup + lossless check"""
+    """also run plain decoding (greedy, or sampled with --temperature): speedup; greedy: the lossless check"""
+    temperature: float = 0.0
+    """0: greedy; > 0: sample softmax(logits / T), drafts verified by lossless speculative rejection
+    sampling"""
+    top_p: float = 1.0
+    """with --temperature: sample from the smallest set of tokens whose probability reaches top-p"""
+    draft_sampling: str = field(default="greedy", metadata=flag(choices=("greedy", "sample")))
+    """with --temperature: drafts are the drafter's argmax (greedy: vLLM's and SGLang's default) or sampled
+    from its distribution (sample)"""
+    seed: int = 0
+    """random seed of the sampling (--temperature > 0)"""
     json: str | None = field(default=None, metadata=flag(metavar="PATH"))
     """write the report as JSON ('-' = stdout; default: none)"""
+    force: bool = False
+    """evaluate even when the target's weights are not those the drafter was trained with (its recorded
+    fingerprint differs): one warning line instead of the error"""
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_new_tokens", "max_prompt_tokens"):
@@ -48,10 +63,24 @@ class EvalConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.block_size is not None and self.block_size < 2:
             raise ValueError(f"--block-size must be >= 2, got {self.block_size}")
+        if not self.temperature >= 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.top_p < 1 and not self.sampled:
+            raise ValueError("--top-p needs --temperature > 0 (greedy decoding ignores it)")
+
+    @property
+    def sampled(self) -> bool:
+        """Sampling, not greedy: the public code's threshold (dflash.common.drafter.dflash.Sampling.greedy)."""
+        return self.temperature >= 1e-5
 
     def settings(self, dtype_name: str) -> dict:
         """What makes two evaluations comparable (dflash-eval --watch reuses records only under equal ones)."""
-        return {**{name: getattr(self, name) for name in SETTINGS}, "ignore_eos": bool(self.ignore_eos), "dtype": dtype_name}  # fmt: skip
+        out = {**{name: getattr(self, name) for name in SETTINGS}, "ignore_eos": bool(self.ignore_eos), "dtype": dtype_name}  # fmt: skip
+        if self.sampled:
+            out.update({name: getattr(self, name) for name in SAMPLING_SETTINGS})
+        return out
 
 
 @dataclass(kw_only=True)

@@ -1,8 +1,9 @@
 """``dflash-eval --drafter DIR``: decode held-out prompts draft -> verify against the target and report τ,
-acceptance per position and (with ``--baseline``) the speed-up over plain greedy decoding.
+acceptance per position and (with ``--baseline``) the speed-up over plain decoding.
 
-The decoding itself is the drafter's (common/drafter/decode.py); this module loads the target, the prompts
-and the exported drafter, and prints the report.
+The decoding itself is the drafter's one implementation (common/drafter/dflash.py: ``speculative_generate``,
+the same loop as the exported ``spec_generate``); this module loads the target, the prompts and the
+exported drafter, and prints the report.
 """
 
 from __future__ import annotations
@@ -19,23 +20,47 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash.common.cli.exits import fail
-from dflash.common.drafter.decode import DrafterProposer, EvalReport, summarize
+from dflash.common.drafter.dflash import (
+    DrafterProposer,
+    Sampling,
+    TargetRunner,
+    greedy_generate,
+    plain_generate,
+    speculative_generate,
+)
 from dflash.common.drafter.hf_format import ExportError, read_export_config
+from dflash.common.drafter.report import EvalReport, summarize
 from dflash.common.target.attach import load_exported_drafter
+from dflash.common.target.checks import check_target
 from dflash.common.target.data import DataConfig, DataError, load_raw_dataset
-from dflash.common.target.runner import TargetRunner
-from dflash.common.target.speculative import greedy_generate, speculative_generate
+from dflash.common.target.head import target_fingerprint
 from dflash.tools.eval.cli import PROG
 from dflash.tools.eval.config import EvalConfig
 
 log = logging.getLogger(__name__)
 
 
-def format_table(r: EvalReport) -> str:
+def speedup_note(device: str) -> str:
+    """What the wall-clock speed-up means on the device it was measured on (printed under it)."""
+    if device.startswith("cuda"):
+        return (
+            "wall clock on this GPU, drafting and verifying included; tau is the part that carries over "
+            "to a serving engine (vLLM, SGLang), whose kernels and batching set the rest"
+        )
+    return (
+        "wall clock on the CPU: below 1x is expected here. Speculation pays when the target's forward is "
+        "far costlier than the drafter's and costs about the same for 1 or B tokens (a large model on a "
+        "GPU, memory-bound); on a CPU a verify of B tokens costs about B single steps and a small target "
+        "costs little more than its drafter. tau (tokens per verify step) is the device-independent figure"
+    )
+
+
+def format_table(r: EvalReport, device: str = "cpu") -> str:
     rows = [
         ("prompts", f"{r.prompts}"),
         ("generated tokens", f"{r.generated_tokens}"),
         ("verify steps", f"{r.verify_steps}"),
+        ("decoding", "greedy" if not r.sampling else ", ".join(f"{k} {v}" for k, v in r.sampling.items())),
         ("tau (tokens / verify step)", f"{r.tau:.3f}"),
         ("target forwards / token", f"{r.target_forwards_per_token:.3f}"),
         ("wall time [s]", f"{r.wall_s:.2f}"),
@@ -45,10 +70,13 @@ def format_table(r: EvalReport) -> str:
         rows += [
             ("baseline tokens / s", f"{r.baseline['tokens_per_s']:.1f}"),
             ("speedup", f"{r.baseline['speedup']:.2f}x"),
-            ("prompts differing from greedy", f"{r.baseline['mismatched_prompts']}"),
         ]
+        if r.baseline["mismatched_prompts"] is not None:  # greedy only: sampled outputs differ by chance
+            rows.append(("prompts differing from greedy", f"{r.baseline['mismatched_prompts']}"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    if r.baseline:
+        lines.append(f"  (speedup: {speedup_note(device)})")
     lines.append("acceptance by block position (k: P[draft k accepted]):")
     lines.append("  " + "  ".join(f"{k}:{p:.2f}" for k, p in enumerate(r.accept_rate) if k > 0))
     return "\n".join(lines)
@@ -134,24 +162,27 @@ def evaluate(
     stop_token_ids: Sequence[int] = (),
     block_size: int | None = None,
     baseline: bool = False,
+    sampling: Sampling | None = None,
 ) -> EvalReport:
-    """Decode every prompt with `drafter` (and, with `baseline`, with plain greedy) -> the report.
-    `target` and `drafter` are ready on one device, in eval mode; prompts are token ids [P] each."""
+    """Decode every prompt with `drafter` (and, with `baseline`, without it) -> the report. `target` and
+    `drafter` are ready on one device, in eval mode; prompts are token ids [P] each. `sampling` (None:
+    greedy) applies to both decodes; its generator makes a sampled evaluation repeatable."""
     runner = TargetRunner(target, drafter.config.target_layer_ids)
     proposer = DrafterProposer(drafter)
     block = block_size or proposer.block_size
     try:
-        # untimed warm-up: the first CUDA calls pay for kernel loading and cuBLAS/allocator setup
+        # untimed warm-up: the first CUDA calls pay for kernel loading and cuBLAS/allocator setup (greedy:
+        # it must not draw from the sampling generator)
         speculative_generate(
             runner, proposer, prompts[0], max_new_tokens=min(8, max_new_tokens), block_size=block
         )
         greedy_generate(runner, prompts[0], max_new_tokens=min(8, max_new_tokens))
-        kw = {"max_new_tokens": max_new_tokens, "stop_token_ids": stop_token_ids}
+        kw = {"max_new_tokens": max_new_tokens, "stop_token_ids": stop_token_ids, "sampling": sampling}
         gens = [speculative_generate(runner, proposer, p, block_size=block, **kw) for p in prompts]
-        base = [greedy_generate(runner, p, **kw) for p in prompts] if baseline else None
+        base = [plain_generate(runner, p, **kw) for p in prompts] if baseline else None
     finally:
         runner.close()
-    return summarize(gens, block, base)
+    return summarize(gens, block, base, sampling=sampling)
 
 
 def resolve_device(cfg: EvalConfig) -> tuple[torch.device, torch.dtype]:
@@ -183,7 +214,36 @@ def evaluate_with(cfg: EvalConfig, target: nn.Module, tokenizer: Any, drafter: n
         stop_token_ids=[] if cfg.ignore_eos else stop_tokens(tokenizer, target),
         block_size=cfg.block_size,
         baseline=cfg.baseline,
+        sampling=sampling_of(cfg, drafter.fc.weight.device),
     )
+
+
+def sampling_of(cfg: EvalConfig, device: torch.device) -> Sampling | None:
+    """--temperature/--top-p/--draft-sampling/--seed as a Sampling (None: greedy), its generator seeded on
+    the decode's device, fresh for every evaluation: the same flags give the same draws."""
+    if not cfg.sampled:
+        return None
+    generator = torch.Generator(device).manual_seed(cfg.seed)
+    return Sampling(temperature=cfg.temperature, top_p=cfg.top_p, draft=cfg.draft_sampling, generator=generator)
+
+
+def check_same_target(cfg: EvalConfig, target: nn.Module, drafter_config) -> None:
+    """The target's weights are those the drafter was trained with (the fingerprint of its embedding and
+    lm_head recorded at training, common/target/head.py), else ExportError, or one warning with --force. A
+    drafter with no recorded fingerprint (older checkpoints, public drafters) is not checked."""
+    want = getattr(drafter_config, "target_fingerprint", None)
+    if not want:
+        return
+    got = target_fingerprint(target)
+    if got == want:
+        return
+    text = (
+        f"--target {cfg.target}: its weights are not those the drafter was trained with (embedding/lm_head "
+        f"fingerprint {got}, the drafter records {want}): another model of the same shape"
+    )
+    if not cfg.force:
+        raise ExportError(text + "; evaluate the target it was trained on, or pass --force")
+    log.warning("%s; evaluating anyway (--force): acceptance will be low", text)
 
 
 def setup_logging() -> None:
@@ -195,13 +255,15 @@ def run(cfg: EvalConfig) -> int:
     setup_logging()
     try:
         device, dtype = resolve_device(cfg)
+        check_target(cfg.target, what="--target")
         read_export_config(cfg.drafter)  # a wrong folder fails before the target is loaded
         tokenizer, target, prompts = load_target(cfg, device, dtype)
         drafter = load_exported_drafter(cfg.drafter, target, device=device, dtype=dtype)
+        check_same_target(cfg, target, drafter.config)
         report = evaluate_with(cfg, target, tokenizer, drafter, prompts)
     except (ExportError, DataError, ValueError, OSError) as err:
         fail(PROG, err)
-    print(format_table(report))
+    print(format_table(report, str(device)))
     if cfg.json:
         text = json.dumps(
             {

@@ -60,7 +60,7 @@ from dflash.common.target.attach import build_drafter
 from dflash.common.target.data import DataError
 from dflash.tools.eval.cli import PROG
 from dflash.tools.eval.config import EvalConfig, WatchConfig
-from dflash.tools.eval.run import evaluate_with, load_target, resolve_device, setup_logging
+from dflash.tools.eval.run import check_same_target, evaluate_with, load_target, resolve_device, setup_logging
 from dflash.tools.export.run import checkpoint_drafter_config
 
 log = logging.getLogger(__name__)
@@ -161,6 +161,7 @@ def evaluate_step(w: Watch, step: int) -> dict:
     started = time.monotonic()
     state, meta = load_checkpoint_weights(w.store, w.run, step)
     config = checkpoint_drafter_config(meta, w.run)
+    check_same_target(w.cfg, w.target, config)
     drafter = build_drafter(state, config, w.target, device=w.device, dtype=w.dtype)
     report = evaluate_with(w.cfg, w.target, w.tokenizer, drafter, w.prompts)
     return {

@@ -1,5 +1,12 @@
 """``dflash-export``: one training checkpoint (weights and meta.json only, verified) -> a HF-style drafter
-folder in the public DFlash format (common/drafter/hf_format.py writes it)."""
+folder in the public DFlash format (common/drafter/hf_format.py writes it); ``--check FOLDER`` validates a
+folder against the serving loaders (common/drafter/serving_check.py).
+
+Tokenizer files: copied from the target folder (``--target``, else the checkpoint's recorded
+``train.target``). When that is not a readable folder here (a hub id, a path of the training machine), the
+export says so in one line and is written without them: the weights and config are what serving needs, and
+failing would make a remote checkpoint unexportable from a machine without the target.
+"""
 
 from __future__ import annotations
 
@@ -12,9 +19,10 @@ import torch
 from dflash.common.checkpoints.layout import CheckpointError
 from dflash.common.checkpoints.load import load_checkpoint_weights
 from dflash.common.checkpoints.store import CheckpointStoreError
-from dflash.common.cli.exits import fail
+from dflash.common.cli.exits import EXIT_USAGE, fail
 from dflash.common.drafter.config import DrafterConfig
-from dflash.common.drafter.hf_format import ExportError, export_drafter
+from dflash.common.drafter.hf_format import TOKENIZER_FILES, ExportError, export_drafter
+from dflash.common.drafter.serving_check import check_folder
 from dflash.tools.export.cli import PROG
 from dflash.tools.export.config import ExportConfig
 
@@ -60,6 +68,19 @@ def checkpoint_drafter_config(meta: dict, run: str) -> DrafterConfig:
         raise ExportError(f"checkpoint {run} step {meta.get('step')}: bad drafter config: {err}") from None
 
 
+def tokenizer_source(target: str | None) -> Path | None:
+    """The target folder to copy tokenizer files from, or None (said in one line) when it is not readable."""
+    if not target:
+        log.warning("no target recorded in the checkpoint and no --target: tokenizer files not copied")
+        return None
+    path = Path(target)
+    if not path.is_dir() or not any((path / name).is_file() for name in TOKENIZER_FILES):
+        log.warning("target %s is not a readable folder with tokenizer files here: tokenizer files not copied "
+                    "(pass --target DIR)", target)  # fmt: skip
+        return None
+    return path
+
+
 def export_checkpoint(
     store_url: str,
     run: str,
@@ -68,26 +89,50 @@ def export_checkpoint(
     step: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     overwrite: bool = False,
+    target: str | None = None,
 ) -> Path:
-    """Export one training checkpoint (the drafter config is the one recorded in its meta.json)."""
+    """Export one training checkpoint (the drafter config is the one recorded in its meta.json); the
+    tokenizer files come from ``target`` (default: the checkpoint's recorded target)."""
     model_state, meta = load_checkpoint_weights(store_url, run, step)
     config = checkpoint_drafter_config(meta, run)
-    target = ((meta.get("config") or {}).get("train") or {}).get("target")
+    recorded = ((meta.get("config") or {}).get("train") or {}).get("target")
     metadata = {"dflash_run": run, "dflash_step": str(meta.get("step"))}
-    if target:
-        metadata["dflash_target"] = str(target)
-    return export_drafter(model_state, config, out_dir, dtype=dtype, metadata=metadata, overwrite=overwrite)
+    if recorded:
+        metadata["dflash_target"] = str(recorded)
+    return export_drafter(
+        model_state, config, out_dir, dtype=dtype, metadata=metadata, overwrite=overwrite,
+        tokenizer_dir=tokenizer_source(target or recorded),
+    )  # fmt: skip
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s export %(levelname)s %(message)s", datefmt="%H:%M:%S")
 
 
 def run(cfg: ExportConfig) -> int:
     """Export, print the folder; exit 2 with one line on a user or input error."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s export %(levelname)s %(message)s", datefmt="%H:%M:%S")
+    _setup_logging()
     try:
         store_url, run_name, step = parse_checkpoint_url(cfg.checkpoint, run=cfg.run, step=cfg.step)
         out = export_checkpoint(
-            store_url, run_name, cfg.out_dir, step=step, dtype=DTYPES[cfg.dtype], overwrite=cfg.overwrite
-        )
+            store_url, run_name, cfg.out_dir, step=step, dtype=DTYPES[cfg.dtype], overwrite=cfg.overwrite,
+            target=cfg.target,
+        )  # fmt: skip
     except (ExportError, CheckpointError, CheckpointStoreError, ValueError, OSError) as err:
         fail(PROG, err)
     print(out)
     return 0
+
+
+def run_check(cfg: ExportConfig) -> int:
+    """``--check FOLDER [--target DIR]``: print the findings and each loader's verdict; 0 when every loader
+    would load the folder as trained, 2 (the usage/input-error code) when not."""
+    for flag, folder in (("--check", cfg.check), ("--target", cfg.target)):
+        if folder is not None and not Path(folder).is_dir():
+            fail(PROG, f"{flag} {folder}: no such folder")
+    try:
+        report = check_folder(cfg.check, cfg.target)
+    except OSError as err:
+        fail(PROG, err)
+    print(report.render())
+    return 0 if report.ok else EXIT_USAGE
