@@ -39,7 +39,7 @@ from torch._dynamo.exc import TorchDynamoException
 from torch._inductor.exc import InductorError
 
 from dflash.common.cli.exits import one_line
-from dflash.common.drafter.attention import recompile_count
+from dflash.common.drafter.dflash import recompile_count
 from dflash.common.target.capture import LayerCapture
 from dflash.common.target.kernels import KernelReport
 from dflash.producer.buckets import BucketConfig, Bucketer

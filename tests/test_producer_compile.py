@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen3_5TextConfig, Qwen3Config
 
 from dflash.common.contract.shard_reader import read_shard
-from dflash.common.drafter.attention import recompile_count
+from dflash.common.drafter.dflash import recompile_count
 from dflash.common.target.capture import LayerCapture
 from dflash.common.target.data import DataConfig
 from dflash.common.target.kernels import linear_attention_kernels
