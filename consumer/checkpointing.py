@@ -20,6 +20,7 @@ from dflash.common.checkpoints.store import CheckpointStoreError, open_store
 from dflash.common.contract.sample_set import SampleSet
 from dflash.common.redact import redact
 from dflash.consumer import distributed as D
+from dflash.consumer.optim import MasterAdamW
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,10 @@ class CheckpointingMixin:
                 f" unexpected {sorted(unexpected)[:3]}"
             )
         self.optimizer.load_state_dict(ckpt.optimizer_state)
+        if isinstance(self.optimizer, MasterAdamW):  # the checkpoint's fp32 weights are the masters
+            for name, p in self.model.named_parameters():
+                if p.requires_grad:
+                    self.optimizer.set_master(p, ckpt.model_state[name])
         self.scheduler.load_state_dict(ckpt.scheduler_state)
         rng = ckpt.rng_state.get(self.dist.rank) if isinstance(ckpt.rng_state, dict) else None
         if rng is not None:
@@ -133,8 +138,13 @@ class CheckpointingMixin:
         self._report_saves(self.checkpointer.collect())
 
     def _device_state(self) -> dict:
-        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
-        model_state = {k: v for k, v in self.model.state_dict().items() if k in trainable}
+        """The trainable weights (fp32 masters for mixed precision: what every precision stores, so a run
+        resumes in any) and the optimizer's state, on the device."""
+        if isinstance(self.optimizer, MasterAdamW):
+            model_state = {n: self.optimizer.master_of(p) for n, p in self.model.named_parameters() if p.requires_grad}
+        else:
+            trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            model_state = {k: v for k, v in self.model.state_dict().items() if k in trainable}
         return {"model": model_state, "optimizer": self.optimizer.state_dict()}
 
     def _report_saves(self, outcomes) -> None:

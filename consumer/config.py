@@ -7,6 +7,8 @@ from dataclasses import asdict, dataclass, field
 from dflash.common.cli.flags import flag
 from dflash.common.drafter.layers import parse_layer_types
 
+PRECISIONS = ("auto", "mixed", "amp", "bf16", "fp32")
+
 
 @dataclass(kw_only=True)
 class TrainConfig:
@@ -72,8 +74,12 @@ class TrainConfig:
     """AdamW weight decay (the public recipe: none)"""
     grad_clip: float = 1.0
     """clip the gradient's global L2 norm to this"""
+    loss_impl: str = field(default="auto", metadata=flag(choices=("auto", "fused", "chunked")))
+    """lm_head + cross-entropy: fused (one compiled function: bf16 logits, no fp32 copy; kept for backward:
+    query tokens x vocab x 2 bytes), chunked (loss-chunk-tokens rows at a time, fp32); auto = fused on
+    CUDA, chunked on the CPU (common/drafter/loss.py)"""
     loss_chunk_tokens: int = 2048
-    """query tokens per lm_head + cross-entropy chunk (bounds logits memory to chunk x vocab)"""
+    """query tokens per lm_head + cross-entropy chunk of the chunked loss (logits memory: chunk x vocab)"""
     mask_token_id: int | None = None
     """token id of the draft mask (default: chosen from the tokenizer, docs/training.md)"""
     target_layer_ids: list[int] | None = None
@@ -92,16 +98,19 @@ class TrainConfig:
     pool_streams: int = 4
     """samples held for packing, in streams' worth of tokens (host memory: pool-streams x context-tokens
     x K*H x 2 bytes, ~0.8 GB at 32B-class width): more choice, fuller streams"""
-    min_split_tokens: int = 256
+    min_split_tokens: int = 32
     """fill a stream with at least this many empty slots with the head of a longer document, its tail
-    going into a later stream; 0 = never split"""
-    fill_wait_s: float = 2.0
-    """seconds to wait for enough samples to fill a stream before packing a short one"""
+    going into a later stream; 0 = never split (32, two blocks: 99 % of slots filled at 1024 and 4096
+    tokens in ops/bench/fill_sim.py, against 88-98 % at 256)"""
+    fill_wait_s: float = 30.0
+    """seconds a stream short of samples waits for more while producers still produce (a short stream
+    is packed at once when none can give more soon: done, gone, blocked on the spool budget)"""
     prefetch_steps: int = 2
     """steps packed and copied to the GPU ahead of the one training"""
-    precision: str = field(default="auto", metadata=flag(choices=("auto", "bf16", "amp", "fp32")))
-    """parameters and Adam state: amp (fp32 + bf16 autocast), bf16 (fastest, but measured to learn worse),
-    fp32; auto = amp on CUDA, fp32 on the CPU (docs/training.md)"""
+    precision: str = field(default="auto", metadata=flag(choices=PRECISIONS))
+    """parameters and Adam state: mixed (bf16 weights; fp32 master and moments in the optimizer, one fused
+    update pass), amp (fp32 + bf16 autocast), bf16 (bf16 weights and moments: measured to learn worse),
+    fp32; auto = mixed on CUDA, fp32 on the CPU (docs/training.md, consumer/optim.py)"""
     compile: bool = field(default=True, metadata=flag(negate=True, help="debug only: run the draft layers uncompiled"))
     """torch.compile each draft decoder layer (with flex_attention inside on CUDA) once per process"""
     compile_backend: str = field(default="auto", metadata=flag(choices=("auto", "inductor", "aot_eager", "eager")))
@@ -165,8 +174,10 @@ class TrainConfig:
             raise ValueError(f"fill-wait-s must be >= 0, got {self.fill_wait_s}")
         if self.min_split_tokens < 0:
             raise ValueError(f"min-split-tokens must be >= 0, got {self.min_split_tokens}")
-        if self.precision not in ("auto", "amp", "bf16", "fp32"):
-            raise ValueError(f"precision must be auto, amp, bf16 or fp32, got {self.precision!r}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.loss_impl not in ("auto", "fused", "chunked"):
+            raise ValueError(f"loss-impl must be auto, fused or chunked, got {self.loss_impl!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu-threads must be >= 1, got {self.cpu_threads}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -190,13 +201,25 @@ class TrainConfig:
             return self.compile_backend
         return "inductor" if device_type == "cuda" else "eager"
 
+    def resolved_precision(self, device_type: str) -> str:
+        """``precision`` on this device: auto = mixed on CUDA, fp32 on the CPU (where bf16 matmuls are
+        4-5x slower than fp32)."""
+        if self.precision != "auto":
+            return self.precision
+        return "mixed" if device_type == "cuda" else "fp32"
+
+    def resolved_loss_impl(self, device_type: str) -> str:
+        """``loss_impl`` on this device: auto = fused on CUDA, chunked on the CPU."""
+        if self.loss_impl != "auto":
+            return self.loss_impl
+        return "fused" if device_type == "cuda" else "chunked"
+
     def param_dtype(self, device_type: str):
-        """The drafter's parameter dtype for ``precision`` on this device."""
+        """The drafter's parameter dtype for ``precision`` on this device: bf16 for mixed and bf16 (mixed
+        keeps fp32 masters in its optimizer), fp32 for amp (bf16 autocast) and fp32."""
         import torch  # not at the top: the CLI imports this config before parsing its flags
 
-        # auto: fp32 parameters and Adam state everywhere (on CUDA with bf16 autocast, i.e. amp): pure bf16
-        # is faster but measured to learn worse (docs/training.md, tests/test_precision.py)
-        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+        return torch.bfloat16 if self.resolved_precision(device_type) in ("mixed", "bf16") else torch.float32
 
     @property
     def layer_types(self) -> list[str] | None:

@@ -31,6 +31,7 @@ from dflash.common.contract.sample_set import SampleSet
 from dflash.common.contract.shard import ShardFormatError
 from dflash.common.contract.shard_reader import read_shard, read_shard_meta
 from dflash.common.contract.spool import Spool
+from dflash.common.contract.spool_records import IDLE_PHASES
 from dflash.common.drafter.batch import PackedSamples, pack_samples
 from dflash.consumer.packing import Sample, best_fit, lowest_epoch
 
@@ -76,7 +77,7 @@ class ShardFeed:
         bucket: int | str | None = None,
         prefetch_shards: int = 2,
         pool_streams: int = 8,
-        min_split_tokens: int | None = 256,
+        min_split_tokens: int | None = 32,
         fill_wait_s: float = 2.0,
         pin_memory: bool = False,
         poll_s: float = 0.05,
@@ -100,6 +101,9 @@ class ShardFeed:
         self.min_split_tokens = min_split_tokens
         self.fill_wait_s = fill_wait_s
         self._starved_since: float | None = None
+        self.producers_producing = 0
+        """Live producers not done and not blocked on the spool budget, as the last spool scan saw them
+        (heartbeat thread): while one is, a stream short of samples waits for more (``next_packed``)."""
         self._pool: list[Sample] = []
         self._pool_tokens = 0
         self._ledger: dict[str, _ShardLedger] = {}
@@ -139,11 +143,9 @@ class ShardFeed:
 
     def _scan_spool(self) -> dict:
         s = self.spool.stats(heartbeat_timeout_s=self.heartbeat_timeout_s)
-        prod_rate = sum(
-            float(p["counters"].get("tok_s", 0.0))
-            for p in s["processes"]
-            if p.get("role") == "producer" and p.get("alive")
-        )
+        live = [p for p in s["processes"] if p.get("role") == "producer" and p.get("alive")]
+        prod_rate = sum(float(p["counters"].get("tok_s", 0.0)) for p in live)
+        self.producers_producing = sum(p["counters"].get("phase") not in IDLE_PHASES for p in live)
         return {
             "spool_shards": s["states"]["ready"]["shards"],
             "spool_bytes": s["total_bytes"],
@@ -314,20 +316,24 @@ class ShardFeed:
         first). Only one thread may call this.
         """
         if self._pool_tokens < self.pool_tokens_target:
-            self._drain_loaded(wait_s if self._pool_tokens < self.context_tokens else 0.0)
+            self._drain_loaded(wait_s)
         if not self._pool:
             return None
-        # A stream is packed from a pool that can fill it, from the run's last samples, at an epoch's end
-        # (a stream holds one epoch: once a later epoch's samples arrive, the earlier one is complete
-        # here), or after ``fill_wait_s`` without enough data: packing whatever had arrived made half-empty
-        # streams, each costing a full step; waiting forever would deadlock against a producer blocked on
-        # a spool budget smaller than one stream (the samples held here count against it).
+        # A stream is packed from a full pool (``pool_streams`` streams' worth: best-fit needs the choice
+        # to fill a stream to the last slot), from the run's last samples, at an epoch's end (a stream
+        # holds one epoch: once a later epoch's samples arrive, the earlier one is complete here), when no
+        # producer can give more soon (each is done, gone, or blocked on the spool budget, which the
+        # samples held here count against: waiting would deadlock), or after ``fill_wait_s`` (a safety
+        # net for a stale view of the producers). Waiting while producers produce costs no throughput
+        # (the consumer is ahead of them); a stream packed short, or from a pool with little choice, costs
+        # a full step for part of one: packing whatever had come after 2 s made 5 % of a real one-GPU run's
+        # slots padding (RESULTS.md; ops/bench/fill_sim.py reproduces it).
         epoch = lowest_epoch(self._pool)
         epoch_ends = any(s.epoch != epoch for s in self._pool)
-        if self._pool_tokens < self.context_tokens and not self._end_seen and not epoch_ends:
+        if self._pool_tokens < self.pool_tokens_target and not self._end_seen and not epoch_ends:
             now = time.monotonic()
             self._starved_since = self._starved_since or now
-            if now - self._starved_since < self.fill_wait_s:
+            if self.producers_producing and now - self._starved_since < self.fill_wait_s:
                 return None
         self._starved_since = None
         chosen = self._best_fit()

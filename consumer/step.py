@@ -1,5 +1,6 @@
 """One training step's pieces, shared by the trainer and ops/bench/consumer_bench.py: the forward and
-backward, the optimizer and schedule, compiling the draft layers, the initial drafter, the step's stats."""
+backward, the optimizer and schedule, compiling the draft layers, the step's stats. The optimizer step
+itself (clipping folded in, the mixed precision's master weights) is consumer/optim.py."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ import torch
 import torch._dynamo  # noqa: F401  first import in the main thread: concurrent first imports from threads crash
 
 from dflash.common.drafter.batch import DraftBatch
-from dflash.common.drafter.loss import DraftLossOutput, draft_loss
+from dflash.common.drafter.loss import DraftLossOutput, LinearCrossEntropy, draft_loss, linear_cross_entropy
 from dflash.common.drafter.model import DFlashDrafter
 from dflash.consumer.campaign import WarmupCosine
 from dflash.consumer.config import TrainConfig
+from dflash.consumer.optim import MasterAdamW
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +58,9 @@ def forward_backward(
     batch: DraftBatch,
     *,
     loss_scale: torch.Tensor | float,
-    chunk_tokens: int,
+    chunk_tokens: int = 2048,
     autocast: bool | None = None,
+    lce: LinearCrossEntropy | None = None,
 ) -> DraftLossOutput:
     """One step's forward and backward (shared by the trainer and ops/bench/consumer_bench.py).
 
@@ -65,6 +68,7 @@ def forward_backward(
     layers. ``autocast`` (bf16): default on for fp32 parameters on CUDA (precision "amp"), off otherwise
     (bf16 parameters run in bf16 as they are; fp32 on the CPU). ``loss_scale`` turns the local loss sum into
     this rank's share of sum(loss) / global supervised weight (DDP averages gradients over ranks).
+    ``lce``: the lm_head + cross-entropy (``make_loss``); default the chunked one of ``chunk_tokens`` rows.
     """
     device_type = batch.input_ids.device.type
     mask = model.build_mask(batch)
@@ -72,7 +76,7 @@ def forward_backward(
         autocast = device_type == "cuda" and model.fc.weight.dtype == torch.float32
     with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
         hidden_out = train_model(batch, mask)
-        result = draft_loss(hidden_out, batch, model.target_head.lm_head_weight, chunk_tokens=chunk_tokens)
+        result = draft_loss(hidden_out, batch, model.target_head.lm_head_weight, chunk_tokens=chunk_tokens, lce=lce)
     (result.loss_sum * loss_scale).backward()
     return result
 
@@ -85,13 +89,26 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
             p.data = p.data.to(dtype)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
-    """AdamW (fused on CUDA) + linear warm-up / cosine schedule over ``cfg.schedule_steps`` (resized to the
-    campaign's length at the first step when no length was given: consumer/campaign.py)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=device.type == "cuda"
+def make_loss(cfg: TrainConfig, device: torch.device) -> LinearCrossEntropy:
+    """The step's lm_head + cross-entropy for this device (``TrainConfig.loss_impl``): the fused one is
+    compiled with the draft layers' backend."""
+    backend = cfg.resolved_compile_backend(device.type) if cfg.compile else "eager"
+    return linear_cross_entropy(
+        cfg.resolved_loss_impl(device.type), chunk_tokens=cfg.loss_chunk_tokens, compile_backend=backend
     )
+
+
+def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
+    """The precision's AdamW + linear warm-up / cosine schedule over ``cfg.schedule_steps`` (resized to the
+    campaign's length at the first step when no length was given: consumer/campaign.py). Mixed: the
+    master-weight AdamW (compiled with the draft layers' backend); otherwise torch's fused AdamW, whose
+    kernel also applies the clip (``optim.clipped_step``)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.resolved_precision(device.type) == "mixed":
+        backend = cfg.resolved_compile_backend(device.type) if cfg.compile else "eager"
+        optimizer = MasterAdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, compile_backend=backend)
+    else:
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     warmup = max(1, int(cfg.warmup_ratio * cfg.schedule_steps))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup, cfg.schedule_steps))
     return optimizer, scheduler

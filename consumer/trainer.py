@@ -45,12 +45,14 @@ from dflash.consumer.feed import ShardFeed
 from dflash.consumer.held_out import HeldOutEval
 from dflash.consumer.input_pipeline import InputPipeline, StepInput
 from dflash.consumer.interval_log import IntervalLogMixin
+from dflash.consumer.optim import clipped_step
 from dflash.consumer.step import (
     StepStats,
     build_optimizer,
     cast_parameters,
     compile_drafter,
     forward_backward,
+    make_loss,
 )
 
 log = logging.getLogger(__name__)
@@ -70,7 +72,8 @@ def _maybe_tokenizer(target: str):
 class StepAgreement:
     """The ranks' joint view before a step (Trainer._agree)."""
 
-    have: bool
+    have: bool  # some rank holds a step
+    everyone: bool  # every rank holds a step or has no more data: stepping wastes no rank's slot
     exhausted: bool
     stop: bool
     fatal: bool
@@ -91,6 +94,8 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
         self.spool = Spool(cfg.spool, create=True)
         self._build_model()
         self.optimizer, self.scheduler = build_optimizer(self.model, cfg, self.device)
+        self.loss_fn = make_loss(cfg, self.device)
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.step = 0
         self.trained = SampleSet(epoch=0)
         self._replanning = False  # the data sized the schedule: its length follows the tokens trained
@@ -217,6 +222,11 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
                     if agreed.exhausted:
                         break
                     continue
+                if not agreed.everyone:
+                    # another rank is still filling its stream (its feed waits while producers produce):
+                    # stepping now would give it a step of padding, a whole rank's slot empty. Keep ours.
+                    self._deferred, item = item, None
+                    continue
                 if item is not None and item.batch.epoch > agreed.epoch:
                     # another rank still trains an earlier epoch: keep this step for later (no step mixes
                     # epochs, so none trains one row twice) and take part with padding
@@ -318,10 +328,9 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
             self.train_model,
             batch,
             loss_scale=self.dist.world_size / global_weight.clamp(min=1e-6),
-            chunk_tokens=cfg.loss_chunk_tokens,
+            lce=self.loss_fn,
         )
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-        self.optimizer.step()
+        grad_norm = clipped_step(self.optimizer, self.trainable, cfg.grad_clip)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
@@ -387,7 +396,8 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
         # only the ranks whose step is of the lowest epoch train data this step; the others pad
         tokens = sum(r[5] for r in ranks if r[0] and r[4] == lowest)
         return StepAgreement(
-            have=any(r[0] for r in ranks), exhausted=all(r[1] for r in ranks), stop=any(r[2] for r in ranks),
+            have=any(r[0] for r in ranks), everyone=all(r[0] or r[1] for r in ranks),
+            exhausted=all(r[1] for r in ranks), stop=any(r[2] for r in ranks),
             fatal=any(r[3] for r in ranks), epoch=lowest, tokens=tokens,
         )  # fmt: skip
 

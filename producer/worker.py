@@ -33,6 +33,7 @@ from dflash.common.contract.names import shard_name
 from dflash.common.contract.sample_set import SampleSet
 from dflash.common.contract.shard_writer import write_shard
 from dflash.common.contract.spool import Spool
+from dflash.common.contract.spool_records import BUDGET_PHASE
 from dflash.common.drafter.layers import default_target_layer_ids
 from dflash.common.metrics import MetricsLog
 from dflash.common.target.capture import LayerCapture, find_decoder
@@ -424,4 +425,4 @@ def _blocking(writer: _Writers, stop: threading.Event, heartbeat: _Heartbeat, op
         except (queue.Empty, queue.Full):
             if stop.is_set() or writer.error is not None or not writer.alive():
                 return None
-            heartbeat(phase="waiting for writer")
+            heartbeat(phase=BUDGET_PHASE if writer.budget_blocked else "waiting for writer")

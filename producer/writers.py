@@ -87,6 +87,9 @@ class _Writers:
         self._admit_lock = threading.Lock()  # one budget admission at a time
         self._inflight_lock = threading.Lock()
         self._inflight = 0  # bytes reserved by shards admitted past the budget check and not yet published
+        self.budget_blocked = False
+        """A writer waits for the spool to drain below the budget (the heartbeat's phase says so: a
+        consumer then knows that no more data comes until it trains what it holds)."""
         self.threads = [
             threading.Thread(target=self._run, name=f"shard-writer-{cfg.producer_id}-{i}", daemon=True)
             for i in range(cfg.resolved_writer_threads())
@@ -147,8 +150,12 @@ class _Writers:
                 # box's CI once saw two shards past the budget that way).
                 with self._inflight_lock:
                     pending = self._inflight
-                if not spool.wait_for_budget(self.cfg.budget_bytes, should_stop=self.stop.is_set):
-                    return False
+                self.budget_blocked = spool.total_bytes() > self.cfg.budget_bytes
+                try:
+                    if not spool.wait_for_budget(self.cfg.budget_bytes, should_stop=self.stop.is_set):
+                        return False
+                finally:
+                    self.budget_blocked = False
                 if pending == 0 or spool.total_bytes() + pending <= self.cfg.budget_bytes:
                     break
                 if self.stop.wait(0.05):

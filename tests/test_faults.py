@@ -37,6 +37,7 @@ from dflash.common.contract.names import shard_name
 from dflash.common.contract.shard import Shard, ShardMeta
 from dflash.common.contract.shard_writer import write_shard
 from dflash.common.contract.spool import Spool
+from dflash.common.contract.spool_records import BUDGET_PHASE
 from dflash.tools.demo.assets import demo_dataset_path
 
 HIDDEN, LAYERS, VOCAB, TOKENS_PER_SAMPLE, SAMPLES_PER_SHARD = 256, [1, 2, 3, 4, 5], 4096, 96, 5
@@ -174,7 +175,7 @@ def test_spool_full_blocks_the_producer_drops_nothing_and_bounds_bytes_and_memor
         # 1. the producer fills the spool past its budget and blocks: its writers wait, then its forward loop
         wait_until(
             lambda: (
-                _heartbeat(spool).get("counters", {}).get("phase") == "waiting for writer"
+                _heartbeat(spool).get("counters", {}).get("phase") == BUDGET_PHASE
                 or producer.poll() is not None
             ),
             timeout_s=300,  # hang guard: start-up + tokenization on a loaded box

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash.common.contract.sample_set import SampleSet
 from dflash.common.contract.shard_reader import read_shard
+from dflash.common.contract.spool_records import BUDGET_PHASE
 from dflash.common.target.capture import LayerCapture
 from dflash.common.target.chat import tokenize_conversations
 from dflash.producer.cli import main
@@ -141,7 +142,7 @@ def test_sigterm_under_backpressure_stops_cleanly(tmp_path, target, demo_rows):
         hb = spool / "state" / "producer-n0p0.1.json"
         while time.monotonic() < deadline:
             # The spool is over budget after the first shard: the writer blocks, the forward loop waits.
-            if hb.exists() and json.loads(hb.read_text())["counters"].get("phase") == "waiting for writer":
+            if hb.exists() and json.loads(hb.read_text())["counters"].get("phase") == BUDGET_PHASE:
                 break
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             time.sleep(0.2)

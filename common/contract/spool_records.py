@@ -52,6 +52,13 @@ RUN_FILE = "run.json"
 
 LOCK_PREFIX = "lock-"
 
+BUDGET_PHASE = "waiting for spool budget"
+"""A producer's heartbeat phase while its writers wait for the spool to drain below its byte budget: it
+gives nothing more until the consumers train (and ack) what they hold."""
+IDLE_PHASES = frozenset({BUDGET_PHASE, "done", "stopped", "aborted"})
+"""Producer phases that give no data soon: a consumer waiting to fill a stream stops waiting when every
+live producer is in one of them (consumer/feed.py)."""
+
 
 IDENTITY_KEYS = ("run", "model", "layer_ids", "dataset", "plan")
 """What makes two launches the same run (state/run.json): a launch that differs in any field that both

@@ -1,10 +1,18 @@
-"""Draft loss: the target's frozen lm_head + weighted cross-entropy, computed in chunks, plus accuracy and τ.
+"""Draft loss: the target's frozen lm_head + weighted cross-entropy, plus accuracy and τ. Two ways to the
+same numbers (``LOSS_IMPLS``; tests/test_loss.py holds them equal to 1e-5 in fp32):
 
-With a ~250K vocabulary, logits for all N*B query tokens at once would be tens of GB (fp32). The loss is
-therefore a custom autograd Function that walks the query tokens in chunks: for each chunk it computes the
-logits, the loss, the greedy predictions AND the gradient w.r.t. the hidden states (softmax - onehot, times the
-weight, times lm_head), then drops the logits. Backward only scales the stored gradient by the upstream scalar.
-At most one chunk of logits exists at any time, in forward and backward, and no logits are recomputed.
+- ``fused`` (CUDA, compiled): one plain function, ``logits = h @ W.T`` in the lm_head's dtype (bf16), the
+  cross-entropy in fp32 and the argmax, handed to torch.compile whole. Inductor turns it into the two
+  GEMMs plus ONE reduction kernel forward (log-softmax, the weighted NLL, the argmax) and ONE kernel
+  backward (softmax - onehot, times the weight, written in place into the saved bf16 logits): no fp32
+  [tokens x vocab] buffer and no elementwise passes over one. At 32B-class shapes (3,840 query tokens x
+  151,936) the chunked path spent ~14.5 ms a step in such passes (RESULTS.md's kernel table); the bf16
+  logits it keeps for backward are 1.2 GB.
+- ``chunked`` (the CPU, and anything short of memory): a custom autograd Function that walks the query
+  tokens in chunks: for each chunk it computes the logits, the loss, the greedy predictions AND the
+  gradient w.r.t. the hidden states (softmax - onehot, times the weight, times lm_head), then drops the
+  logits. Backward only scales the stored gradient by the upstream scalar. At most one chunk of logits
+  exists at any time, in forward and backward, and no logits are recomputed.
 
 Sums, not means, come back: the trainer all-reduces `loss_sum` / `weight_sum` / counts across ranks and divides
 by the GLOBAL weight sum, so every token weighs the same whatever rank it landed on.
@@ -12,10 +20,16 @@ by the GLOBAL weight sum, so every token weighs the same whatever rank it landed
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
+
+LOSS_IMPLS = ("fused", "chunked")
+LinearCrossEntropy = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""(hidden [M, H], lm_head weight [V, H], labels [M], weights [M]) -> (sum of weighted CE, argmax [M])."""
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -75,6 +89,28 @@ def chunked_linear_cross_entropy(
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, weights, chunk_tokens)
 
 
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of weighted CE [scalar fp32, differentiable], greedy predictions [M] int64), as one function for
+    torch.compile to fuse (module docstring). Eager, it materializes fp32 logits: compile it on CUDA."""
+    logits = hidden.to(weight.dtype) @ weight.t()
+    ce = F.cross_entropy(logits.float(), labels, reduction="none")
+    return (ce * weights.float()).sum(), logits.argmax(dim=-1)
+
+
+def linear_cross_entropy(impl: str, *, chunk_tokens: int = 2048, compile_backend: str = "eager") -> LinearCrossEntropy:
+    """The loss's lm_head + cross-entropy for ``impl`` (``LOSS_IMPLS``). ``fused`` is compiled once with
+    ``compile_backend`` (static shapes: a step's query tokens never change) unless that is "eager"."""
+    if impl == "chunked":
+        return lambda h, w, lab, wt: chunked_linear_cross_entropy(h, w, lab, wt, chunk_tokens=chunk_tokens)
+    if impl != "fused":
+        raise ValueError(f"loss impl must be one of {LOSS_IMPLS}, got {impl!r}")
+    if compile_backend == "eager":
+        return fused_linear_cross_entropy
+    return torch.compile(fused_linear_cross_entropy, backend=compile_backend, dynamic=False, fullgraph=True)
+
+
 @dataclass(kw_only=True)
 class DraftLossOutput:
     """Sums over one rank's step; divide after an all-reduce (see module docstring)."""
@@ -92,7 +128,12 @@ class DraftLossOutput:
 
 
 def draft_loss(
-    hidden: torch.Tensor, batch: Any, lm_head_weight: torch.Tensor, *, chunk_tokens: int = 2048
+    hidden: torch.Tensor,
+    batch: Any,
+    lm_head_weight: torch.Tensor,
+    *,
+    chunk_tokens: int = 2048,
+    lce: LinearCrossEntropy | None = None,
 ) -> DraftLossOutput:
     """Loss and metrics of draft blocks: hidden [N, B, H] (final-normed drafter output) and the step's batch
     (a `DraftBatch`, or anything with `labels`, `label_weights` [N, B] and `anchor_valid` [N]).
@@ -102,15 +143,15 @@ def draft_loss(
     τ (acceptance length, greedy) of a valid block = 1 + the number of leading positions 1..B-1 that are correct;
     the run stops at the first wrong OR invalid position (past the document end or off the loss mask nothing is
     known to be accepted). τ is averaged over valid blocks: tau = tau_sum / num_blocks.
-    `chunk_tokens` query tokens go through the lm_head at a time (peak extra memory ~ chunk_tokens x V x 4 bytes x 2).
+    ``lce`` computes the lm_head and cross-entropy (``linear_cross_entropy``); default the chunked one, whose
+    ``chunk_tokens`` query tokens go through the lm_head at a time (peak extra memory ~ chunk_tokens x V x 4 bytes x 2).
     """
     labels, label_weights, anchor_valid = batch.labels, batch.label_weights, batch.anchor_valid
     n, b, h = hidden.shape
     lab = labels[:, 1:].reshape(-1)
     w = label_weights[:, 1:].reshape(-1)
-    loss_sum, preds = chunked_linear_cross_entropy(
-        hidden[:, 1:].reshape(-1, h), lm_head_weight, lab, w, chunk_tokens=chunk_tokens
-    )
+    lce = lce or linear_cross_entropy("chunked", chunk_tokens=chunk_tokens)
+    loss_sum, preds = lce(hidden[:, 1:].reshape(-1, h), lm_head_weight, lab, w)
     with torch.no_grad():
         valid = (w > 0).view(n, b - 1)
         correct = (preds == lab).view(n, b - 1) & valid

@@ -48,7 +48,14 @@ from dflash.common.drafter.dflash import recompile_count
 from dflash.common.drafter.layers import default_target_layer_ids
 from dflash.common.drafter.model import DFlashDrafter, TargetHead
 from dflash.consumer.config import TrainConfig
-from dflash.consumer.step import build_optimizer, compile_drafter, forward_backward
+from dflash.consumer.optim import clipped_step
+from dflash.consumer.step import (
+    build_optimizer,
+    cast_parameters,
+    compile_drafter,
+    forward_backward,
+    make_loss,
+)
 from dflash.consumer.trainer import Trainer
 
 PRESETS = {
@@ -136,7 +143,10 @@ def random_packed(context: int, width: int, vocab: int, pinned_hidden: torch.Ten
     return pack_samples(samples, context_tokens=context)
 
 
-def run(preset: str, *, steps: int, context: int, anchors: int, device: torch.device, backend: str) -> dict:
+def run(
+    preset: str, *, steps: int, context: int, anchors: int, device: torch.device, backend: str,
+    precision: str | None = None,
+) -> dict:  # fmt: skip
     cfg = DrafterConfig(
         **PRESETS[preset], num_layers=5, block_size=16, mask_token_id=0, target_layer_ids=list(range(1, 6))
     )
@@ -147,8 +157,14 @@ def run(preset: str, *, steps: int, context: int, anchors: int, device: torch.de
     )
     model = DFlashDrafter(cfg, head).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    tcfg = TrainConfig(spool=".", target=".", device=str(device), total_steps=steps)
+    tcfg = TrainConfig(
+        spool=".", target=".", device=str(device), total_steps=steps, compile_backend=backend,
+        **({"precision": precision} if precision else {}),
+    )  # fmt: skip
+    cast_parameters(model, tcfg.param_dtype(device.type))
     optimizer, scheduler = build_optimizer(model, tcfg, device)
+    loss_fn = make_loss(tcfg, device)
+    trainable = [p for p in model.parameters() if p.requires_grad]
     compile_drafter(model, backend)
     width = cfg.hidden_size * cfg.num_context_layers
     pinned = torch.randn(context, width).to(torch.bfloat16)
@@ -179,10 +195,9 @@ def run(preset: str, *, steps: int, context: int, anchors: int, device: torch.de
             model,
             batch,
             loss_scale=1.0 / weight.clamp(min=1e-6).to(device),
-            chunk_tokens=tcfg.loss_chunk_tokens,
+            lce=loss_fn,
         )
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        clipped_step(optimizer, trainable, tcfg.grad_clip)
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         return pairs, float(weight)
@@ -224,6 +239,8 @@ def run(preset: str, *, steps: int, context: int, anchors: int, device: torch.de
         "first_step_s": round(first_step_s, 1),
         "recompiles_after_warmup": recompiles,
         "backend": backend,
+        "precision": tcfg.resolved_precision(device.type),
+        "loss_impl": tcfg.resolved_loss_impl(device.type),
     }
     if device.type == "cuda":
         peak = matmul_peak_tflops(device)
@@ -518,7 +535,7 @@ def main() -> None:
     for preset in [] if args.mode == "reference" else args.preset or ["8b", "32b"]:
         for precision, seed in [
             (pr, sd)
-            for pr in args.precision or (["auto"] if args.mode != "step" else [None])
+            for pr in args.precision or ["auto"]
             for sd in args.seed or [0]
         ]:
             if args.mode == "step":
@@ -529,6 +546,7 @@ def main() -> None:
                     anchors=args.anchors,
                     device=device,
                     backend=args.backend,
+                    precision=precision,
                 )
                 r["mode"] = "step (hand-built batches, no feed/spool/input pipeline)"
             else:
