@@ -70,12 +70,12 @@ if want trainer8; then bench trainer8 --mode trainer --preset 8b --steps 200; fi
 if want learning; then
   bench learning --mode learning --preset small --steps 500 --warmup 0 --context 2048 --anchors 128 --precision bf16 --precision amp
 fi
-if want prod8; then pbench prod8 300 --preset 8b --variants eager,full,static --tokens 163840; fi
+if want prod8; then pbench prod8 300 --preset 8b --variants "${PROD8_VARIANTS:-eager,full,static}" --tokens 163840; fi
 if want prodscope; then pbench prodscope 240 --preset 8b --variants full,trunk --no-bare --tokens 196608; fi
 if want prod32; then pbench prod32 240 --preset 32b --variants full --tokens 163840 --no-forward; fi
 if want hybrid; then
   python3 -c "import fla.ops.gated_delta_rule" 2>/dev/null || echo "warning: fla does not import (carry fla-core in .whl): 'full' runs on the reference kernels"
-  pbench hybrid 240 --preset hybrid27b --variants full,reference --no-bare --tokens 196608
+  pbench hybrid 240 --preset hybrid27b --variants full,reference --no-bare --tokens "${HYBRID_TOKENS:-196608}"
 fi
 if want pipeline1; then
   echo "== pipeline bench: one producer + one consumer sharing GPU 0"

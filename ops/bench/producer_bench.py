@@ -47,7 +47,8 @@ from dflash.common.target.capture import LayerCapture  # noqa: E402
 from dflash.common.target.data import DataConfig  # noqa: E402
 from dflash.common.target.kernels import force_reference_kernels, linear_attention_kernels  # noqa: E402
 from dflash.producer.buckets import BucketConfig, Bucketer, Sample  # noqa: E402
-from dflash.producer.config import ProducerConfig  # noqa: E402
+from dflash.producer.config import ProducerConfig, Worker, writer_threads_for  # noqa: E402
+from dflash.producer.launch import cores_per_gpu  # noqa: E402
 from dflash.producer.trunk import static_buckets, warm_trunk  # noqa: E402
 from dflash.producer.worker import _forward_batch, produce  # noqa: E402
 
@@ -179,8 +180,17 @@ def _config(args, variant: str, spool: Path) -> ProducerConfig:
         producer_id="bench", model="bench-model", spool=str(spool), device=str(args.device),
         data=DataConfig(dataset="synthetic", max_length=args.max_length), buckets=buckets,
         codec=over.pop("codec", args.codec), budget_bytes=int(args.budget_gb * 1e9), heartbeat_s=0.5,
-        compile_backend=args.compile_backend, writer_threads=over.pop("writer_threads", args.writer_threads), **over,
+        compile_backend=args.compile_backend, writer_threads=over.pop("writer_threads", args.writer_threads or _shipped_writers(args)), **over,
     )  # fmt: skip
+
+
+def _shipped_writers(args) -> int:
+    """The writer threads dflash-produce starts on this machine (producer/launch.py: the writer rule over this
+    process's cores per GPU). Leaving the config's None here once benched 2 writers where a launch on a
+    16-core H200 host starts 4: the shipped path measured writer-bound (29.9 K tok/s against its own
+    forward's 44.3 K)."""
+    on_gpu = str(args.device).startswith("cuda")
+    return writer_threads_for(cores_per_gpu([Worker(producer_id="bench", rank=0, device=str(args.device), cuda_index=0 if on_gpu else None)]))
 
 
 def bench_producer(args, model, work, spool: Path, mem: MemSampler, variant: str) -> dict:
