@@ -12,7 +12,8 @@
 #   producer   issue 25's producer runbook, in this order (~8 min on one H200 from cold compile caches; to
 #              stay well inside one call's 10 minutes, run `prod8 prod32 hybrid` and `pipeline1 plan` as two
 #              calls on the same warm machine):
-#     prod8      8B-shaped target: bare eager full forward vs the producer eager, compiled (per layer,
+#     prod8      8B-shaped target (15 batches: the last shard's encode is a fixed tail, 1.23x at 5 batches
+#                and 1.33x at 15, same machine): bare eager full forward vs the producer eager, compiled (per layer,
 #                dynamic shapes: the default), compiled with static shapes, and its own forward alone (~2 min)
 #     prod32     32B-class target (64 layers): bare eager full forward vs the compiled producer (~1.5 min)
 #     hybrid     hybrid-27B-shaped slice (8 layers): fla checked against the torch reference, then the
@@ -70,7 +71,7 @@ if want trainer8; then bench trainer8 --mode trainer --preset 8b --steps 200; fi
 if want learning; then
   bench learning --mode learning --preset small --steps 500 --warmup 0 --context 2048 --anchors 128 --precision bf16 --precision amp
 fi
-if want prod8; then pbench prod8 300 --preset 8b --variants "${PROD8_VARIANTS:-eager,full,static}" --tokens 163840; fi
+if want prod8; then pbench prod8 300 --preset 8b --variants "${PROD8_VARIANTS:-eager,full,static}" --tokens "${PROD8_TOKENS:-491520}"; fi
 if want prodscope; then pbench prodscope 240 --preset 8b --variants full,trunk --no-bare --tokens 196608; fi
 if want prod32; then pbench prod32 240 --preset 32b --variants full --tokens 163840 --no-forward; fi
 if want hybrid; then
