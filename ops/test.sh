@@ -6,10 +6,13 @@
 # reorder would put the one-test chaos file last, a lone long pole). Most tests spawn CLI processes
 # that spend their time importing torch and waiting on files: two workers on the 2-core CI box take
 # ~0.75x the serial time (403 s vs 558 s measured).
-# DFLASH_TEST_WORKERS=0 runs it serially.
+# DFLASH_TEST_WORKERS=0 runs it serially. The slowest tests are listed at the end (--durations), so a slow
+# run says where its time went.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=ops/setup_venv.sh
 source ops/setup_venv.sh
+echo "[test] ruff check ."
 ruff check .
-exec python -m pytest -q -n "${DFLASH_TEST_WORKERS:-auto}" --maxprocesses 4 --dist loadfile --no-loadscope-reorder "$@"
+echo "[test] pytest on ${DFLASH_TEST_WORKERS:-every core} worker(s): the slowest tests are listed at the end"
+exec python -m pytest -q -n "${DFLASH_TEST_WORKERS:-auto}" --maxprocesses 4 --dist loadfile --no-loadscope-reorder --durations=15 --durations-min=10 "$@"
