@@ -80,6 +80,19 @@ class StepAgreement:
     epoch: int
     tokens: int
 
+    @classmethod
+    def of(cls, ranks: list[list[int]], *, last_epoch: int) -> StepAgreement:
+        """From every rank's [has a step, drained, stop asked, fatal save error, its step's epoch, its
+        tokens] (``Trainer._agree``): only the ranks whose step is of the lowest epoch train data this step
+        (the others pad and keep theirs), and the step's epoch stays the last one when no rank has data."""
+        epochs = [r[4] for r in ranks if r[0]]
+        lowest = min(epochs) if epochs else last_epoch
+        return cls(
+            have=any(r[0] for r in ranks), everyone=all(r[0] or r[1] for r in ranks),
+            exhausted=all(r[1] for r in ranks), stop=any(r[2] for r in ranks), fatal=any(r[3] for r in ranks),
+            epoch=lowest, tokens=sum(r[5] for r in ranks if r[0] and r[4] == lowest),
+        )  # fmt: skip
+
 
 class Trainer(CheckpointingMixin, IntervalLogMixin):
     """One consumer process's training: build everything in a visible order, then ``train()``."""
@@ -390,16 +403,7 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
             self._stop_requested, self._fatal_save_error is not None,
             item.batch.epoch if item is not None else -1, item.tokens if item is not None else 0,
         ]  # fmt: skip
-        ranks = D.gather_ints(mine, self.dist)
-        epochs = [r[4] for r in ranks if r[0]]
-        lowest = min(epochs) if epochs else self._step_epoch
-        # only the ranks whose step is of the lowest epoch train data this step; the others pad
-        tokens = sum(r[5] for r in ranks if r[0] and r[4] == lowest)
-        return StepAgreement(
-            have=any(r[0] for r in ranks), everyone=all(r[0] or r[1] for r in ranks),
-            exhausted=all(r[1] for r in ranks), stop=any(r[2] for r in ranks),
-            fatal=any(r[3] for r in ranks), epoch=lowest, tokens=tokens,
-        )  # fmt: skip
+        return StepAgreement.of(D.gather_ints(mine, self.dist), last_epoch=self._step_epoch)
 
     @property
     def _compiles(self) -> bool:

@@ -30,6 +30,7 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
     "dflash-consume": {
         "--draft-layer-types": "issue 27: sliding-window draft layers (auto: the public layout for hybrid targets)",
         "--sliding-window": "issue 27: the window of the sliding draft layers",
+        "--loss-impl": "issue 26: the compiled fused lm_head + cross-entropy (CUDA default) or the chunked one",
     },
     "dflash-eval": {
         "--temperature": "issue 27: lossless speculative rejection sampling",
@@ -59,6 +60,18 @@ CHANGED: dict[str, dict[str, tuple[dict, str]]] = {
         "--compile-backend": (
             {"default": "'auto'", "choices": ["aot_eager", "auto", "eager", "inductor"], "required": False, "kind": "_StoreAction"},
             "issue 23: auto = inductor on CUDA, eager on the CPU (same CPU step time, no cold C++ build)",
+        ),
+        "--fill-wait-s": (
+            {"default": "30.0", "choices": None, "required": False, "kind": "_StoreAction"},
+            "issue 26: a stream waits for a full pool while a producer produces (costs no throughput)",
+        ),
+        "--min-split-tokens": (
+            {"default": "32", "choices": None, "required": False, "kind": "_StoreAction"},
+            "issue 26: 99 % fill at 1024 and 4096 tokens (256 left up to a quarter of a 1024 stream empty)",
+        ),
+        "--precision": (
+            {"default": "'auto'", "choices": ["amp", "auto", "bf16", "fp32", "mixed"], "required": False, "kind": "_StoreAction"},
+            "issue 26: mixed (bf16 weights, fp32 master in the optimizer), the CUDA default",
         ),
     },
     "dflash-export": {

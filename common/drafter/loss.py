@@ -14,6 +14,11 @@ same numbers (``LOSS_IMPLS``; tests/test_loss.py holds them equal to 1e-5 in fp3
   logits. Backward only scales the stored gradient by the upstream scalar. At most one chunk of logits
   exists at any time, in forward and backward, and no logits are recomputed.
 
+Why not a library kernel: liger-kernel's fused linear cross-entropy and cut-cross-entropy both return the
+loss alone (the per-position accuracy and tau need each query's greedy prediction, a second [tokens x vocab]
+pass if done outside) and neither is in this stack's wheels on the device; a compiled plain function gives
+inductor the whole graph (GEMM, log-softmax, NLL and argmax) and costs no dependency.
+
 Sums, not means, come back: the trainer all-reduces `loss_sum` / `weight_sum` / counts across ranks and divides
 by the GLOBAL weight sum, so every token weighs the same whatever rank it landed on.
 """
