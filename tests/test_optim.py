@@ -124,3 +124,31 @@ def test_grad_norm_accumulates_bf16_gradients_in_fp32():
     want = torch.linalg.vector_norm(p.grad.double())
     torch.testing.assert_close(grad_norm([p]).double(), want, rtol=1e-6, atol=0)
     assert grad_norm([p]).dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_master_adamw_on_cuda_equals_eager_and_never_recompiles():
+    """What the CUDA default runs: MasterAdamW's update compiled with inductor equals the eager update (the
+    fp32 masters to fp32 rounding), and a new learning rate every step compiles nothing new."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    dev = torch.device("cuda")
+    compiled = [torch.nn.Parameter(p.detach().to(dev, torch.bfloat16)) for p in _params()]
+    eager = [torch.nn.Parameter(p.detach().clone()) for p in compiled]
+    opt_c = MasterAdamW(compiled, lr=1e-2, weight_decay=0.01, compile_backend="inductor")
+    opt_e = MasterAdamW(eager, lr=1e-2, weight_decay=0.01)
+    for step, scale in enumerate(SCALES):
+        for group in (compiled, eager):
+            for p, g in zip(group, _grads(step, scale), strict=True):
+                p.grad = g.to(dev, torch.bfloat16)
+        for opt in (opt_c, opt_e):
+            opt.param_groups[0]["lr"] = 1e-2 * (step + 1)
+        clipped_step(opt_c, compiled, 1.0)
+        clipped_step(opt_e, eager, 1.0)
+    for pc, pe in zip(compiled, eager, strict=True):
+        torch.testing.assert_close(opt_c.master_of(pc), opt_e.master_of(pe), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(pc, pe, rtol=0, atol=1e-2)  # the same bf16 up to one rounding
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 1
