@@ -28,6 +28,7 @@ back as its text and raised at once (it is the data's or the code's: a restart w
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import os
@@ -209,6 +210,10 @@ class DataWorker:
         self._closed = False
         self._proc = None
         self._conn = None
+        # A trainer that exits without close() (an error in its own start-up after this): the worker
+        # ignores SIGTERM (multiprocessing's exit handler would terminate, then join it forever), so it is
+        # killed here first (atexit runs this before multiprocessing's handler, registered earlier).
+        atexit.register(self._kill_at_exit)
         self._start()
 
     def _pin_slots(self) -> None:
@@ -296,6 +301,7 @@ class DataWorker:
         if self._closed:
             return
         self._closed = True
+        atexit.unregister(self._kill_at_exit)
         _send(self._conn, ("stop",))
         deadline = time.monotonic() + 60.0  # the feed's close waits up to 30 s for its trash thread
         try:
@@ -321,6 +327,11 @@ class DataWorker:
             self._registered.clear()
 
     # ------------------------------------------------------------------ internals
+    def _kill_at_exit(self) -> None:
+        if not self._closed and self._proc is not None and self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(timeout=10.0)
+
     def _refresh(self, counters: dict, summary: dict) -> None:
         if counters:
             self.counters = self._counters_type(**counters)

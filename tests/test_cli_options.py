@@ -30,6 +30,8 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
     "dflash-consume": {
         "--draft-layer-types": "issue 27: sliding-window draft layers (auto: the public layout for hybrid targets)",
         "--sliding-window": "issue 27: the window of the sliding draft layers",
+        "--loss-impl": "issue 26: fused lm_head + cross-entropy (bf16 logits) or the chunked fp32 loss",
+        "--data-workers": "issue 26: the data path in its own process (auto: on CUDA) or in threads",
     },
     "dflash-eval": {
         "--temperature": "issue 27: lossless speculative rejection sampling",
