@@ -62,6 +62,18 @@ CHANGED: dict[str, dict[str, tuple[dict, str]]] = {
             {"default": "'auto'", "choices": ["aot_eager", "auto", "eager", "inductor"], "required": False, "kind": "_StoreAction"},
             "issue 23: auto = inductor on CUDA, eager on the CPU (same CPU step time, no cold C++ build)",
         ),
+        "--fill-wait-s": (
+            {"default": "30.0", "choices": None, "required": False, "kind": "_StoreAction"},
+            "issue 26: a stream waits for a full pool while a producer produces (3cd6ed6)",
+        ),
+        "--min-split-tokens": (
+            {"default": "32", "choices": None, "required": False, "kind": "_StoreAction"},
+            "issue 26: min split 32, two blocks (ops/bench/fill_sim.py; 3cd6ed6)",
+        ),
+        "--precision": (
+            {"default": "'auto'", "choices": ["amp", "auto", "bf16", "fp32", "mixed"], "required": False, "kind": "_StoreAction"},
+            "issue 26: mixed (bf16 weights, fp32 master in the fused AdamW), the CUDA default (3cd6ed6)",
+        ),
     },
     "dflash-export": {
         "checkpoint": (
