@@ -116,7 +116,10 @@ def worker_main(spec: WorkerSpec, skip_bytes: bytes, slots: list[dict[str, torch
         _send(conn, ("error", text))
     finally:
         if feed is not None:
-            feed.close()
+            try:
+                feed.close()
+            except Exception as err:  # noqa: BLE001 - the trainer is told below; the exit code says the rest
+                log.warning("closing the shard feed failed: %s", one_line(err))
         _send(conn, ("bye", _counters(feed), dict(feed.spool_summary) if feed is not None else {}))
         conn.close()
 
@@ -138,8 +141,10 @@ def _serve(feed, skip: SampleSet, spec: WorkerSpec, slots: list[dict[str, torch.
                     skip.add(feed.commit())  # acks finished shards; the live duplicate filter grows
                     if msg[1]:
                         feed.heartbeat_counters.update(msg[1])
+                elif msg[0] == "skip":  # the other ranks' trained samples (merged at a save)
+                    skip.update(SampleSet.from_bytes(msg[1]))
                 wait = 0.0
-        except EOFError:  # the trainer closed its end
+        except (EOFError, OSError):  # the trainer closed its end
             return
         if not free or ended:
             continue
@@ -290,6 +295,11 @@ class DataWorker:
             hb = self._sent_hb = dict(self.heartbeat_counters)
         _send(self._conn, ("commit", hb))  # a dead worker: its claims go back on the next get()
         return self._handed.popleft()
+
+    def update_skip(self, trained: SampleSet) -> None:
+        """Add ``trained`` to the worker's skip set: what the in-process feed sees by reading the trainer's
+        live set, which a save grows with the other ranks' samples."""
+        _send(self._conn, ("skip", trained.to_bytes()))
 
     def exhausted(self) -> bool:
         """True once the worker said the spool is drained and every step it built was handed out."""

@@ -201,6 +201,12 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
             depth=cfg.prefetch_steps,
         )
 
+    def _share_trained(self) -> None:
+        """The merged trained set (all ranks', at a save) for the duplicate filter: the in-process feed
+        reads ``self.trained`` itself; a data worker keeps a copy, so it is sent."""
+        if isinstance(self.feed, DataWorker):
+            self.feed.update_skip(self.trained)
+
     def _feed_kwargs(self) -> dict:
         """ShardFeed's settings from the config (the in-process feed's and the data worker's)."""
         cfg = self.cfg

@@ -255,3 +255,28 @@ def test_an_error_in_the_data_worker_is_one_line_and_exit_1(tmp_path, tiny_targe
     assert "holds target layers [0, 1, 2, 3, 4]" in lines[-1], lines[-1]
     assert "Traceback" not in proc.stderr
     assert len(list(spool.ready_dir.iterdir())) == 1
+
+
+def test_consume_trains_the_same_weights_with_and_without_the_data_worker(tmp_path, tiny_target):
+    """End to end: the same spool, --data-workers 0 and 1: the same steps and the very same weights (the
+    producer's heartbeat says it produces, so streams are packed only from full pools: see _spool)."""
+    src = write_synthetic_spool(
+        tmp_path / "src", hidden_size=256, layer_ids=[1, 2, 3, 4, 5], num_shards=12, samples_per_shard=6,
+        tokens_per_sample=48, vocab=4096,
+    )  # fmt: skip
+    summaries, procs = {}, {}
+    for workers in ("0", "1"):
+        root = tmp_path / f"spool{workers}"
+        shutil.copytree(src.root, root)
+        Spool(root).heartbeat("producer", "p0", {})
+        out = tmp_path / f"summary{workers}.json"
+        cmd = consume_cmd(root, tiny_target, "--context-tokens", "256", "--num-anchors", "16", "--compile-backend", "eager", "--bucket", "oldest", "--eval-every", "0", "--data-workers", workers, "--summary-json", str(out))  # fmt: skip
+        procs[workers] = (subprocess.Popen(cmd, env=cpu_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True), out)  # fmt: skip
+    for workers, (proc, out) in procs.items():
+        _, err = proc.communicate(timeout=240)
+        assert proc.returncode == 0, err[-3000:]
+        summaries[workers] = __import__("json").loads(out.read_text())
+    a, b = summaries["0"], summaries["1"]
+    assert a["steps"] == b["steps"] >= 6 and a["samples_trained"] == b["samples_trained"] == 72
+    assert a["fill"] == b["fill"]
+    assert a["weights_sha256"] == b["weights_sha256"]
