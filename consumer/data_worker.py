@@ -170,6 +170,28 @@ def _serve(feed, skip: SampleSet, spec: WorkerSpec, slots: list[dict[str, torch.
 
 
 # ----------------------------------------------------------------------------------- the trainer's side
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
+def _check_shm(nbytes: int, root: str = "/dev/shm") -> None:
+    """Refuse at start-up, in one line, slots that /dev/shm cannot hold: its pages are allocated on first
+    write, so a full /dev/shm would otherwise be a SIGBUS mid-run (a container's default is 64 MB)."""
+    try:
+        st = os.statvfs(root)
+    except OSError:
+        return
+    free = st.f_bavail * st.f_frsize
+    if nbytes > free:
+        raise RuntimeError(
+            f"the data worker's input slots need {nbytes / 2**20:.0f} MiB of {root}, {free / 2**20:.0f} MiB "
+            "free: give it more (docker --shm-size) or use --data-workers 0"
+        )
+
+
 class DataWorker:
     """The trainer's handle on its data worker: the interface of ``ShardFeed`` + ``InputPipeline`` that the
     training loop uses (``get``, ``commit``, ``exhausted``, ``close``, ``counters``, ``spool_summary``,
@@ -201,6 +223,7 @@ class DataWorker:
         self._spool = Spool(spec.spool, create=False)
         self._ctx = torch.multiprocessing.get_context("spawn")
         layout = slot_layout(spec)
+        _check_shm(slots * sum(_nbytes(shape, dtype) for shape, dtype in layout.values()))
         self._slots = [
             {name: torch.empty(shape, dtype=dtype).share_memory_() for name, (shape, dtype) in layout.items()}
             for _ in range(slots)
@@ -383,6 +406,8 @@ class DataWorker:
         self._proc.join(timeout=10.0)
         code = self._proc.exitcode
         why = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit status {code}"
+        if code == -signal.SIGBUS:
+            why += ": is /dev/shm full? (--data-workers 0 needs none)"
         self._conn.close()
         for event, _ in self._copying:  # the slots are the new worker's: no copy may still read them
             event.synchronize()

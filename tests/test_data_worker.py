@@ -12,6 +12,7 @@ import signal
 import subprocess
 import time
 
+import pytest
 import torch
 from conftest import wait_until
 from ledger_audit import audit, read_jsonl
@@ -280,3 +281,11 @@ def test_consume_trains_the_same_weights_with_and_without_the_data_worker(tmp_pa
     assert a["steps"] == b["steps"] >= 6 and a["samples_trained"] == b["samples_trained"] == 72
     assert a["fill"] == b["fill"]
     assert a["weights_sha256"] == b["weights_sha256"]
+
+
+def test_slots_that_dev_shm_cannot_hold_are_refused_in_one_line():
+    from dflash.consumer.data_worker import _check_shm
+
+    _check_shm(1 << 20)
+    with pytest.raises(RuntimeError, match=r"input slots need \d+ MiB of /dev/shm.*--data-workers 0"):
+        _check_shm(1 << 60)
