@@ -47,7 +47,8 @@ from dflash.common.drafter.batch import DraftBatch, build_draft_batch, empty_pac
 from dflash.consumer.input_pipeline import StepInput
 
 # Not imported here: the feed (zarr, numcodecs). A spawned child imports this module before its body runs,
-# and numcodecs makes a multiprocessing lock at import: it must come after anonymous_library_locks().
+# and numcodecs' blosc makes a multiprocessing lock (a named semaphore under spawn) when first used (today at
+# the first decode, not at import): nothing of it may come before anonymous_library_locks().
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def worker_main(spec: WorkerSpec, skip_bytes: bytes, slots: list[dict[str, torch
     )
     feed = None
     try:
-        from dflash.consumer.feed import ShardFeed  # after anonymous_library_locks (see the imports)
+        from dflash.consumer.feed import ShardFeed  # after anonymous_library_locks (see the imports above)
 
         skip = SampleSet.from_bytes(skip_bytes)
         feed = ShardFeed(Spool(spec.spool, create=False), spec.consumer_id, skip=skip, **spec.feed)
