@@ -107,6 +107,12 @@ class TrainConfig:
     is packed at once when none can give more soon: done, gone, blocked on the spool budget)"""
     prefetch_steps: int = 2
     """steps packed and copied to the GPU ahead of the one training"""
+    data_workers: str = field(default="auto", metadata=flag(choices=("auto", "0", "1")))
+    """where the data path runs (claims, decode, packing, anchors and labels, acks, shard deletion): 1 = in
+    one spawned worker process, handing steps over shared memory, so none of it takes the GIL from the
+    thread launching the GPU's kernels (~27 ms of CPU work per step at 32B-class shapes); 0 = threads of
+    the training process; auto = 1 on CUDA, 0 on the CPU (a CPU step is the CPU's work anyway, and a
+    spawned worker costs seconds of start-up per consumer on a small box: docs/training.md)"""
     precision: str = field(default="auto", metadata=flag(choices=PRECISIONS))
     """parameters and Adam state: mixed (bf16 weights; fp32 master and moments in the optimizer, one fused
     update pass), amp (fp32 + bf16 autocast), bf16 (bf16 weights and moments: measured to learn worse),
@@ -178,6 +184,8 @@ class TrainConfig:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.loss_impl not in ("auto", "fused", "chunked"):
             raise ValueError(f"loss-impl must be auto, fused or chunked, got {self.loss_impl!r}")
+        if self.data_workers not in ("auto", "0", "1"):
+            raise ValueError(f"data-workers must be auto, 0 or 1, got {self.data_workers!r}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu-threads must be >= 1, got {self.cpu_threads}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -200,6 +208,12 @@ class TrainConfig:
         if self.compile_backend != "auto":
             return self.compile_backend
         return "inductor" if device_type == "cuda" else "eager"
+
+    def resolved_data_workers(self, device_type: str) -> int:
+        """``data_workers`` on this device: auto = 1 on CUDA, 0 on the CPU."""
+        if self.data_workers != "auto":
+            return int(self.data_workers)
+        return 1 if device_type == "cuda" else 0
 
     def resolved_precision(self, device_type: str) -> str:
         """``precision`` on this device: auto = mixed on CUDA, fp32 on the CPU (where bf16 matmuls are

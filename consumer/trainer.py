@@ -41,6 +41,7 @@ from dflash.consumer.async_checkpoint import AsyncCheckpointer
 from dflash.consumer.campaign import CampaignPlan, WarmupCosine, read_plan
 from dflash.consumer.checkpointing import CheckpointingMixin
 from dflash.consumer.config import TrainConfig
+from dflash.consumer.data_worker import DataWorker, WorkerSpec
 from dflash.consumer.feed import ShardFeed
 from dflash.consumer.held_out import HeldOutEval
 from dflash.consumer.input_pipeline import InputPipeline, StepInput
@@ -180,20 +181,29 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
             )
 
     def _build_data(self) -> None:
-        """The shard feed (claims, decodes, packs) and the input pipeline (anchors, blocks, device copy)."""
+        """The data path: in a worker process (``data_worker.py``: claims, decode, pack, anchors, acks;
+        this process only copies to the device), or in threads of this one (the shard feed and the input
+        pipeline). Either gives the same batches: the same feed, the same seeded generator."""
         cfg = self.cfg
+        self._padding_input: StepInput | None = None
+        if cfg.resolved_data_workers(self.device.type):
+            level = logging.getLogger().getEffectiveLevel()
+            spec = WorkerSpec(
+                spool=str(self.spool.root), consumer_id=self.consumer_id, feed=self._feed_kwargs(),
+                batch=self._batch_kwargs(), seed=cfg.seed * 1000 + self.dist.rank,
+                hidden_width=self._hidden_width(), log_level=level, log_prefix=f"consumer[{self.dist.rank}] data",
+            )  # fmt: skip
+            # the worker's skip set is the trained set (the resume cursor); a restarted one gets it as grown
+            self.feed = self.inputs = DataWorker(
+                spec, self.trained, device=self.device, hidden_dtype=self.compute_dtype, slots=cfg.prefetch_steps + 1
+            )
+            return
         self.feed = ShardFeed(
             self.spool,
             self.consumer_id,
-            context_tokens=cfg.context_tokens,
             skip=self.trained,  # the live set: also drops duplicates of samples trained since the resume
-            bucket=cfg.claim_bucket,
-            expected_layer_ids=list(self.drafter_config.target_layer_ids),
-            heartbeat_timeout_s=cfg.heartbeat_timeout_s,
-            pool_streams=cfg.pool_streams,
-            min_split_tokens=cfg.min_split_tokens or None,
-            fill_wait_s=cfg.fill_wait_s,
             pin_memory=self.device.type == "cuda",
+            **self._feed_kwargs(),
         )
         self.inputs = InputPipeline(
             lambda wait_s: self.feed.next_packed(wait_s=wait_s),
@@ -203,7 +213,25 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
             hidden_dtype=self.compute_dtype,
             depth=cfg.prefetch_steps,
         )
-        self._padding_input: StepInput | None = None
+
+    def _share_trained(self) -> None:
+        """The merged trained set (all ranks', at a save) for the duplicate filter: the in-process feed
+        reads ``self.trained`` itself; a data worker keeps a copy, so it is sent."""
+        if isinstance(self.feed, DataWorker):
+            self.feed.update_skip(self.trained)
+
+    def _feed_kwargs(self) -> dict:
+        """ShardFeed's settings from the config (the in-process feed's and the data worker's)."""
+        cfg = self.cfg
+        return dict(
+            context_tokens=cfg.context_tokens,
+            bucket=cfg.claim_bucket,
+            expected_layer_ids=list(self.drafter_config.target_layer_ids),
+            heartbeat_timeout_s=cfg.heartbeat_timeout_s,
+            pool_streams=cfg.pool_streams,
+            min_split_tokens=cfg.min_split_tokens or None,
+            fill_wait_s=cfg.fill_wait_s,
+        )
 
     def _open_logs(self) -> None:
         """Metrics JSONL, the sample ledger (which samples each committed step trained, for exact audits
@@ -274,7 +302,7 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
             self.save(final=True)
         finally:
             self.inputs.close()
-            self.feed.close()
+            self.feed.close()  # the same object as inputs with a data worker: closing twice is a no-op
         return {
             "steps": self.step,
             "rank": self.dist.rank,
@@ -306,18 +334,20 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
     def _hidden_width(self) -> int:
         return self.drafter_config.hidden_size * len(self.drafter_config.target_layer_ids)
 
-    def _build_batch(self, packed, generator: torch.Generator | None = None) -> DraftBatch:
-        """Anchors, draft blocks, labels and weights of one packed stream (input pipeline thread)."""
+    def _batch_kwargs(self) -> dict:
+        """build_draft_batch's settings (besides the stream and the generator)."""
         cfg = self.cfg
-        return build_draft_batch(
-            packed,
+        return dict(
             block_size=cfg.block_size,
             num_anchors=cfg.num_anchors,
             max_anchors_per_doc=cfg.max_anchors_per_doc,
             mask_token_id=self.drafter_config.mask_token_id,
             gamma=cfg.gamma,
-            generator=generator or self.generator,
         )
+
+    def _build_batch(self, packed, generator: torch.Generator | None = None) -> DraftBatch:
+        """Anchors, draft blocks, labels and weights of one packed stream (input pipeline thread)."""
+        return build_draft_batch(packed, generator=generator or self.generator, **self._batch_kwargs())
 
     def _padding(self) -> StepInput:
         """A step of pure padding (zero weight) for a rank without data while others step; built once, with

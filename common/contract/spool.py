@@ -439,6 +439,17 @@ class Spool(SpoolRecords, SpoolScan):
                 self._finish_acks_of(d.name)
         return n
 
+    def return_claims(self, consumer_id: str) -> int:
+        """Give everything ``consumer_id`` holds in claimed/ back to ready/ at once; returns how many.
+
+        For a process that knows the owner is dead (the trainer, after its data worker died: the worker
+        claims under the trainer's id), so the shards need not wait for the heartbeat timeout. What the
+        dead owner left half-acked in acked/ was trained: it is deleted, never returned."""
+        n = self._return_to_ready(self.claimed_dir / _check_id("consumer_id", consumer_id), remove_dir=False)
+        self._finish_acks_of(consumer_id)
+        self._adopted.discard(consumer_id)  # the next claim under this id adopts (and checks) again
+        return n
+
     def _finish_acks_of(self, owner: str) -> None:
         """Delete what a dead consumer left half-deleted in acked/ (a crash mid-ack: already trained)."""
         try:
