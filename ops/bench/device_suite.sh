@@ -7,8 +7,12 @@
 #   trainer32  the real Trainer over a real spool, 32B-class drafter, default precision (amp) and bf16
 #   ckpt32     trainer32 with background checkpoints every 60 steps (stall per save; warm first step)
 #   warm32     a fresh process on the warm compile cache: time to first step
-#   trainer8   the real Trainer, 8B-class drafter, bf16
-#   learning   a learnable spool trained 500 steps with bf16 and with amp (loss curves)
+#   trainer8   the real Trainer, 8B-class drafter, default flags
+#   trainer32x3  issue 26's acceptance: the real Trainer, 32B-class, default flags, three runs (seeds 0-2:
+#              the same data, a fresh Trainer each, warm compile cache after the first), 150 measured steps
+#              each, a background checkpoint every 80 steps
+#   learning   a learnable spool trained 500 steps with the default (mixed) and with amp (loss curves)
+#   gpusel     the GPU tests of issues 26-27 only (fused loss, compiled MasterAdamW, flex vs SDPA incl. sliding)
 #   producer   issue 25's producer runbook, in this order (~8 min on one H200 from cold compile caches; to
 #              stay well inside one call's 10 minutes, run `prod8 prod32 hybrid` and `pipeline1 plan` as two
 #              calls on the same warm machine):
@@ -67,9 +71,17 @@ if want ckpt32; then  # background checkpoints every 50 steps (warm compile cach
   bench ckpt32 --mode trainer --preset 32b --steps 100 --save-every 60
 fi
 if want warm32; then bench warm32 --mode trainer --preset 32b --steps 10 --warmup 2 --save-every 0; fi
-if want trainer8; then bench trainer8 --mode trainer --preset 8b --steps 200; fi
+if want trainer32x3; then
+  bench trainer32x3 --mode trainer --preset 32b --steps 150 --warmup 20 --save-every 80 --seed 0 --seed 1 --seed 2
+fi
+if want trainer8; then bench trainer8 --mode trainer --preset 8b --steps "${TRAINER8_STEPS:-200}"; fi
 if want learning; then
-  bench learning --mode learning --preset small --steps 500 --warmup 0 --context 2048 --anchors 128 --precision bf16 --precision amp
+  bench learning --mode learning --preset small --steps 500 --warmup 0 --context 2048 --anchors 128 --precision mixed --precision amp
+fi
+if want gpusel; then
+  echo "== GPU tests of issues 26-27"
+  timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_loss.py tests/test_optim.py \
+    tests/test_attention.py tests/test_drafter.py 2>&1 | tee "$OUT/gpusel.log" | tail -8
 fi
 if want prod8; then pbench prod8 300 --preset 8b --variants "${PROD8_VARIANTS:-eager,full,static}" --tokens "${PROD8_TOKENS:-491520}"; fi
 if want prodscope; then pbench prodscope 240 --preset 8b --variants full,trunk --no-bare --tokens 196608; fi
