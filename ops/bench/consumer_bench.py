@@ -310,6 +310,7 @@ def run_trainer(
     producers: int = 12,
     log_every: int = 10,
     device: str = "cuda",
+    data_workers: str = "auto",
 ) -> dict:
     """The real Trainer over a spool that producer processes fill while it trains."""
     shape = PRESETS[preset]
@@ -363,18 +364,21 @@ def run_trainer(
         precision=precision,
         seed=seed,
         bucket=bucket,
+        data_workers=data_workers,
     )
     t0 = time.monotonic()
     trainer = Trainer(cfg)
     pairs: list[float] = []
-    build = trainer._build_batch
+    train_step = trainer._train_step
 
-    def counted_build(packed, generator=None):  # instrumentation only: count the mask's visible pairs
-        batch = build(packed, generator)
-        pairs.append(visible_pairs(batch, cfg.block_size))
-        return batch
+    def counted_step(item, stats):  # instrumentation only: the mask's visible pairs, in the warm-up steps
+        # (the batches are built in the data worker process or the input thread: counted here, on the
+        # step's own device batch; the host sync this costs stays out of the timed steps)
+        if not item.padding and trainer.step < max(warmup, 3):
+            pairs.append(visible_pairs(item.batch, cfg.block_size))
+        return train_step(item, stats)
 
-    trainer.inputs._build = counted_build
+    trainer._train_step = counted_step
     if os.environ.get("DFLASH_BENCH_PYSPY"):  # "delay_s:duration_s:out": sample every thread's stacks
         delay, duration, out = os.environ["DFLASH_BENCH_PYSPY"].split(":", 2)
         subprocess.Popen(
@@ -396,7 +400,7 @@ def run_trainer(
     mean_all = sum(p * n for p, n in plain + with_save) / max(1, all_steps)
     stall_from_timing = [(p - step_s) * n for p, n in with_save]
     drafter_cfg = trainer.drafter_config
-    flops = step_flops(drafter_cfg, context=context, anchors=anchors, visible_pairs=statistics.mean(pairs))
+    flops = step_flops(drafter_cfg, context=context, anchors=anchors, visible_pairs=statistics.mean(pairs) if pairs else 0.0)
     cuda = device.startswith("cuda")
     peak = matmul_peak_tflops(torch.device(device)) if cuda else float("nan")
     mem = [r["mem_gb"] for r in history if r["step"] >= warmup and "mem_gb" in r]
@@ -523,6 +527,7 @@ def main() -> None:
     )
     p.add_argument("--producers", type=int, default=12, help="processes pre-filling the spool")
     p.add_argument("--seed", type=int, action="append", help="trainer seed(s): init and anchors (default 0)")
+    p.add_argument("--data-workers", default="auto", help="trainer mode: as dflash-consume's (auto: 1 on CUDA)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -565,6 +570,7 @@ def main() -> None:
                     seed=seed,
                     bucket="random" if args.mode == "trainer" else "oldest",
                     device=args.device,
+                    data_workers=args.data_workers,
                 )
             if results and results[0]["mode"] == "reference" and "context_tok_s" in r:
                 r["vs_reference"] = round(r["context_tok_s"] / results[0]["context_tok_s"], 3)
