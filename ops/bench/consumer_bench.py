@@ -527,6 +527,8 @@ def main() -> None:
     )
     p.add_argument("--producers", type=int, default=12, help="processes pre-filling the spool")
     p.add_argument("--seed", type=int, action="append", help="trainer seed(s): init and anchors (default 0)")
+    p.add_argument("--save-runs", type=int, default=10**6, help="trainer mode: checkpoints in the first N runs only "
+                   "(a 32B-class final save writes ~31 GB: tens of seconds per run)")
     p.add_argument("--data-workers", default="auto", help="trainer mode: as dflash-consume's (auto: 1 on CUDA)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -538,11 +540,11 @@ def main() -> None:
         results.append(ref)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dflash-bench-"))
     for preset in [] if args.mode == "reference" else args.preset or ["8b", "32b"]:
-        for precision, seed in [
+        for run_no, (precision, seed) in enumerate([
             (pr, sd)
             for pr in args.precision or ["auto"]
             for sd in args.seed or [0]
-        ]:
+        ]):
             if args.mode == "step":
                 r = run(
                     preset,
@@ -563,7 +565,7 @@ def main() -> None:
                     anchors=args.anchors,
                     precision=precision,
                     workdir=workdir,
-                    save_every=args.save_every if args.mode == "trainer" else None,
+                    save_every=args.save_every if args.mode == "trainer" and run_no < args.save_runs else None,
                     learnable=args.mode == "learning",
                     feed_only=args.mode == "feed",
                     producers=args.producers,
