@@ -76,8 +76,8 @@ class TrainConfig:
     """clip the gradient's global L2 norm to this"""
     loss_impl: str = field(default="auto", metadata=flag(choices=("auto", "fused", "chunked")))
     """lm_head + cross-entropy: fused (one compiled function: bf16 logits, no fp32 copy; kept for backward:
-    query tokens x vocab x 2 bytes), chunked (loss-chunk-tokens rows at a time, fp32); auto = fused on
-    CUDA, chunked on the CPU (common/drafter/loss.py)"""
+    query tokens x vocab x 2 bytes), chunked (loss-chunk-tokens rows at a time, fp32); auto = chunked
+    until fused is measured faster on a GPU (common/drafter/loss.py, docs/training.md)"""
     loss_chunk_tokens: int = 2048
     """query tokens per lm_head + cross-entropy chunk of the chunked loss (logits memory: chunk x vocab)"""
     mask_token_id: int | None = None
@@ -111,12 +111,12 @@ class TrainConfig:
     """where the data path runs (claims, decode, packing, anchors and labels, acks, shard deletion): 1 = in
     one spawned worker process, handing steps over shared memory, so none of it takes the GIL from the
     thread launching the GPU's kernels (~27 ms of CPU work per step at 32B-class shapes); 0 = threads of
-    the training process; auto = 1 on CUDA, 0 on the CPU (a CPU step is the CPU's work anyway, and a
-    spawned worker costs seconds of start-up per consumer on a small box: docs/training.md)"""
+    the training process; auto = 0 until the worker is measured faster on a GPU (on the CPU a step is the
+    CPU's work anyway, and a spawned worker costs seconds of start-up per consumer: docs/training.md)"""
     precision: str = field(default="auto", metadata=flag(choices=PRECISIONS))
     """parameters and Adam state: mixed (bf16 weights; fp32 master and moments in the optimizer, one fused
     update pass), amp (fp32 + bf16 autocast), bf16 (bf16 weights and moments: measured to learn worse),
-    fp32; auto = mixed on CUDA, fp32 on the CPU (docs/training.md, consumer/optim.py)"""
+    fp32; auto = amp on CUDA, fp32 on the CPU (docs/training.md, consumer/optim.py)"""
     compile: bool = field(default=True, metadata=flag(negate=True, help="debug only: run the draft layers uncompiled"))
     """torch.compile each draft decoder layer (with flex_attention inside on CUDA) once per process"""
     compile_backend: str = field(default="auto", metadata=flag(choices=("auto", "inductor", "aot_eager", "eager")))
@@ -210,23 +210,25 @@ class TrainConfig:
         return "inductor" if device_type == "cuda" else "eager"
 
     def resolved_data_workers(self, device_type: str) -> int:
-        """``data_workers`` on this device: auto = 1 on CUDA, 0 on the CPU."""
+        """``data_workers`` on this device: auto = 0 (threads of the training process) until the worker is
+        measured faster on a GPU (docs/training.md, "Measured on the H200")."""
         if self.data_workers != "auto":
             return int(self.data_workers)
-        return 1 if device_type == "cuda" else 0
+        return 0
 
     def resolved_precision(self, device_type: str) -> str:
-        """``precision`` on this device: auto = mixed on CUDA, fp32 on the CPU (where bf16 matmuls are
-        4-5x slower than fp32)."""
+        """``precision`` on this device: auto = amp on CUDA (the fastest measured that learns as fp32 does;
+        mixed is not yet measured faster, docs/training.md), fp32 on the CPU (bf16 matmuls are 4-5x slower)."""
         if self.precision != "auto":
             return self.precision
-        return "mixed" if device_type == "cuda" else "fp32"
+        return "amp" if device_type == "cuda" else "fp32"
 
     def resolved_loss_impl(self, device_type: str) -> str:
-        """``loss_impl`` on this device: auto = fused on CUDA, chunked on the CPU."""
+        """``loss_impl`` on this device: auto = chunked (the loss measured on the GPU; fused awaits its GPU
+        measurement, docs/training.md)."""
         if self.loss_impl != "auto":
             return self.loss_impl
-        return "fused" if device_type == "cuda" else "chunked"
+        return "chunked"
 
     def param_dtype(self, device_type: str):
         """The drafter's parameter dtype for ``precision`` on this device: bf16 for mixed and bf16 (mixed

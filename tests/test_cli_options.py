@@ -31,7 +31,7 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
         "--draft-layer-types": "issue 27: sliding-window draft layers (auto: the public layout for hybrid targets)",
         "--sliding-window": "issue 27: the window of the sliding draft layers",
         "--loss-impl": "issue 26: the compiled fused lm_head + cross-entropy (CUDA default) or the chunked one",
-        "--data-workers": "issue 26: the data path in its own process (auto: on CUDA) or in threads",
+        "--data-workers": "issue 26: the data path in its own process (1) or in threads (0, auto until measured on a GPU)",
     },
     "dflash-eval": {
         "--temperature": "issue 27: lossless speculative rejection sampling",

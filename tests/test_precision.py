@@ -1,4 +1,4 @@
-"""Precision: the CUDA default (mixed) and amp learn as fp32 does on the same data; pure bf16 does not.
+"""Precision: the CUDA default (amp) and mixed learn as fp32 does on the same data; pure bf16 does not.
 
 The trainer's own functions (``cast_parameters``, ``build_optimizer``, ``forward_backward``, ``clipped_step``) train a small
 drafter on a learnable language (each of 32 words is followed by one of 2 fixed words; the context
@@ -81,7 +81,7 @@ def test_mixed_and_amp_learn_as_fp32_does_and_pure_bf16_does_not():
     Measured on the 2-core CPU box (2026-12-02; fused AdamW with the clip folded in, clipped_step), mean loss
     of the last 40 of 400 steps, data seeds 0/1/2: fp32 2.857 / 2.733 / 2.536; amp +18.0 % / -3.6 % / +2.7 %;
     mixed +6.1 % / +2.0 % / +0.2 %; bf16 +23.3 % / +14.8 % / +18.6 %: bf16 weights cannot absorb Adam's
-    small late updates, an fp32 master can. That gap is why the CUDA default is mixed (or amp), never pure
+    small late updates, an fp32 master can. That gap is why the CUDA default is amp (or mixed), never pure
     bf16 (docs/training.md). (Seed to seed, amp and mixed swing by more than they differ: 400 steps at lr
     1e-2 on a 32-word language amplify rounding; the test uses seed 1.)"""
     batches = _batches(seed=1)

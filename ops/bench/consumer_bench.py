@@ -529,7 +529,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, action="append", help="trainer seed(s): init and anchors (default 0)")
     p.add_argument("--save-runs", type=int, default=10**6, help="trainer mode: checkpoints in the first N runs only "
                    "(a 32B-class final save writes ~31 GB: tens of seconds per run)")
-    p.add_argument("--data-workers", default="auto", help="trainer mode: as dflash-consume's (auto: 1 on CUDA)")
+    p.add_argument("--data-workers", default="auto", help="trainer mode: as dflash-consume's (auto = 0)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device(args.device)
