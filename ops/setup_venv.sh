@@ -13,10 +13,15 @@ setup_run() {  # setup_run WHAT CMD...: run CMD, show pip's "Collecting/Installi
   while kill -0 "$pid" 2>/dev/null; do
     sleep 1
     n=$(wc -l < "$log")
+    local lines=""
     if [ "$n" -gt "$shown" ]; then
-      sed -n "$((shown + 1)),${n}p" "$log" | grep -E '^(Collecting|Installing collected|Successfully installed|ERROR)' \
-        | sed 's/^/  /' | cut -c1-160 || true
-      shown=$n; quiet=0
+      lines=$(sed -n "$((shown + 1)),${n}p" "$log" | grep -E '^(Collecting|Installing collected|Successfully installed|ERROR)' \
+        | sed 's/^/  /' | cut -c1-160 || true)
+      shown=$n
+    fi
+    # the tick counts seconds without a SHOWN line: pip's other lines (filtered out) are silence too
+    if [ -n "$lines" ]; then
+      echo "$lines"; quiet=0
     else
       quiet=$((quiet + 1))
       if [ "$quiet" -ge 8 ]; then setup_say "$what: still working"; quiet=0; fi

@@ -1,0 +1,37 @@
+"""ops/setup_venv.sh's progress: a long install step is never silent for more than ~8 s, even while pip prints
+lines the display filters out (a fresh-clone demo once showed 15 s of silence installing torch)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run_step(command: str) -> list[tuple[float, str]]:
+    """setup_run on ``command`` (the functions of setup_venv.sh only), each output line with its time."""
+    script = (
+        'eval "$(sed -n \'/^setup_say()/p;/^setup_run()/,/^}/p\' ops/setup_venv.sh)"; '
+        f"setup_t0=$SECONDS; setup_run 'a fake step' bash -c '{command}'"
+    )
+    proc = subprocess.Popen(["bash", "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    t0, lines = time.monotonic(), []
+    for line in proc.stdout:
+        lines.append((time.monotonic() - t0, line.rstrip()))
+    assert proc.wait(timeout=60) == 0
+    return lines
+
+
+def test_filtered_pip_lines_do_not_count_as_progress():
+    lines = _run_step("for i in $(seq 12); do echo building wheel $i; sleep 1; done")
+    ticks = [t for t, line in lines if "a fake step: still working" in line]
+    assert ticks, lines  # 12 s of lines nobody sees: the step says it is still at it
+    assert ticks[0] < 11, ticks  # after ~8 quiet seconds (a loaded box adds a little)
+
+
+def test_shown_lines_are_passed_through():
+    lines = _run_step("echo Collecting torch; echo noise; echo Successfully installed torch")
+    shown = [line for _, line in lines]
+    assert "  Collecting torch" in shown and "  Successfully installed torch" in shown and "noise" not in " ".join(shown)
