@@ -11,6 +11,7 @@ prints both, equal when the answers are the target's own, the in-training one an
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,7 +88,7 @@ def evaluate_drafter(
     drafter_dir: Path,
     docs: HeldOutDocs,
     *,
-    chunk: int = 8,
+    every_s: float = 5.0,
     say: Callable[[str], None] = print,
     label: str = "",
 ) -> EvalResult:
@@ -104,10 +105,12 @@ def evaluate_drafter(
         drafter = load_exported_drafter(drafter_dir, target, dtype=torch.float32)
         runner = TargetRunner(target, drafter.config.target_layer_ids)
         try:
-            gens = []
+            gens, said = [], time.monotonic()
             for i, (prompt, budget) in enumerate(zip(docs.prompts, docs.budgets, strict=True)):
                 gens.append(speculative_generate(runner, DrafterProposer(drafter), prompt, max_new_tokens=budget))
-                if (i + 1) % chunk == 0 or i + 1 == len(docs.prompts):
+                # a line every few seconds (every 8 prompts once left 10 s of silence on an untrained drafter)
+                if time.monotonic() - said >= every_s or i + 1 == len(docs.prompts):
+                    said = time.monotonic()
                     tau = summarize(gens, drafter.config.block_size).tau
                     say(f"[demo] held-out eval {label}: {i + 1}/{len(docs.prompts)} prompts, τ {tau:.2f}")
         finally:
