@@ -40,7 +40,7 @@ from dflash.common.contract.names import shard_name
 from dflash.common.contract.shard import Shard, ShardMeta
 from dflash.common.contract.shard_writer import write_shard
 from dflash.common.contract.spool import Spool
-from dflash.consumer.config import ConsumerConfig
+from dflash.consumer.config import TrainConfig
 from dflash.consumer.feed import ShardFeed
 from dflash.producer.buckets import BucketConfig, Bucketer, Sample
 
@@ -112,8 +112,8 @@ def simulate(args: argparse.Namespace, root: Path) -> dict:
         ShardFeed(
             spool, f"r{r}", context_tokens=args.context, bucket="random", heartbeat_timeout_s=60.0 / scale,
             fill_wait_s=(2.0 if old else args.fill_wait_s) / scale, poll_s=0.01,
-            pool_streams=1 if old else ConsumerConfig.pool_streams,  # old: packed at one stream's worth
-            min_split_tokens=256 if old else ConsumerConfig.min_split_tokens,
+            pool_streams=1 if old else TrainConfig.pool_streams,  # old: packed at one stream's worth
+            min_split_tokens=256 if old else TrainConfig.min_split_tokens,
         )  # fmt: skip
         for r in range(args.ranks)
     ]
