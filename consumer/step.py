@@ -89,13 +89,18 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
             p.data = p.data.to(dtype)
 
 
+def _step_backend(cfg: TrainConfig, device: torch.device) -> str:
+    """The draft layers' compile backend, which the fused loss and the master-weight AdamW share."""
+    return cfg.resolved_compile_backend(device.type) if cfg.compile else "eager"
+
+
 def make_loss(cfg: TrainConfig, device: torch.device) -> LinearCrossEntropy:
     """The step's lm_head + cross-entropy for this device (``TrainConfig.loss_impl``): the fused one is
     compiled with the draft layers' backend."""
-    backend = cfg.resolved_compile_backend(device.type) if cfg.compile else "eager"
     return linear_cross_entropy(
-        cfg.resolved_loss_impl(device.type), chunk_tokens=cfg.loss_chunk_tokens, compile_backend=backend
-    )
+        cfg.resolved_loss_impl(device.type), chunk_tokens=cfg.loss_chunk_tokens,
+        compile_backend=_step_backend(cfg, device),
+    )  # fmt: skip
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
@@ -105,8 +110,9 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
     kernel also applies the clip (``optim.clipped_step``)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.resolved_precision(device.type) == "mixed":
-        backend = cfg.resolved_compile_backend(device.type) if cfg.compile else "eager"
-        optimizer = MasterAdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, compile_backend=backend)
+        optimizer = MasterAdamW(
+            params, lr=cfg.lr, weight_decay=cfg.weight_decay, compile_backend=_step_backend(cfg, device)
+        )
     else:
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     warmup = max(1, int(cfg.warmup_ratio * cfg.schedule_steps))

@@ -155,3 +155,12 @@ class SemaphoreSpy:
 
     def anonymous(self) -> int:
         return sum(e == "anonymous" for e in self._entries())
+
+
+def process_alive(pid: int) -> bool:
+    """``pid`` exists and is not a zombie (a killed child its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False

@@ -16,18 +16,17 @@ import pytest
 import torch
 from conftest import wait_until
 from ledger_audit import audit, read_jsonl
-from pipeline_helpers import SemaphoreSpy, consume_cmd, cpu_env, run, write_synthetic_spool
+from pipeline_helpers import SemaphoreSpy, consume_cmd, cpu_env, process_alive, run, write_synthetic_spool
+from test_input_pipeline import H, K
+from test_input_pipeline import _publish as publish_shard
 
-from dflash.common.contract.names import shard_name
 from dflash.common.contract.sample_set import SampleSet
-from dflash.common.contract.shard import Shard, ShardMeta
-from dflash.common.contract.shard_writer import write_shard
 from dflash.common.contract.spool import Spool
 from dflash.common.drafter.batch import DraftBatch, build_draft_batch
 from dflash.consumer.data_worker import DataWorker, WorkerSpec
 from dflash.consumer.feed import ShardFeed
 
-H, K, CONTEXT, SEED = 8, 2, 256, 7 * 1000 + 0
+CONTEXT, SEED = 256, 7 * 1000 + 0  # H, K: the shards of test_input_pipeline
 FEED = dict(context_tokens=CONTEXT, bucket=None, pool_streams=2, min_split_tokens=32, fill_wait_s=1e9, poll_s=0.01, expected_layer_ids=[1, 2])  # fmt: skip
 BATCH = dict(block_size=4, num_anchors=24, max_anchors_per_doc=6, mask_token_id=1, gamma=7.0)
 
@@ -41,18 +40,7 @@ def _spool(root, *, shards: int = 10, seed: int = 3) -> tuple[Spool, int]:
     index = 0
     for seq in range(shards):
         lengths = [rng.choice([20, 40, 90, 150, 200, 250]) for _ in range(6)]
-        g = torch.Generator().manual_seed(seed * 100 + seq)
-        total = sum(lengths)
-        shard = Shard(
-            input_ids=torch.randint(0, 97, (total,), generator=g, dtype=torch.int32),
-            loss_mask=torch.rand(total, generator=g) > 0.2,
-            cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64),
-            sample_index=torch.arange(index, index + len(lengths), dtype=torch.int64),
-            hidden=torch.randn(total, K * H, generator=g).to(torch.bfloat16),
-            meta=ShardMeta(target_model="t", layer_ids=[1, 2], hidden_size=H, producer_id="p0", bucket=CONTEXT),
-        )
-        tmp = spool.new_tmp_path(shard_name(CONTEXT, "p0", seq))
-        spool.publish(tmp, nbytes=write_shard(tmp, shard))
+        publish_shard(spool, lengths, index, seq, seed * 100 + seq)
         index += len(lengths)
     spool.register_producers(["p0"])
     spool.heartbeat("producer", "p0", {})
@@ -96,14 +84,6 @@ def _drain(worker: DataWorker, trained: SampleSet, *, kill_after: int | None = N
     return steps
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 def test_worker_process_yields_exactly_the_in_process_batches(tmp_path):
     """Same spool, same seed: every tensor of every DraftBatch, its tokens, weight, epoch and the samples
     each step completes are the in-process path's, in the same order; every shard is acked."""
@@ -131,7 +111,7 @@ def test_worker_process_yields_exactly_the_in_process_batches(tmp_path):
     assert sorted(i for _, d in got for i in d) == list(range(n))
     assert worker.counters.tokens_packed == sum(item.tokens for item, _ in got)
     assert other.stats()["states"]["claimed"]["shards"] == 0 and not any(other.ready_dir.iterdir())
-    assert not _alive(worker.pid)
+    assert not process_alive(worker.pid)
 
 
 def test_a_killed_worker_is_restarted_and_nothing_is_lost_or_trained_twice(tmp_path, monkeypatch):
@@ -153,7 +133,7 @@ def test_a_killed_worker_is_restarted_and_nothing_is_lost_or_trained_twice(tmp_p
     done = [i for _, d in steps for i in d]
     assert sorted(done) == list(range(n)), "every sample completed exactly once"
     assert spool.stats()["states"]["claimed"]["shards"] == 0 and not any(spool.ready_dir.iterdir())
-    assert not _alive(first) and not _alive(worker.pid)
+    assert not process_alive(first) and not process_alive(worker.pid)
     assert spy.named() == [], spy.named()[0]
     assert spy.anonymous() > 0, "the spy did not run in the workers"
 
@@ -177,7 +157,7 @@ def test_a_worker_that_keeps_dying_stops_the_run_with_one_line(tmp_path):
             assert time.monotonic() < deadline, "a dead worker went unnoticed"
     finally:
         worker.close()
-    assert not _alive(worker.pid)
+    assert not process_alive(worker.pid)
     assert spool.stats()["states"]["claimed"]["shards"] == 0  # its claims are back in ready/
 
 
@@ -238,7 +218,7 @@ def test_consume_survives_kill9_of_its_data_worker_with_an_exact_ledger(tmp_path
     assert len(read_jsonl(ledger)) > 2
     counts = audit(run_dir, [{"consumer-0": proc.pid}], max(x["step"] for x in lines), set(range(num_shards * per_shard)))
     assert counts["duplicates"] == 0 and counts["missing"] == 0
-    assert not _alive(victim) and not _children(proc.pid)
+    assert not process_alive(victim) and not _children(proc.pid)
     assert not any(spool.ready_dir.iterdir()) and spool.stats()["states"]["claimed"]["shards"] == 0
 
 

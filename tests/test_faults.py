@@ -31,7 +31,7 @@ from conftest import FAKE_ACCESS_KEY_ID, FAKE_SECRET_ACCESS_KEY, wait_until
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from ledger_audit import read_jsonl
-from pipeline_helpers import BIN, REPO, consume_cmd, cpu_env
+from pipeline_helpers import BIN, REPO, consume_cmd, cpu_env, process_alive
 
 from dflash.common.contract.names import shard_name
 from dflash.common.contract.shard import Shard, ShardMeta
@@ -44,14 +44,6 @@ HIDDEN, LAYERS, VOCAB, TOKENS_PER_SAMPLE, SAMPLES_PER_SHARD = 256, [1, 2, 3, 4, 
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
-
-
 def _vmrss_mb(pid: int) -> float | None:
     try:
         with open(f"/proc/{pid}/status") as f:
@@ -314,12 +306,12 @@ def test_producer_workers_die_with_their_parent(tmp_path, tiny_target):
         )
         assert parent.poll() is None
         worker = _heartbeat(spool)["pid"]
-        assert worker != parent.pid and _alive(worker)
+        assert worker != parent.pid and process_alive(worker)
         parent.send_signal(signal.SIGKILL)
         parent.wait()
         # PR_SET_PDEATHSIG kills it at once; the bound only covers a slow teardown on a loaded box (an
         # orphan blocked on the budget would live on forever, so a missing death still fails here)
-        wait_until(lambda: not _alive(worker), timeout_s=60, what=f"worker {worker} to die with its parent")
+        wait_until(lambda: not process_alive(worker), timeout_s=60, what=f"worker {worker} to die with its parent")
     finally:
         if parent.poll() is None:
             parent.kill()

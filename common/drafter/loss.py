@@ -2,10 +2,10 @@
 same numbers (``LOSS_IMPLS``; tests/test_loss.py holds them equal to 1e-5 in fp32):
 
 - ``fused`` (CUDA, compiled): one plain function, ``logits = h @ W.T`` in the lm_head's dtype (bf16), the
-  cross-entropy in fp32 and the argmax, handed to torch.compile whole. Inductor turns it into the two
-  GEMMs plus ONE reduction kernel forward (log-softmax, the weighted NLL, the argmax) and ONE kernel
-  backward (softmax - onehot, times the weight, written in place into the saved bf16 logits): no fp32
-  [tokens x vocab] buffer and no elementwise passes over one. At 32B-class shapes (3,840 query tokens x
+  cross-entropy in fp32 and the argmax, handed to torch.compile whole, so inductor can fuse the
+  log-softmax, the weighted NLL and the argmax into the reduction over the bf16 logits, and the backward's
+  softmax - onehot into one pass, without an fp32 [tokens x vocab] buffer (the kernels it makes and their
+  time are not yet measured on a GPU: docs/training.md, "Measured on the H200"). At 32B-class shapes (3,840 query tokens x
   151,936) the chunked path spent ~14.5 ms a step in such passes (RESULTS.md's kernel table); the bf16
   logits it keeps for backward are 1.2 GB.
 - ``chunked`` (the CPU, and anything short of memory): a custom autograd Function that walks the query
