@@ -311,6 +311,7 @@ def run_trainer(
     log_every: int = 10,
     device: str = "cuda",
     data_workers: str = "auto",
+    loss_impl: str = "auto",
 ) -> dict:
     """The real Trainer over a spool that producer processes fill while it trains."""
     shape = PRESETS[preset]
@@ -365,6 +366,7 @@ def run_trainer(
         seed=seed,
         bucket=bucket,
         data_workers=data_workers,
+        loss_impl=loss_impl,
     )
     t0 = time.monotonic()
     trainer = Trainer(cfg)
@@ -529,6 +531,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, action="append", help="trainer seed(s): init and anchors (default 0)")
     p.add_argument("--save-runs", type=int, default=10**6, help="trainer mode: checkpoints in the first N runs only "
                    "(a 32B-class final save writes ~31 GB: tens of seconds per run)")
+    p.add_argument("--loss-impl", default="auto", help="trainer mode: as dflash-consume's (auto = chunked)")
     p.add_argument("--data-workers", default="auto", help="trainer mode: as dflash-consume's (auto = 0)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
@@ -573,6 +576,7 @@ def main() -> None:
                     bucket="random" if args.mode == "trainer" else "oldest",
                     device=args.device,
                     data_workers=args.data_workers,
+                    loss_impl=args.loss_impl,
                 )
             if results and results[0]["mode"] == "reference" and "context_tok_s" in r:
                 r["vs_reference"] = round(r["context_tok_s"] / results[0]["context_tok_s"], 3)

@@ -12,6 +12,9 @@
 #              the same data, a fresh Trainer each, warm compile cache after the first), 150 measured steps
 #              each; the first run saves one background checkpoint (its last step's)
 #   learning   a learnable spool trained 500 steps with the default (mixed) and with amp (loss curves)
+#   ab32       issue 26's next call: the 32B-class real loop at the defaults and with each new path alone
+#              (--precision mixed, --loss-impl fused, --data-workers 1), 100 measured steps each, no saves;
+#              run with `ref` (the reference in the same call), e.g. `ref ab32 gpusel` (~6 min)
 #   gpusel     the GPU tests of issues 26-27 only (fused loss, compiled MasterAdamW, flex vs SDPA incl. sliding)
 #   producer   issue 25's producer runbook, in this order (~8 min on one H200 from cold compile caches; to
 #              stay well inside one call's 10 minutes, run `prod8 prod32 hybrid` and `pipeline1 plan` as two
@@ -21,7 +24,7 @@
 #                dynamic shapes: the default), compiled with static shapes, and its own forward alone (~2 min)
 #     prod32     32B-class target (64 layers): bare eager full forward vs the compiled producer (~1.5 min)
 #     hybrid     hybrid-27B-shaped slice (8 layers): fla checked against the torch reference, then the
-#                producer on fla vs on the reference kernels (~1.7 min, 45 s of it fla's first autotune;
+#                producer on fla vs on the reference kernels (did not finish within ~3 min on 2026-12-02: run it alone;
 #                needs fla-core in .whl)
 #     pipeline1  pipeline_bench.py: 8B-shaped, one producer + one consumer sharing GPU 0 (~3 min: the
 #                consumer's cold compile, the 16 GB target saved and loaded twice)
@@ -76,6 +79,12 @@ if want trainer32x3; then
   bench trainer32x3 --mode trainer --preset 32b --steps 150 --warmup 20 --save-every 170 --save-runs 1 \
     --seed 0 --seed 1 --seed 2
 fi
+if want ab32; then
+  for v in "default:" "mixed:--precision mixed" "fused:--loss-impl fused" "worker:--data-workers 1"; do
+    # shellcheck disable=SC2086  # the flags split on purpose
+    bench "ab32-${v%%:*}" --mode trainer --preset 32b --steps 100 --warmup 20 --save-every 0 ${v#*:}
+  done
+fi
 if want trainer8; then bench trainer8 --mode trainer --preset 8b --steps "${TRAINER8_STEPS:-200}"; fi
 if want learning; then
   bench learning --mode learning --preset small --steps 500 --warmup 0 --context 2048 --anchors 128 --precision mixed --precision amp
@@ -90,7 +99,7 @@ if want prodscope; then pbench prodscope 240 --preset 8b --variants full,trunk -
 if want prod32; then pbench prod32 240 --preset 32b --variants full --tokens 163840 --no-forward; fi
 if want hybrid; then
   python3 -c "import fla.ops.gated_delta_rule" 2>/dev/null || echo "warning: fla does not import (carry fla-core in .whl): 'full' runs on the reference kernels"
-  pbench hybrid 240 --preset hybrid27b --variants full,reference --no-bare --tokens "${HYBRID_TOKENS:-196608}"
+  pbench hybrid "${HYBRID_LIMIT:-420}" --preset hybrid27b --variants full,reference --no-bare --tokens "${HYBRID_TOKENS:-196608}"
 fi
 if want pipeline1; then
   echo "== pipeline bench: one producer + one consumer sharing GPU 0"
