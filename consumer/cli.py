@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, fail, one_line
 from dflash.common.cli.flags import add_flags, from_args
 from dflash.common.cli.help import DefaultsHelpFormatter, plain_text
+from dflash.common.contract.spool_records import RUN_FILE
 from dflash.common.target.checks import check_target
 from dflash.consumer.config import TrainConfig
 
@@ -42,10 +43,15 @@ class ProcessFlags:
     """logging level (DEBUG adds tracebacks to errors)"""
     summary_json: str | None = None
     """write a JSON summary of the run here at the end ({rank} is replaced by the rank; default: none)"""
+    spool_wait_s: float = 600.0
+    """seconds to wait for the spool (and, without --run, its run record) to appear when the consumer
+    starts before its producers; past it, exit 2 (0: do not wait)"""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=plain_text(__doc__), formatter_class=DefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=PROG, description=plain_text(__doc__), formatter_class=DefaultsHelpFormatter
+    )
     add_flags(p, ProcessFlags)
     add_flags(p, TrainConfig, defaults={"run": None})  # None: the spool's run (see _bind_spool)
     return p
@@ -65,14 +71,63 @@ def _device(gpu: str) -> str:
     return "cuda:0"
 
 
+def await_spool(
+    spool_dir: str,
+    need_run: bool,
+    wait_s: float,
+    *,
+    sleep=time.sleep,
+    clock=time.monotonic,
+    every_s: float = 30.0,
+) -> None:
+    """Return once ``spool_dir`` exists; when it did not at the call, also its run record when
+    ``need_run`` (a consumer without --run takes the run the producers record, never a guess). Exit 2
+    with one line after ``wait_s``.
+
+    Why: processes may start in any order (a consumer GPU free before the producers'); waiting says so
+    once and then every ``every_s``, so the wait is never silent."""
+
+    if os.path.isdir(spool_dir):
+        return  # there before us: bound as it is (a spool no producer bound yet takes --run or "default")
+
+    def ready() -> bool:
+        if not os.path.isdir(spool_dir):
+            return False
+        return not need_run or os.path.isfile(os.path.join(spool_dir, "state", RUN_FILE))
+
+    t0 = said = clock()
+    if wait_s > 0:
+        what = "the spool" + (" and its run record" if need_run else "")
+        log.info(
+            "waiting for %s at %s (start dflash-produce; --spool-wait-s %g ends the wait)",
+            what,
+            spool_dir,
+            wait_s,
+        )
+        while not ready() and clock() - t0 < wait_s:
+            sleep(min(1.0, max(0.0, wait_s - (clock() - t0))))
+            if clock() - said >= every_s and not ready():
+                said = clock()
+                log.info("still waiting for %s at %s (%.0f s of %g)", what, spool_dir, said - t0, wait_s)
+    if not os.path.isdir(spool_dir):
+        waited = f" after waiting {wait_s:g} s" if wait_s > 0 else ""
+        fail(
+            PROG,
+            f"--spool {spool_dir}: no such directory{waited} (start the producers first, or create it; --spool-wait-s)",
+        )
+    if not ready():
+        fail(
+            PROG,
+            f"--spool {spool_dir}: no run recorded after waiting {wait_s:g} s (no producer bound it; pass --run)",
+        )
+
+
 def _bind_spool(spool_dir: str, run: str | None, rank: str):
     """(run name, lock): the spool's run (or ours, checked against it) and this rank's launch lock, held
     until the process exits (one consumer group per spool at a time)."""
     from dflash.common.contract.spool import Spool, SpoolError
     from dflash.common.contract.spool_records import SpoolBusyError
 
-    if not os.path.isdir(spool_dir):
-        fail(PROG, f"--spool {spool_dir}: no such directory (start the producers first, or create it)")
     try:
         spool = Spool(spool_dir)
         run = run or (spool.read_run() or {}).get("run") or "default"
@@ -95,7 +150,9 @@ def _build_trainer(cfg: TrainConfig):
         return Trainer(cfg)
     except CheckpointCorruptError as err:
         log.debug("traceback", exc_info=True)
-        fail(PROG, f"{one_line(err)}; no usable checkpoint: fix or remove it, or start over with --resume none")
+        fail(
+            PROG, f"{one_line(err)}; no usable checkpoint: fix or remove it, or start over with --resume none"
+        )
     except (ValueError, SpoolError, OSError, CheckpointStoreError, CheckpointError) as err:
         log.debug("traceback", exc_info=True)
         fail(PROG, err)
@@ -138,7 +195,9 @@ def _report(summary: dict, summary_json: str | None, stopped: bool) -> int:
             lost, summary.get("shards_quarantined", 0),
         )  # fmt: skip
     if stopped:
-        print(f"{PROG}: stopped by a signal at step {summary.get('steps')} (checkpoint saved)", file=sys.stderr)
+        print(
+            f"{PROG}: stopped by a signal at step {summary.get('steps')} (checkpoint saved)", file=sys.stderr
+        )
         return EXIT_INTERRUPTED
     return 0
 
@@ -152,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         datefmt="%H:%M:%S",
     )
     device = _device(args.gpu)
+    await_spool(args.spool, need_run=args.run is None, wait_s=args.spool_wait_s)
     run, _lock = _bind_spool(args.spool, args.run, rank)
     try:
         cfg = from_args(TrainConfig, args, run=run, device=device)

@@ -49,6 +49,10 @@ class BucketConfig:
     """Batches' worth of samples pooled per bucket and sorted by length before cutting batches."""
     fixed_shapes: bool = field(default=False, metadata=flag(cli=False))
     """Pad every batch to its bucket's shape: [rows_per_batch(bucket), bucket] (static compiled graphs)."""
+    round_rows: bool = field(default=False, metadata=flag(cli=False))
+    """Row counts are powers of two: a full batch has the largest that fits ``batch_tokens``, a partial
+    one is padded with empty rows up to the next. fla's kernels compile and autotune per row count: a
+    hybrid target then sees about ten, all warmed before producing (producer/trunk.py)."""
 
     def __post_init__(self) -> None:
         if self.batch_tokens < 1:
@@ -82,7 +86,9 @@ class Batch:
     bucket: int
     pad_len: int
     samples: list[Sample] = field(default_factory=list)
-    rows: int | None = None  # forward rows when padded beyond the samples (fixed shapes); None: one per sample
+    rows: int | None = (
+        None  # forward rows when padded beyond the samples (fixed shapes); None: one per sample
+    )
     epoch: int | None = None
     """The campaign epoch of every sample (the producer flushes its buckets at each epoch's end, so a
     batch, and the shard made of it, never mixes epochs); None outside a campaign (held-out shards)."""
@@ -120,7 +126,8 @@ class Bucketer:
         return max(1, -(-length // w)) * w
 
     def rows_per_batch(self, bucket: int) -> int:
-        return max(1, self.cfg.batch_tokens // bucket)
+        rows = max(1, self.cfg.batch_tokens // bucket)
+        return 1 << (rows.bit_length() - 1) if self.cfg.round_rows else rows
 
     def shape_of(self, bucket: int) -> tuple[int, int]:
         """[rows, length] of every batch of `bucket` under ``fixed_shapes``."""
@@ -156,7 +163,8 @@ class Bucketer:
             if self.cfg.fixed_shapes:
                 batch = Batch(bucket=bucket, pad_len=bucket, samples=chunk, rows=rows)
             else:
-                batch = Batch(bucket=bucket, pad_len=-(-len(chunk[-1]) // m) * m, samples=chunk)
+                padded = min(rows, 1 << (len(chunk) - 1).bit_length()) if self.cfg.round_rows else None
+                batch = Batch(bucket=bucket, pad_len=-(-len(chunk[-1]) // m) * m, samples=chunk, rows=padded)
             self.num_tokens += batch.num_tokens
             self.num_padded_tokens += batch.num_padded_tokens
             batches.append(batch)

@@ -110,6 +110,10 @@ class ProducerConfig:
     compile_shapes: str = field(default="dynamic", metadata=flag(choices=("dynamic", "static")))
     """dynamic: one graph with symbolic rows and length (buckets keep their ~1 % padding); static: one
     graph per bucket shape, batches padded to their bucket's full shape on a coarser grid"""
+    compile_timeout_s: float = 240.0
+    """seconds the compiled trunk may take to warm up (every batch shape compiled); past it, compiling is
+    abandoned for the eager path with one warning line (0: no bound). Measured warm-ups on an H200: 44-82 s
+    (docs/producer.md)"""
     chunk_bytes: int = field(default=8 << 20, metadata=flag(cli=False))
     """Bytes per `hidden` chunk in the shards written (larger chunks: less per-chunk overhead)."""
     num_threads: int | None = field(default=None, metadata=flag(cli=False))
@@ -134,6 +138,8 @@ class ProducerConfig:
                               ("compile_scope", ("layers", "trunk")), ("compile_shapes", ("dynamic", "static"))):  # fmt: skip
             if getattr(self, name) not in allowed:
                 raise ValueError(f"ProducerConfig.{name}={getattr(self, name)!r}: must be one of {', '.join(allowed)}")
+        if self.compile_timeout_s < 0:
+            raise ValueError(f"ProducerConfig.compile_timeout_s={self.compile_timeout_s}: must be >= 0 (0: no bound)")
         if self.chunk_bytes < 1:
             raise ValueError(f"ProducerConfig.chunk_bytes={self.chunk_bytes}: must be >= 1")
         if self.heartbeat_s <= 0:

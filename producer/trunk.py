@@ -18,16 +18,29 @@ both (docs/producer.md, "Compiled trunk"):
   (buckets.BucketConfig.fixed_shapes) on a coarser grid (`static_buckets`: 4 per octave from 64 tokens,
   20 shapes up to 4K, ~9 % padding against ~1 %), every shape the data uses warmed up front.
 
-With the torch reference delta rule (no fla) a linear-attention layer is left eager: its Python loop over
-64-token chunks would unroll into one graph per length. If compiling fails, one warning line and the eager
-path; a compile after warm-up is logged ``RECOMPILE ... this is a bug`` and counted (heartbeats, result).
+Hybrid targets (Gated DeltaNet + attention): in a linear-attention layer only the token mixer (the GDN
+module: projections, conv, fla's chunked delta rule, gated norm) runs eagerly, outside the graph; the
+layer's norms, residuals and MLP are compiled, and attention layers are compiled whole. The mixer's
+heavy work is fla's own Triton kernels (nothing for inductor to fuse), and its compiled form never
+finished warming up on an H200 (docs/producer.md, "Hybrid targets"); with the torch reference delta rule
+its Python loop over 64-token chunks would unroll into one graph per length. fla autotunes some kernels
+per batch row count: warm-up runs the mixer once for every row count the data's buckets make, so no
+autotuning happens in the production loop.
+
+Warm-up is bounded (``CompileSpec.timeout_s``, ``--compile-timeout-s``): a compile still running past the
+bound is abandoned for the eager path with one warning line, never a silent wait. If compiling fails,
+the same; a compile after warm-up is logged ``RECOMPILE ... this is a bug`` and counted (heartbeats,
+result).
 """
 
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -64,6 +77,8 @@ class CompileSpec:
     backend: str | Callable = "eager"
     scope: str = "layers"
     shapes: str = "dynamic"
+    timeout_s: float | None = None
+    """warm-up bound: past it, compiling is abandoned for the eager path (None: no bound)"""
 
     def __post_init__(self) -> None:
         if self.scope not in SCOPES:
@@ -82,7 +97,12 @@ class CompileSpec:
 
 def compile_spec(cfg: ProducerConfig) -> CompileSpec:
     """The CompileSpec of a producer config (``--no-compile``, ``--compile-backend`` auto: CPU eager)."""
-    return CompileSpec(backend=cfg.resolved_compile_backend(), scope=cfg.compile_scope, shapes=cfg.compile_shapes)
+    return CompileSpec(
+        backend=cfg.resolved_compile_backend(),
+        scope=cfg.compile_scope,
+        shapes=cfg.compile_shapes,
+        timeout_s=cfg.compile_timeout_s or None,
+    )
 
 
 def static_buckets(cfg: BucketConfig) -> BucketConfig:
@@ -122,6 +142,19 @@ def warmup_shapes(cfg: BucketConfig, spec: CompileSpec, lengths) -> list[tuple[i
     return shapes
 
 
+def mixer_shapes(cfg: BucketConfig, lengths) -> list[tuple[int, int]]:
+    """[rows, length] inputs that make a linear-attention mixer build the fla kernel variants that depend
+    on the batch row count (every power of two up to the largest full batch, ``round_rows``) and on a
+    length divisible by 16 or not (64 and 72 tokens). Measured on an H200: 1.6 s at the 27B shape. fla's
+    l2norm also compiles per class of token count (every 64K rows of heads x tokens): those few variants
+    are built by the first batches (docs/producer.md: ~35 s over the first three, at 64 layers)."""
+    if len(lengths) == 0:
+        return []
+    bk = Bucketer(cfg)
+    full = max(bk.rows_per_batch(b) for b in {bk.bucket_of(int(n)) for n in lengths})
+    return [(1 << k, 64) for k in range(full.bit_length())] + [(1, 72)]
+
+
 class _Tap(nn.Module):
     """Wraps a layer (or the final norm) in the ``trunk`` scope and keeps its output of this forward."""
 
@@ -151,7 +184,9 @@ class _TappedTrunk(nn.Module):
         super().__init__()
         self.text_model = capture.text_model
         layers, last, n = capture.layers, max(capture.layer_ids), capture.num_layers
-        self.replaced = [(layers, str(i), layers[i]) for i in range(n)] + [(self.text_model, "norm", self.text_model.norm)]
+        self.replaced = [(layers, str(i), layers[i]) for i in range(n)] + [
+            (self.text_model, "norm", self.text_model.norm)
+        ]
         taps: dict[int, _Tap] = {}
         for i in sorted(set(capture.layer_ids)):
             if i == n - 1:  # HF's hidden_states[L] is taken after the final norm: tap the norm
@@ -184,8 +219,34 @@ def _why(err: BaseException) -> str:
     return f"{type(err).__name__}: {one_line(err)}"
 
 
-def _is_reference_linear_attention(layer: nn.Module) -> bool:
-    return any(type(m).__name__.endswith("GatedDeltaNet") for m in layer.modules())
+def _linear_mixers(layer: nn.Module) -> list[nn.Module]:
+    """The Gated DeltaNet token mixers of a decoder layer (empty for attention layers and dense targets)."""
+    return [m for m in layer.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+
+
+class CompileTimeout(BaseException):
+    """Raised into the warm-up when it runs past its bound. A BaseException, so that no ``except
+    Exception`` inside dynamo or inductor swallows it on its way out."""
+
+
+@contextmanager
+def _deadline(seconds: float | None) -> Iterator[None]:
+    """Raise CompileTimeout in this (main) thread after ``seconds``: SIGALRM interrupts Python code and
+    blocking waits alike. Off the main thread (no signals there) or without a bound: no deadline."""
+    if not seconds or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise CompileTimeout(f"still compiling after {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 class Trunk:
@@ -200,16 +261,17 @@ class Trunk:
         self.recompiles = 0
         self.compile_s = 0.0
         self.warmed = 0  # batch shapes compiled in warm-up
-        self.eager_layers: list[int] = []
+        self.eager_mixers: list[nn.Module] = []  # linear-attention token mixers kept out of the graphs
         self.fallback: str | None = None  # why compiling was given up (one line), None while compiled
         self._baseline: int | None = None
         self._batches = 0
         self._tapped: _TappedTrunk | None = None
         self._compiled_trunk = None
-        self._reference_gdn = kernels is not None and not kernels.fast
+        self._hybrid = kernels is not None
+        self._fla = kernels is not None and kernels.fast
         self.scope = spec.scope
-        if spec.enabled and spec.scope == "trunk" and self._reference_gdn:
-            log.warning("compile scope trunk with the reference delta rule would compile one graph per length: using layers")  # fmt: skip
+        if spec.enabled and spec.scope == "trunk" and self._hybrid:
+            log.warning("compile scope trunk: a hybrid target compiles per layer, its linear attention eager (docs/producer.md)")  # fmt: skip
             self.scope = "layers"
         if spec.enabled:
             self._compile()
@@ -219,8 +281,10 @@ class Trunk:
         return self.spec.enabled and self.fallback is None
 
     def bucket_config(self, cfg: BucketConfig) -> BucketConfig:
-        """How to batch for this trunk: the static grid while compiled with static shapes."""
-        return shape_buckets(cfg, self.spec) if self.compiled else cfg
+        """How to batch for this trunk: the static grid while compiled with static shapes; row counts
+        rounded to powers of two on fla's kernels (see `mixer_rows`)."""
+        cfg = shape_buckets(cfg, self.spec) if self.compiled else cfg
+        return replace(cfg, round_rows=True) if self._fla and not cfg.fixed_shapes else cfg
 
     def _torch_compile(self, fn):
         return torch.compile(fn, backend=self.spec.backend, dynamic=self.spec.shapes == "dynamic")
@@ -235,19 +299,24 @@ class Trunk:
         for i, layer in enumerate(self.capture.layers):
             if i > last:  # never runs (freed, or after the early stop)
                 continue
-            if self._reference_gdn and _is_reference_linear_attention(layer):
-                self.eager_layers.append(i)
-                continue
+            for mixer in _linear_mixers(layer):  # a graph break around the mixer: it runs eagerly
+                mixer.forward = torch.compiler.disable(mixer.forward, recursive=True)
+                self.eager_mixers.append(mixer)
             layer.forward = self._torch_compile(layer.forward)  # instance attribute: hooks stay eager
 
     def _to_eager(self, why: str) -> None:
         """Give up compiling: one warning line, then the eager path for the rest of the process."""
         self.fallback = why
         log.warning("compiling the target failed (%s): running it eagerly (slower); --no-compile skips compiling", why)  # fmt: skip
-        if self.scope == "layers":
-            for layer in self.capture.layers:
-                if "forward" in vars(layer):
-                    del layer.forward
+        self._uncompile()
+        torch._dynamo.reset()  # an abandoned compile leaves nothing behind
+
+    def _uncompile(self) -> None:
+        """The layers' and mixers' own forwards back (the compiled ones are instance attributes)."""
+        for module in [*self.capture.layers, *self.eager_mixers]:
+            if "forward" in vars(module):
+                del module.forward
+        self.eager_mixers = []
 
     def _forward(self, input_ids: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         if self._tapped is None:
@@ -260,7 +329,9 @@ class Trunk:
             return out
         index = valid.reshape(-1).nonzero().squeeze(1)
         if index.device != out.device:
-            index = index.pin_memory().to(out.device, non_blocking=True) if out.is_cuda else index.to(out.device)
+            index = (
+                index.pin_memory().to(out.device, non_blocking=True) if out.is_cuda else index.to(out.device)
+            )
         return out.index_select(0, index)
 
     def _call(self, input_ids: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
@@ -270,27 +341,51 @@ class Trunk:
         with fx_config.patch(use_duck_shape=False):
             return self._forward(input_ids, valid)
 
-    def warm_up(self, shapes: list[tuple[int, int]], device: torch.device | str) -> float:
-        """Compile every shape in ``shapes`` (a forward of pad tokens each); returns the seconds taken.
-        A failure falls back to the eager path (one warning)."""
-        if not self.compiled or not shapes:
-            self._baseline = recompile_count()
-            return 0.0
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * len(shapes) + 16)
-        dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 16 * len(shapes) + 256)  # fmt: skip
-        t0, self.warmed = time.monotonic(), len(shapes)
-        try:
-            with torch.inference_mode():
-                for rows, length in shapes:
-                    ids = torch.zeros((rows, length), dtype=torch.int64, device=device)
-                    self._call(ids, torch.ones((rows, length), dtype=torch.bool))
-            if torch.device(device).type == "cuda":
-                torch.cuda.synchronize(device)
-        except Exception as err:  # noqa: BLE001 - any failure to compile: the eager path, said once
-            self._to_eager(_why(err))
+    def warm_up(
+        self, shapes: list[tuple[int, int]], device: torch.device | str, mixer_inputs: Iterable[tuple[int, int]] = ()
+    ) -> float:
+        """Compile every shape in ``shapes`` (a forward of pad tokens each), then run a linear-attention
+        mixer once per shape in ``mixer_inputs`` (`mixer_shapes`: fla compiles and autotunes there, not
+        while producing); returns the seconds taken. A compile failure, or one past ``spec.timeout_s``, falls back to the eager path (one
+        warning)."""
+        t0 = time.monotonic()
+        if self.compiled and shapes:
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * len(shapes) + 16)
+            dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 16 * len(shapes) + 256)  # fmt: skip
+            self.warmed = len(shapes)
+            try:
+                with _deadline(self.spec.timeout_s), torch.inference_mode():
+                    for rows, length in shapes:
+                        t_shape = time.monotonic()
+                        ids = torch.zeros((rows, length), dtype=torch.int64, device=device)
+                        self._call(ids, torch.ones((rows, length), dtype=torch.bool))
+                        log.debug(
+                            "warm-up: shape %s compiled in %.1f s", (rows, length), time.monotonic() - t_shape
+                        )
+                    if torch.device(device).type == "cuda":
+                        torch.cuda.synchronize(device)
+            except CompileTimeout as err:
+                self._to_eager(f"{err} (--compile-timeout-s)")
+            except Exception as err:  # noqa: BLE001 - any failure to compile: the eager path, said once
+                self._to_eager(_why(err))
+        mixer_inputs = list(mixer_inputs)
+        if mixer_inputs and torch.device(device).type == "cuda" and self._fla:
+            t_mixers = time.monotonic()
+            self._warm_mixers(mixer_inputs, device)
+            log.info("linear-attention kernels warmed on %d input shapes in %.1f s", len(mixer_inputs), time.monotonic() - t_mixers)  # fmt: skip
         self.compile_s = time.monotonic() - t0
         self._baseline = recompile_count()
         return self.compile_s
+
+    def _warm_mixers(self, shapes: list[tuple[int, int]], device: torch.device | str) -> None:
+        """One forward of the first linear-attention mixer per [rows, length] in ``shapes``: a mixer is
+        1/L of the trunk's work, so the whole set takes about a second once the kernels are built."""
+        mixer = next(m for layer in self.capture.layers for m in _linear_mixers(layer))
+        dtype = next(mixer.parameters()).dtype
+        with torch.inference_mode():
+            for rows, length in shapes:
+                mixer(hidden_states=torch.zeros((rows, length, self.hidden_size), dtype=dtype, device=device))
+        torch.cuda.synchronize(device)
 
     def run(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """LayerCapture.run's contract (see capture.py), through the compiled trunk."""
@@ -315,19 +410,19 @@ class Trunk:
     def report(self) -> dict:
         """What the start line and the result say about the forward."""
         return {
-            "compile": self.spec.describe() if self.compiled else ("eager (compile failed)" if self.fallback else "eager"),
+            "compile": self.spec.describe()
+            if self.compiled
+            else ("eager (compile failed)" if self.fallback else "eager"),
             "compile_scope": self.scope if self.compiled else None,
             "compile_s": round(self.compile_s, 2),
             "warmed_shapes": self.warmed,
             "recompiles": self.recompiles,
-            "eager_layers": len(self.eager_layers),
+            "eager_mixers": len(self.eager_mixers),
         }
 
     def close(self) -> None:
         """Remove the hooks and give the model back as it was before compiling (compiled forwards, taps)."""
-        for layer in self.capture.layers:
-            if "forward" in vars(layer):
-                del layer.forward
+        self._uncompile()
         if self._tapped is not None:
             self._tapped.restore()
         self.capture.close()
@@ -338,8 +433,9 @@ def warm_trunk(cfg: ProducerConfig, capture: LayerCapture, kernels: KernelReport
     before the first batch (the worker's start; benchmarks call it the same way)."""
     spec = compile_spec(cfg)
     trunk = Trunk(capture, spec, kernels)
-    shapes = warmup_shapes(shape_buckets(cfg.buckets, spec), spec, lengths)
-    seconds = trunk.warm_up(shapes, cfg.device)
+    buckets = trunk.bucket_config(cfg.buckets)
+    shapes = warmup_shapes(buckets, spec, lengths)
+    seconds = trunk.warm_up(shapes, cfg.device, mixer_shapes(buckets, lengths) if kernels is not None else ())
     if trunk.compiled and shapes:
         log.info("producer %s: compiled %d batch shape(s) in %.1f s (%s)", cfg.producer_id, len(shapes), seconds, spec.describe())  # fmt: skip
     return trunk

@@ -141,7 +141,7 @@ def outcomes(tmp_path_factory, tiny_target):
         "produce_foreign_spool": (produce_cmd(foreign.root, tiny_target, data, "--run", "mine"), _env(tmp)),
         "produce_busy_spool": (produce_cmd(busy.root, tiny_target, data, "--run", "mine"), _env(tmp)),
         "consume_missing_gpu": (consume_cmd(empty("gpu"), tiny_target, "--gpu", "0"), _env(tmp, **no_gpu)),
-        "consume_missing_spool": (consume_cmd(tmp / "nope", tiny_target), _env(tmp)),
+        "consume_missing_spool": (consume_cmd(tmp / "nope", tiny_target, "--spool-wait-s", "0"), _env(tmp)),
         "consume_foreign_spool": (consume_cmd(foreign.root, tiny_target, "--run", "mine"), _env(tmp)),
         "consume_busy_spool": (consume_cmd(busy.root, tiny_target, "--run", "mine"), _env(tmp)),
         "consume_no_credentials": (

@@ -151,7 +151,7 @@ def test_three_consumers_started_together_compile_and_train(tmp_path, tiny_targe
         (["--gpu", "seven"], "--gpu must be a GPU index or 'cpu'"),
         (["--gpu", "cpu", "--context-tokens", "0"], "context-tokens must be a positive integer"),
         (["--gpu", "cpu", "--lr", "-1"], "lr must be > 0"),
-        (["--gpu", "cpu", "--spool", "/nonexistent/spool"], "--spool /nonexistent/spool: no such directory"),
+        (["--gpu", "cpu", "--spool", "/nonexistent/spool", "--spool-wait-s", "0"], "--spool /nonexistent/spool: no such directory"),
     ],
 )
 def test_bad_arguments_are_one_clear_line(tmp_path, tiny_target, args, message):

@@ -94,7 +94,7 @@ def test_multimodal_checkpoint_loads_the_text_model_only(vlm_checkpoint):
 @pytest.mark.parametrize("backend", ["auto", "aot_eager"])
 def test_producer_runs_on_the_multimodal_hybrid_checkpoint(vlm_checkpoint, tmp_path, caplog, backend):
     """The worker end to end: text model only, kernels on its start line; eager by default on the CPU, and
-    compiled (the full-attention layers; the reference delta rule stays eager) when asked, 0 recompiles."""
+    compiled (every layer; the linear-attention mixers run outside the graphs) when asked, 0 recompiles."""
     path, vlm = vlm_checkpoint
     cfg = ProducerConfig(
         producer_id="h0", model=str(path), spool=str(tmp_path / "spool"), layer_ids=[0, 1, 2], compile_backend=backend,
@@ -106,7 +106,7 @@ def test_producer_runs_on_the_multimodal_hybrid_checkpoint(vlm_checkpoint, tmp_p
     if backend == "auto":
         assert result["compile"] == "eager"
     else:
-        assert result["compile"].startswith("compiled (aot_eager, layers, dynamic") and result["eager_layers"] == 2
+        assert result["compile"].startswith("compiled (aot_eager, layers, dynamic") and result["eager_mixers"] == 2
         assert result["compile_s"] > 0
     start = next(r.getMessage() for r in caplog.records if "epoch(s)" in r.getMessage())
     assert "Qwen3_5ForCausalLM (text model of a multimodal checkpoint, no vision tower)" in start
@@ -176,3 +176,33 @@ def test_text_only_config_is_not_multimodal(tmp_path):
     model, info = load_target(str(tiny_target_dir()), dtype=torch.float32, device="cpu")
     assert not info.multimodal and info.kernels is None and info.line() == "Qwen3ForCausalLM"
     assert np.isclose(vision_parameters(model), 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_multimodal_hybrid_checkpoint_on_cuda_loads_text_only_and_produces_compiled(tmp_path, caplog):
+    """On CUDA, as on the CPU: the multimodal hybrid checkpoint loads as its text model (no vision tower, on
+    the GPU), and the producer with default flags (compiled; fla's kernels when installed, warmed before
+    the first batch) produces every sample with 0 recompiles. Head dims of 32: fla's kernels' smallest."""
+    cfg = _vlm_config()
+    cfg.text_config.update(dict(linear_key_head_dim=32, linear_value_head_dim=32, head_dim=32))
+    torch.manual_seed(0)
+    path = tmp_path / "qwen3_5-tiny-cuda"
+    Qwen3_5ForConditionalGeneration(cfg).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tiny_target_dir() / name, path / name)
+    model, info = load_target(str(path), dtype=torch.bfloat16, device="cuda:0")
+    assert info.multimodal and vision_parameters(model) == 0
+    assert all(p.is_cuda for p in model.parameters())
+    del model
+    cfg = ProducerConfig(
+        producer_id="g0", model=str(path), spool=str(tmp_path / "spool"), layer_ids=[0, 1, 2], device="cuda:0",
+        data=DataConfig(dataset=str(demo_dataset_path()), limit=24, max_length=256, cache_dir=str(tmp_path / "hf")),
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO):
+        result = run_producer(cfg)
+    assert result["done"] and result["samples"] > 0 and result["recompiles"] == 0
+    assert result["compile"].startswith("compiled (inductor, layers") and result["eager_mixers"] == 2
+    start = next(r.getMessage() for r in caplog.records if "epoch(s)" in r.getMessage())
+    assert "no vision tower" in start and "linear-attention layers" in start
+    assert sum(read_shard(p).num_samples for p in (tmp_path / "spool" / "ready").iterdir()) == result["samples"]

@@ -6,6 +6,7 @@ trace as for inductor, without code generation), tiny models."""
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -19,12 +20,22 @@ from dflash.common.target.data import DataConfig
 from dflash.common.target.kernels import linear_attention_kernels
 from dflash.producer.buckets import BucketConfig, Bucketer, Sample, batches
 from dflash.producer.config import ProducerConfig
-from dflash.producer.trunk import CompileSpec, Trunk, _TappedTrunk, static_buckets, warm_trunk, warmup_shapes
+from dflash.producer.trunk import (
+    CompileSpec,
+    Trunk,
+    _TappedTrunk,
+    mixer_shapes,
+    static_buckets,
+    warm_trunk,
+    warmup_shapes,
+)
 from dflash.producer.worker import produce
 
 _TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
              num_key_value_heads=1, head_dim=16)  # fmt: skip
-_LINEAR = dict(linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16)
+_LINEAR = dict(
+    linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16
+)
 LAYERS = [0, 1, 2]  # the last layer is never run: the early stop / the cut is exercised
 
 
@@ -37,7 +48,9 @@ def _fresh_dynamo():
 def _model(arch: str = "qwen3"):
     torch.manual_seed(0)
     types = ["linear_attention", "full_attention"] * 2
-    cfg = Qwen3Config(**_TINY) if arch == "qwen3" else Qwen3_5TextConfig(**_TINY, **_LINEAR, layer_types=types)
+    cfg = (
+        Qwen3Config(**_TINY) if arch == "qwen3" else Qwen3_5TextConfig(**_TINY, **_LINEAR, layer_types=types)
+    )
     return AutoModelForCausalLM.from_config(cfg).eval()
 
 
@@ -83,7 +96,9 @@ def test_dynamic_compile_equals_eager_and_never_recompiles(scope, warm, shapes, 
 
 
 def test_static_shape_outside_the_warmed_set_is_a_counted_recompile(caplog):
-    trunk = Trunk(LayerCapture(_model(), LAYERS, free_unused=True), CompileSpec("aot_eager", "layers", "static"))
+    trunk = Trunk(
+        LayerCapture(_model(), LAYERS, free_unused=True), CompileSpec("aot_eager", "layers", "static")
+    )
     trunk.warm_up([(2, 64), (1, 128)], "cpu")
     _assert_same_as_eager(trunk, "qwen3", [(2, 64), (1, 128)])
     assert trunk.recompiles == 0
@@ -97,7 +112,9 @@ def test_a_failed_compile_warns_once_and_runs_eagerly(caplog):
     def broken_backend(gm, example_inputs):
         raise RuntimeError("no compiler here")
 
-    trunk = Trunk(LayerCapture(_model(), LAYERS, free_unused=True), CompileSpec(broken_backend, "layers", "dynamic"))
+    trunk = Trunk(
+        LayerCapture(_model(), LAYERS, free_unused=True), CompileSpec(broken_backend, "layers", "dynamic")
+    )
     with caplog.at_level(logging.WARNING):
         trunk.warm_up([(2, 64)], "cpu")
         _assert_same_as_eager(trunk, "qwen3", [(2, 64), (3, 40)])
@@ -108,19 +125,62 @@ def test_a_failed_compile_warns_once_and_runs_eagerly(caplog):
     assert not any("forward" in vars(m) for m in trunk.capture.layers)  # back to the plain layers
 
 
-def test_hybrid_reference_linear_attention_stays_eager():
-    """The torch reference delta rule loops over 64-token chunks: compiled, it would make one graph per
-    chunk count. Its layers stay eager, the full-attention ones compile, lengths across chunk counts
-    reuse the graphs."""
+def test_hybrid_linear_attention_mixers_run_outside_the_graphs():
+    """A hybrid target: every layer is compiled, but each Gated DeltaNet token mixer runs eagerly between
+    the graphs (fla's kernels are its work; the torch reference's loop over 64-token chunks would make one
+    graph per chunk count), so lengths across chunk counts reuse the graphs: 0 recompiles."""
     model = _model("hybrid")
     kernels = linear_attention_kernels(model)
     assert kernels is not None and not kernels.fast
-    trunk = Trunk(LayerCapture(model, LAYERS, free_unused=True), CompileSpec("aot_eager", "layers", "dynamic"), kernels)
-    assert trunk.eager_layers == [0, 2]  # layer 1 (full attention) is compiled
-    assert "forward" in vars(trunk.capture.layers[1])
+    trunk = Trunk(
+        LayerCapture(model, LAYERS, free_unused=True), CompileSpec("aot_eager", "layers", "dynamic"), kernels
+    )
+    assert all("forward" in vars(trunk.capture.layers[i]) for i in LAYERS)  # every captured layer compiled
+    assert [type(m).__name__ for m in trunk.eager_mixers] == ["Qwen3_5GatedDeltaNet"] * 2  # layers 0 and 2
     trunk.warm_up([(2, 96), (1, 160)], "cpu")
     _assert_same_as_eager(trunk, "hybrid", [(3, 40), (2, 200), (1, 300)])
-    assert trunk.recompiles == 0
+    assert trunk.recompiles == 0 and trunk.report()["eager_mixers"] == 2
+    trunk.close()
+    assert not any("forward" in vars(m) for m in trunk.capture.text_model.modules())  # the model as it was
+
+
+def test_a_compile_past_its_bound_is_abandoned_for_the_eager_path(caplog):
+    """A warm-up still compiling at ``timeout_s`` (a backend that would take two minutes) is cut there:
+    one warning line, the eager path, the same features."""
+
+    def slow_backend(gm, example_inputs):
+        time.sleep(120)
+        return gm.forward
+
+    spec = CompileSpec(slow_backend, "layers", "dynamic", timeout_s=1.0)
+    trunk = Trunk(LayerCapture(_model(), LAYERS, free_unused=True), spec)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING):
+        trunk.warm_up([(2, 64)], "cpu")
+    assert time.monotonic() - t0 < 100  # cut at the bound, not after the backend's two minutes
+    lines = [r.getMessage() for r in caplog.records if "compiling the target failed" in r.getMessage()]
+    assert len(lines) == 1 and "still compiling after 1 s" in lines[0] and "\n" not in lines[0]
+    assert not trunk.compiled and trunk.report()["compile"] == "eager (compile failed)"
+    _assert_same_as_eager(trunk, "qwen3", [(2, 64), (3, 40)])
+
+
+def test_round_rows_makes_only_the_row_counts_warm_up_runs():
+    """fla compiles and autotunes per batch row count: with ``round_rows`` every batch's row count is a
+    power of two (a partial batch padded with empty rows), and `mixer_shapes` warms each of them, at a
+    length divisible by 16 and at one that is not."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 700, 900)
+    cfg = BucketConfig(batch_tokens=2048, round_rows=True)
+    seen = set()
+    for b in batches([Sample(i, np.zeros(int(n), np.int32), np.ones(int(n), bool)) for i, n in enumerate(lengths)], cfg):
+        assert b.num_rows >= len(b.samples) and b.pad_len >= max(len(s) for s in b.samples)
+        assert b.num_rows & (b.num_rows - 1) == 0 and b.num_padded_tokens <= 2048 + b.pad_len
+        seen.add(b.num_rows)
+    warm = mixer_shapes(cfg, lengths)
+    assert seen <= {r for r, _ in warm} and len(seen) > 3
+    assert {n for r, n in warm if r == 1} == {64, 72}
+    plain = BucketConfig(batch_tokens=2048)
+    assert {b.num_rows for b in batches([Sample(0, np.zeros(5, np.int32), np.ones(5, bool))], plain)} == {1}
 
 
 def test_tapped_trunk_matches_the_capture_including_the_last_layer():
@@ -144,7 +204,10 @@ def test_warmup_shapes():
     assert all(r * b <= 1024 or r == 1 for r, b in static)
     dynamic = warmup_shapes(cfg, CompileSpec("inductor"), lengths)
     bk = Bucketer(cfg)  # full batches of the longest and the shortest multi-row bucket, then a 1-row one
-    assert dynamic[:2] == [bk.shape_of(bk.bucket_of(300)), bk.shape_of(bk.bucket_of(50))]  # 600: 1 row of 1024
+    assert dynamic[:2] == [
+        bk.shape_of(bk.bucket_of(300)),
+        bk.shape_of(bk.bucket_of(50)),
+    ]  # 600: 1 row of 1024
     assert len(dynamic) == 3 and dynamic[2][0] == 1
     assert warmup_shapes(cfg, CompileSpec(), lengths) == []  # eager: nothing to warm
 
@@ -155,7 +218,9 @@ def test_fixed_shapes_pad_every_batch_to_its_bucket():
     lengths = np.clip(rng.lognormal(5.5, 0.8, 400).astype(int), 8, 1500)
     bk = Bucketer(cfg)
     seen = []
-    for b in batches([Sample(i, np.zeros(n, np.int32), np.ones(n, bool)) for i, n in enumerate(lengths)], cfg, bk):
+    for b in batches(
+        [Sample(i, np.zeros(n, np.int32), np.ones(n, bool)) for i, n in enumerate(lengths)], cfg, bk
+    ):
         assert (b.num_rows, b.pad_len) == bk.shape_of(b.bucket) and len(b.samples) <= b.num_rows
         seen += [s.sample_index for s in b.samples]
     assert sorted(seen) == list(range(len(lengths)))

@@ -162,6 +162,7 @@ MaskMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tor
 # Compiled once per process, lazily: compiling at import would cost every CPU-only user (tests, CLIs) the
 # compile time, and compiling per call would recompile every step.
 _compiled_flex_attention: Callable | None = None
+_FLEX_KERNEL = {"FORCE_USE_FLEX_ATTENTION": True}
 _compiled_block_mask: Callable | None = None
 
 
@@ -325,7 +326,11 @@ def draft_attention(
     """
     enable_gqa = q.shape[1] != k.shape[1]
     if mask.backend == "flex":
-        out = _flex_fn(q.device)(q, k, v, block_mask=mask.block_mask, scale=scale, enable_gqa=enable_gqa)
+        # the training kernel at every query length: inductor would lower a short query (<= 128 rows, e.g.
+        # few anchors) to flex_decoding, which found no kernel for it on an H200 (fp32, head_dim 16)
+        out = _flex_fn(q.device)(
+            q, k, v, block_mask=mask.block_mask, scale=scale, enable_gqa=enable_gqa, kernel_options=_FLEX_KERNEL
+        )
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, scale=scale, enable_gqa=enable_gqa)
     return out * mask.row_valid[:, None].to(out.dtype)

@@ -23,11 +23,12 @@
 #                and 1.33x at 15, same machine): bare eager full forward vs the producer eager, compiled (per layer,
 #                dynamic shapes: the default), compiled with static shapes, and its own forward alone (~2 min)
 #     prod32     32B-class target (64 layers): bare eager full forward vs the compiled producer (~1.5 min)
-#     hybrid     hybrid-27B-shaped slice (8 layers): fla checked against the torch reference, then the
-#                producer on fla vs on the reference kernels (did not finish within ~3 min on 2026-12-02: run it alone;
-#                needs fla-core in .whl)
+#     hybrid     hybrid-27B-shaped target at full depth (64 layers, 54 GB; HYBRID_LAYERS=8 for the slice): fla
+#                checked against the torch reference, then the producer as shipped (fla), on the reference
+#                kernels, and eager; first-shard times (needs fla-core in .whl)
 #     pipeline1  pipeline_bench.py: 8B-shaped, one producer + one consumer sharing GPU 0 (~3 min: the
 #                consumer's cold compile, the 16 GB target saved and loaded twice)
+#     pipelineh  pipeline_bench.py: the hybrid-27B slice (8 layers), one producer + one consumer sharing GPU 0
 #     plan       dflash-plan --bench over those JSONs (8-GPU node split per shape; seconds)
 #   prodscope  8B-shaped: compiled per layer vs the whole truncated trunk (not in `producer`; ~1.5 min)
 # Run from the repo root on the device with `.whl` carried: `bash ../shared/device/wheels.sh fla-core`
@@ -99,13 +100,21 @@ if want prodscope; then pbench prodscope 240 --preset 8b --variants full,trunk -
 if want prod32; then pbench prod32 240 --preset 32b --variants full --tokens 163840 --no-forward; fi
 if want hybrid; then
   python3 -c "import fla.ops.gated_delta_rule" 2>/dev/null || echo "warning: fla does not import (carry fla-core in .whl): 'full' runs on the reference kernels"
-  pbench hybrid "${HYBRID_LIMIT:-420}" --preset hybrid27b --variants full,reference --no-bare --tokens "${HYBRID_TOKENS:-196608}"
+  pbench hybrid "${HYBRID_LIMIT:-420}" --preset hybrid27b --layers "${HYBRID_LAYERS:-64}" \
+    --variants "${HYBRID_VARIANTS:-full,reference,eager}" --no-bare --tokens "${HYBRID_TOKENS:-98304}"
 fi
 if want pipeline1; then
   echo "== pipeline bench: one producer + one consumer sharing GPU 0"
   timeout 420 python3 ops/bench/pipeline_bench.py --preset 8b --producer-gpus 0 --consumer-gpus 0 --chats 300 \
     --workdir /tmp/dflash-pipeline-bench --out "$OUT/pipeline" > "$OUT/pipeline1.log" 2>&1
   echo "exit $?"; tail -12 "$OUT/pipeline1.log" | cut -c1-300
+fi
+if want pipelineh; then
+  echo "== pipeline bench: hybrid-27B slice (8 layers), one producer + one consumer sharing GPU 0"
+  timeout "${PIPEH_LIMIT:-300}" python3 ops/bench/pipeline_bench.py --preset hybrid27b --layers 8 --producer-gpus 0 \
+    --consumer-gpus 0 --chats "${PIPEH_CHATS:-200}" --workdir /tmp/dflash-pipeline-bench --out /tmp/pipeh \
+    > "$OUT/pipelineh.log" 2>&1
+  echo "exit $?"; tail -12 "$OUT/pipelineh.log" | cut -c1-300; cp /tmp/pipeh/pipeline_bench_*.json "$OUT/" 2>/dev/null
 fi
 if want plan; then
   echo "== dflash-plan over the figures"

@@ -5,7 +5,8 @@
 Why: the node's speed is what producers and consumers sustain together through the spool; the figures of
 each side alone say what they could sustain. On one shared GPU, producing N tokens costs N/P of GPU time and
 training them N/C, so together they can train at most 1 / (1/P + 1/C); on separate GPUs min(P, C). This
-measures P and C alone, then trained tok/s together, and says how close it comes (issue 25: >= 0.9).
+measures P and C alone, then trained tok/s together, and says how close it comes (goal: >= 0.9). On the
+CPU (``--small``) the two run on separate cores at once, so the rule there is min(P, C): a smoke figure.
 
 Phases (``--phases``, default all, in this order):
 - ``producer``: dflash-produce alone into spool A (budget large enough to hold everything): P = its tokens
@@ -19,7 +20,7 @@ Input: a random-weight target of a named shape saved to ``--workdir`` (ops/bench
 hybrid27b (a slice), small) and a synthetic chat dataset of long-tailed (log-normal) lengths. Output
 (``--out``): pipeline_bench_<preset>.json with every figure (rates, spool depth and bytes over time, memory
 per process, fill, checkpoint stall, the ledger audit, the acceptance checks), a PNG of the spool over
-time, and the logs. Exit 1 when a process fails or the ledger audit fails (a sample lost or trained twice).
+time, and the logs (each run's under ``run-<stamp>/``: a second run never reads the first's ledger). Exit 1 when a process fails or the ledger audit fails (a sample lost or trained twice).
 
     python ops/bench/pipeline_bench.py --preset 8b --producer-gpus 0 --consumer-gpus 0 --out $OUT   # GPU
     .venv/bin/python ops/bench/pipeline_bench.py --small --out /tmp/pb                            # CPU, < 1 min
@@ -54,6 +55,8 @@ BIN = Path(sys.executable).parent
 def _exe(name: str) -> str:
     """A console script: on PATH (pip's scripts folder need not be the interpreter's), else beside python."""
     return shutil.which(name) or str(BIN / name)
+
+
 ACCEPT_TOGETHER = 0.9  # trained together / what the solo capacities allow
 
 
@@ -83,7 +86,9 @@ def eligible_samples(args, target: Path, dataset: Path) -> set[int]:
     from dflash.common.target.chat import tokenize_slice
     from dflash.common.target.data import DataConfig, load_raw_dataset
 
-    cfg = DataConfig(dataset=str(dataset), max_length=args.max_length, min_loss_tokens=32, cache_dir=str(args.cache))
+    cfg = DataConfig(
+        dataset=str(dataset), max_length=args.max_length, min_loss_tokens=32, cache_dir=str(args.cache)
+    )
     ds = load_raw_dataset(cfg, quiet=True)
     tok = tokenize_slice(ds, AutoTokenizer.from_pretrained(target), cfg, np.arange(len(ds)))
     return {int(i) for i, s in zip(tok["sample_index"], tok["status"], strict=True) if s == "ok"}
@@ -117,7 +122,9 @@ def _run(phase: str, args, jobs: dict[str, tuple[list[str], dict]], spool: Path)
     non-zero exit, naming the process and its log."""
     env = dict(os.environ, PYTHONUNBUFFERED="1", WANDB_MODE="disabled")
     if "producer" in jobs:  # as ops/run_all.sh: a fresh spool bound to the run before anyone starts
-        subprocess.run([_exe("dflash-spool"), "prepare", str(spool), "--run", "bench"], check=True, capture_output=True)
+        subprocess.run(
+            [_exe("dflash-spool"), "prepare", str(spool), "--run", "bench"], check=True, capture_output=True
+        )
     procs, logs = {}, {}
     t0 = time.time()
     for name, (cmd, extra) in jobs.items():
@@ -139,17 +146,24 @@ def _run(phase: str, args, jobs: dict[str, tuple[list[str], dict]], spool: Path)
     if bad:
         name = next(iter(bad))
         tail = logs[name].read_text().splitlines()[-15:]
-        raise RuntimeError(f"{phase}: {name} exited {bad[name]} after {time.time() - t0:.0f} s ({logs[name]}):\n" + "\n".join(tail))
+        raise RuntimeError(
+            f"{phase}: {name} exited {bad[name]} after {time.time() - t0:.0f} s ({logs[name]}):\n"
+            + "\n".join(tail)
+        )
     return series, time.time() - t0
 
 
 def _producer_rates(run_dir: Path) -> dict:
     """Per producer: tokens, production seconds (after warm-up), compile and recompiles (final heartbeat)."""
-    runs = [recs for stem, recs in read_run_metrics(run_dir / "metrics").items() if stem.startswith("producer")]
+    runs = [
+        recs for stem, recs in read_run_metrics(run_dir / "metrics").items() if stem.startswith("producer")
+    ]
     finals = [recs[-1] for recs in runs]
     rates = [f["tokens"] / f["produce_s"] for f in finals]
     # the process's own view of its GPU memory (torch's allocated bytes, every heartbeat), beside nvidia-smi's
-    own = _flat([{"gb": r["gpu_mem_gb"]} for r in runs[0] if r.get("phase") == "produce" and "gpu_mem_gb" in r], "gb")
+    own = _flat(
+        [{"gb": r["gpu_mem_gb"]} for r in runs[0] if r.get("phase") == "produce" and "gpu_mem_gb" in r], "gb"
+    )
     return {"producers": len(finals), "tokens": int(sum(f["tokens"] for f in finals)), "samples": int(sum(f["samples"] for f in finals)),
             "tok_s_per_gpu": float(np.mean(rates)), "tok_s": float(sum(rates)), "start_time": min(f["time"] - f["produce_s"] for f in finals),
             "compile_s": max(f.get("compile_s", 0) for f in finals), "recompiles": sum(f.get("recompiles", 0) for f in finals),
@@ -188,27 +202,55 @@ def run_phases(args) -> dict:
     res: dict = {"phases": {}}
     spool_a, spool_b = args.spool_root / "solo", args.spool_root / "together"
     if "producer" in args.phases:
-        series, wall = _run("producer", args, {"producer": (_produce_cmd(args, spool_a, args.out / "run-producer"), {})}, spool_a)
-        res["phases"]["producer"] = {"wall_s": wall, "series": series, **_producer_rates(args.out / "run-producer")}
+        series, wall = _run(
+            "producer",
+            args,
+            {"producer": (_produce_cmd(args, spool_a, args.run_root / "run-producer"), {})},
+            spool_a,
+        )
+        res["phases"]["producer"] = {
+            "wall_s": wall,
+            "series": series,
+            **_producer_rates(args.run_root / "run-producer"),
+        }
         res["phases"]["producer"]["memory"] = _flat(series, "producer_gb")
     # the producers' own tokenization (a datasets cache lookup, but seconds of imports): beside the next phase
     pending = ThreadPoolExecutor(1).submit(eligible_samples, args, args.target, args.dataset)
     if "consumer" in args.phases:
-        jobs = {f"consumer{r}": j for r, j in enumerate(_consume_cmds(args, spool_a, args.out / "run-consumer", None))}
+        jobs = {
+            f"consumer{r}": j
+            for r, j in enumerate(_consume_cmds(args, spool_a, args.run_root / "run-consumer", None))
+        }
         series, wall = _run("consumer", args, jobs, spool_a)
-        ph = res["phases"]["consumer"] = {"wall_s": wall, "series": series, **_consumer_rates(args.out / "run-consumer")}
-        ph["ledger"] = ledger_audit(args.out / "run-consumer" / "metrics", pending.result())
+        ph = res["phases"]["consumer"] = {
+            "wall_s": wall,
+            "series": series,
+            **_consumer_rates(args.run_root / "run-consumer"),
+        }
+        ph["ledger"] = ledger_audit(args.run_root / "run-consumer" / "metrics", pending.result())
         ph["memory"] = _flat(series, "consumer0_gb")
     if "together" in args.phases:
-        jobs = {"producer": (_produce_cmd(args, spool_b, args.out / "run-together"), {})}
-        for r, j in enumerate(_consume_cmds(args, spool_b, args.out / "run-together", args.checkpoint)):
+        jobs = {"producer": (_produce_cmd(args, spool_b, args.run_root / "run-together"), {})}
+        for r, j in enumerate(_consume_cmds(args, spool_b, args.run_root / "run-together", args.checkpoint)):
             jobs[f"consumer{r}"] = j
         series, wall = _run("together", args, jobs, spool_b)
-        prod, cons = _producer_rates(args.out / "run-together"), _consumer_rates(args.out / "run-together")
-        ph = res["phases"]["together"] = {"wall_s": wall, "series": series, "producer": prod, "consumer": cons}
+        prod, cons = (
+            _producer_rates(args.run_root / "run-together"),
+            _consumer_rates(args.run_root / "run-together"),
+        )
+        ph = res["phases"]["together"] = {
+            "wall_s": wall,
+            "series": series,
+            "producer": prod,
+            "consumer": cons,
+        }
         ph["trained_tok_s"] = cons["tokens"] / max(cons["last_step_time"] - prod["start_time"], 1e-9)
-        ph["ledger"] = ledger_audit(args.out / "run-together" / "metrics", pending.result())
-        ph["memory"] = {k: _flat(series, k) for k in series[0] if k.endswith("_gb") and k != "spool_gb"} if series else {}
+        ph["ledger"] = ledger_audit(args.run_root / "run-together" / "metrics", pending.result())
+        ph["memory"] = (
+            {k: _flat(series, k) for k in series[0] if k.endswith("_gb") and k != "spool_gb"}
+            if series
+            else {}
+        )
     return res
 
 
@@ -217,7 +259,12 @@ def _memory_verdicts(tree, path: str = "") -> dict[str, bool]:
     if isinstance(tree, dict):
         if "flat" in tree:
             return {path: bool(tree["flat"])}
-        return {k: v for key, sub in tree.items() if key != "series" for k, v in _memory_verdicts(sub, f"{path}/{key}".strip("/")).items()}
+        return {
+            k: v
+            for key, sub in tree.items()
+            if key != "series"
+            for k, v in _memory_verdicts(sub, f"{path}/{key}".strip("/")).items()
+        }
     return {}
 
 
@@ -233,15 +280,30 @@ def summarize(res: dict, args) -> dict:
     res["figures"] = [fig]
     checks = []
     if p and c and "together" in ph:
-        ideal = 1 / (1 / p + 1 / c) if shared or args.small else min(p, c)
+        # one shared GPU runs the two in turn: at most 1/(1/P + 1/C); separate devices (the CPU smoke run's
+        # producer and consumer each on their own cores) run side by side: at most min(P, C)
+        ideal = 1 / (1 / p + 1 / c) if shared else min(p, c)
         ratio = ph["together"]["trained_tok_s"] / ideal
-        ph["together"].update(ideal_tok_s=ideal, trained_vs_ideal=ratio, rule="1/(1/P+1/C)" if shared or args.small else "min(P, C)")
+        ph["together"].update(
+            ideal_tok_s=ideal, trained_vs_ideal=ratio, rule="1/(1/P+1/C)" if shared else "min(P, C)"
+        )
         checks.append({"check": f"trained together >= {ACCEPT_TOGETHER} x {ph['together']['rule']}", "value": round(ratio, 4),
                        "threshold": ACCEPT_TOGETHER, "ok": None if args.small else ratio >= ACCEPT_TOGETHER})  # fmt: skip
     for name in ("consumer", "together"):
         if name in ph:
-            checks.append({"check": f"{name}: every produced sample trained exactly once (ledger)", "value": ph[name]["ledger"], "ok": True})
-    rec = {k: v.get("recompiles") if k != "together" else (v["producer"]["recompiles"], v["consumer"]["recompiles"]) for k, v in ph.items()}
+            checks.append(
+                {
+                    "check": f"{name}: every produced sample trained exactly once (ledger)",
+                    "value": ph[name]["ledger"],
+                    "ok": True,
+                }
+            )
+    rec = {
+        k: v.get("recompiles")
+        if k != "together"
+        else (v["producer"]["recompiles"], v["consumer"]["recompiles"])
+        for k, v in ph.items()
+    }
     checks.append({"check": "0 recompiles after warm-up (producer, consumer)", "value": rec,
                    "ok": all((r or 0) == 0 for v in rec.values() for r in (v if isinstance(v, tuple) else (v,)))})  # fmt: skip
     mems = _memory_verdicts(ph)
@@ -284,11 +346,15 @@ def parse_args(argv=None):
     p.add_argument("--producer-gpus", default="0", help="dflash-produce --gpus (0 | 0-3 | cpu:1)")
     p.add_argument("--consumer-gpus", default="0", help="comma list, one dflash-consume each (0 | 4,5 | cpu)")
     p.add_argument("--phases", default="producer,consumer,together")
-    p.add_argument("--chats", type=int, help="conversations in the synthetic dataset (default 600; --small 24)")
+    p.add_argument(
+        "--chats", type=int, help="conversations in the synthetic dataset (default 600; --small 24)"
+    )
     p.add_argument("--median-len", type=int, help="median conversation tokens (default 800; --small 120)")
     p.add_argument("--max-length", type=int, help="producer --max-length (default 4096; --small 256)")
     p.add_argument("--batch-tokens", type=int, help="producer --batch-tokens (default 32768; --small 1024)")
-    p.add_argument("--budget-gb", type=float, default=40.0, help="spool budget (holds the producer phase's output)")
+    p.add_argument(
+        "--budget-gb", type=float, default=40.0, help="spool budget (holds the producer phase's output)"
+    )
     p.add_argument("--save-every", type=int, help="consumer checkpoints every N steps in the together phase")
     p.add_argument("--log-every", type=int, help="consumer log interval (default 10; --small 2)")
     p.add_argument("--producer-args", default="", help="extra dflash-produce flags")
@@ -308,7 +374,9 @@ def parse_args(argv=None):
         args.consumer_args = ("--context-tokens 256 --num-anchors 16 --max-anchors-per-doc 8 --num-layers 1 --eval-every 0 "
                               "--fill-wait-s 0.2 " + args.consumer_args)  # fmt: skip
     args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
-    args.layers = args.layers or PRESETS[args.preset].get("default_layers") or PRESETS[args.preset]["num_hidden_layers"]
+    args.layers = (
+        args.layers or PRESETS[args.preset].get("default_layers") or PRESETS[args.preset]["num_hidden_layers"]
+    )
     return args
 
 
@@ -324,6 +392,9 @@ def main(argv=None) -> int:
     args.cache = work / "hf-cache"
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else work
+    stamp = f"{stamp}-{os.getpid()}"
+    # every run its own folders: an audit never reads another run's ledger (a re-run in the same checkout)
+    args.run_root = args.out / f"run-{stamp}"
     args.spool_root, args.checkpoint = shm / f"dflash-pipeline-{stamp}", shm / f"dflash-pipeline-ckpt-{stamp}"
     args.save_every = args.save_every or (3 if args.small else 60)
     if args.small:
@@ -344,9 +415,20 @@ def main(argv=None) -> int:
         shutil.rmtree(args.checkpoint, ignore_errors=True)
     (args.out / f"pipeline_bench_{args.preset}.json").write_text(json.dumps(res, indent=1, default=str))
     for c in res.get("acceptance", []):
-        print(f"{'PASS' if c['ok'] else 'FAIL' if c['ok'] is False else 'n/a '}: {c['check']}: {c.get('value', '')}")
+        print(
+            f"{'PASS' if c['ok'] else 'FAIL' if c['ok'] is False else 'n/a '}: {c['check']}: {c.get('value', '')}"
+        )
     for name, ph in res.get("phases", {}).items():
-        keys = ("tok_s", "tok_s_per_gpu", "trained_tok_s", "ideal_tok_s", "trained_vs_ideal", "fill", "checkpoint_stall_s", "wall_s")
+        keys = (
+            "tok_s",
+            "tok_s_per_gpu",
+            "trained_tok_s",
+            "ideal_tok_s",
+            "trained_vs_ideal",
+            "fill",
+            "checkpoint_stall_s",
+            "wall_s",
+        )
         print(f"{name}: " + ", ".join(f"{k} {ph[k]:.4g}" for k in keys if isinstance(ph.get(k), int | float)))
     return code
 
