@@ -194,3 +194,59 @@ def test_three_consumers_share_one_gpu_with_compiled_flex(tmp_path, tiny_target)
     """On the device: three dflash-consume processes on GPU 0 at once, each compiling its draft layers
     with flex_attention inside (inductor); all train, none recompiles after warm-up."""
     _three_consumers_at_once(tmp_path, tiny_target, gpu="0", extra=[])
+
+
+def test_each_log_line_says_where_the_interval_went_and_the_profile_is_written(tmp_path, tiny_target):
+    """Every metrics record carries the loop's own figures (host wait and launch per step, the garbage
+    collector's time and count; on the CPU no GPU figures), --gc-mode interval collects once per log line
+    (gc_count >= 1 after the freeze at step 2), and --profile-steps writes the kernel table of its steps."""
+    spool = write_synthetic_spool(
+        tmp_path / "spool", hidden_size=256, layer_ids=[1, 2, 3, 4, 5], num_shards=4, samples_per_shard=8,
+        tokens_per_sample=32, vocab=4096,
+    )  # fmt: skip
+    run_dir = tmp_path / "run"
+    cmd = consume_cmd(
+        spool.root, tiny_target, "--run-dir", str(run_dir), "--context-tokens", "256", "--max-steps", "4",
+        "--log-every", "2", "--compile-backend", "eager", "--gc-mode", "interval", "--profile-steps", "3:2",
+        "--eval-every", "0",
+    )  # fmt: skip
+    proc = run(cmd, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = [r for r in read_metrics(run_dir / "metrics" / "consumer-0.jsonl") if "loss" in r]
+    assert [r["step"] for r in recs] == [2, 4]
+    for r in recs:
+        assert r["host_wait_ms"] >= 0 and r["host_launch_ms"] > 0
+        assert r["gc_ms"] >= 0 and r["gc_max_ms"] <= r["gc_ms"]
+        assert "gpu_busy" not in r and "alloc_retries" not in r  # the CPU: host figures only
+    assert recs[1]["gc_count"] >= 1  # frozen after step 2, then one collection at the step-4 log line
+    table = (run_dir / "profile-r0.txt").read_text()
+    assert table.startswith("steps 3..4 (2 steps)") and "aten::" in table
+
+
+def test_loop_watch_times_collections_and_host_wait_and_restores_the_collector():
+    """LoopWatch alone: a collection inside an interval is counted and timed, waits add up per step, and
+    gc_mode interval turns automatic collection off after the warm-up step and back on at close."""
+    import gc
+
+    import torch
+
+    from dflash.consumer.loop_watch import LoopWatch
+
+    watch = LoopWatch(torch.device("cpu"), gc_mode="interval", freeze_at_step=1)
+    try:
+        watch.waited(0.004)
+        watch.begin()
+        watch.end(step=1)
+        assert watch.frozen and not gc.isenabled()
+        watch.begin()
+        gc.collect()
+        watch.end(step=2)
+        watch.waited(0.002)
+        fig = watch.interval()
+        assert fig["host_wait_ms"] == 3.0  # (4 + 2) ms over two steps
+        assert fig["gc_count"] >= 2  # the freeze's collection and the one inside step 2
+        assert fig["gc_ms"] > 0 and fig["gc_max_ms"] > 0
+        assert watch.interval()["gc_count"] == 0  # a fresh interval
+    finally:
+        watch.close()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
