@@ -53,6 +53,7 @@ LOCAL_IMPORTS_OK = {
     "dflash.consumer.config": "imported by the CLI before parsing: torch only in param_dtype",
     "dflash.producer.supervisor": "the worker entry runs in a spawned child: its imports are the child's",
     "dflash.consumer.interval_log": "wandb (seconds to import) only for a run that logs to it",
+    "dflash.common.drafter.loss": "liger-kernel and Triton (CUDA only, optional) only for --loss-impl liger",
 }
 
 
