@@ -250,3 +250,34 @@ def test_loop_watch_times_collections_and_host_wait_and_restores_the_collector()
     finally:
         watch.close()
     assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_the_ab_bench_reads_variants_as_dflash_consume_flags_and_summarizes_intervals():
+    """ops/bench/consumer_ab.py: a variant's flags are parsed by TrainConfig's generated flags (a flag the
+    consumer lacks is refused before any prefill), and the summary keeps the measured intervals only."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops" / "bench"))
+    import consumer_ab
+
+    assert consumer_ab.parse_variant("liger=--loss-impl liger") == ("liger", ["--loss-impl", "liger"])
+    assert consumer_ab.parse_variant("default=") == ("default", [])
+    with pytest.raises(SystemExit):
+        consumer_ab.parse_variant("no-equals-sign")
+    parser = consumer_ab.variant_parser(context=4096, anchors=256)
+    assert parser.parse_args(["--gc-mode", "python"]).gc_mode == "python"
+    assert parser.parse_args([]).max_anchors_per_doc == 256
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--data-workers", "1"])
+    history = [
+        {"step": s, "time": t, "interval_s": 1.0, "gpu_busy": b, "gc_ms": g, "mem_gb": m}
+        for s, t, b, g, m in [(10, 5.0, 0.5, 900.0, 40.0), (20, 7.0, 0.98, 1.0, 41.0), (30, 9.2, 0.97, 2.0, 41.0),
+                              (40, 11.2, 0.99, 0.5, 42.0), (43, 11.9, 0.9, 0.1, 50.0)]
+    ]  # fmt: skip
+    out = consumer_ab.summarize(history, warmup=10, last_step=40)
+    assert out["intervals_ms"] == [(20, 200.0), (30, 220.0), (40, 200.0)]
+    assert out["ms_per_step_median"] == 200.0
+    assert out["intervals_gpu_busy"] == [0.98, 0.97, 0.99] and out["gpu_busy_median"] == 0.98
+    assert out["gc_ms_total"] == 3.5  # the warm-up interval's 900 ms and the profiled tail left out
+    assert out["peak_mem_gb_first_fifth"] == 41.0 and out["peak_mem_gb_last_fifth"] == 42.0
