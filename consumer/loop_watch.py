@@ -14,6 +14,9 @@
   length, so the launching thread waits on it wherever it runs.
 - **CUDA caching allocator**: ``alloc_retries`` (the allocator freed its cache and retried a cudaMalloc:
   a device-wide sync each time), reserved memory.
+- **The GPU's clocks**: SM clock, temperature and power at the log line (NVML, when ``pynvml`` is
+  installed; otherwise left out): a step time that drifts up with the busy fraction at 1 and the clock
+  falling is the chip throttling, not the loop.
 
 On the CPU only the host's figures are reported (no events, no allocator). ``gc_mode`` (TrainConfig) is
 applied here too: ``freeze``/``interval`` freeze what is alive after the warm-up steps (the model, its
@@ -48,6 +51,7 @@ class LoopWatch:
         self._last_end: torch.cuda.Event | None = None
         self._host_t0 = 0.0
         self._retries0 = self._alloc_retries()
+        self._nvml = self.cuda  # until the first query fails (no pynvml): then never again
         self._reset()
         gc.callbacks.append(self._on_gc)
 
@@ -121,6 +125,20 @@ class LoopWatch:
             out["gpu_gap_max_ms"] = round(max(gaps), 2)
         return out
 
+    def _clocks(self) -> dict:
+        if not self._nvml:
+            return {}
+        try:
+            return {
+                "sm_clock_mhz": torch.cuda.clock_rate(self.device),
+                "gpu_temp_c": torch.cuda.temperature(self.device),
+                "power_w": round(torch.cuda.power_draw(self.device) / 1e3),
+            }
+        except Exception as err:  # noqa: BLE001  pynvml absent or NVML unusable: said once, then skipped
+            log.info("GPU clocks not reported (%s: %s)", type(err).__name__, err)
+            self._nvml = False
+            return {}
+
     def _alloc_retries(self) -> int:
         if not self.cuda:
             return 0
@@ -142,6 +160,7 @@ class LoopWatch:
             out["alloc_retries"] = retries - self._retries0
             self._retries0 = retries
             out["mem_reserved_gb"] = round(torch.cuda.memory_reserved(self.device) / 2**30, 2)
+            out.update(self._clocks())
         self._reset()
         return out
 

@@ -48,7 +48,7 @@ FIXED = ("spool", "target", "run", "run_dir", "checkpoint", "save_every", "max_s
 """TrainConfig fields the bench sets itself (a variant's flags cannot)."""
 PER_INTERVAL = (
     "gpu_busy", "gpu_ms", "gpu_gap_max_ms", "host_wait_ms", "host_launch_ms", "gc_ms", "gc_max_ms", "alloc_retries",
-    "mem_reserved_gb",
+    "mem_reserved_gb", "sm_clock_mhz", "gpu_temp_c", "power_w",
 )  # fmt: skip
 
 
