@@ -146,8 +146,8 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
     def _set_up_device(self) -> None:
         self.device = torch.device(self.cfg.device)
         if self.device.type == "cuda":
-            if self.cfg.expandable_segments and "PYTORCH_CUDA_ALLOC_CONF" not in os.environ:
-                # before the first CUDA allocation of this process (the bench and the CLI make none before)
+            if self.cfg.expandable_segments and not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ):
+                # before this process's first CUDA allocation (the CLI and the benches make none before)
                 torch.cuda.memory._set_allocator_settings("expandable_segments:True")
             if self.device.index is None:  # "cuda": the current device, named (streams and DDP want an index)
                 self.device = torch.device("cuda", torch.cuda.current_device())
