@@ -18,7 +18,8 @@
 #              ("NAME=FLAGS;NAME=FLAGS", default below) and AB_BUDGET (s, default 470) set it; run it ALONE
 #              in a call (~8 min: setup 20 s, reference ~60, prefill ~35, the first variant ~110 with a cold
 #              compile, each later one ~50-70; results in $OUT/ab/ab.jsonl as each finishes)
-#   gpusel     the GPU tests of issues 26-27 only (fused loss, compiled MasterAdamW, flex vs SDPA incl. sliding)
+#   gpusel     the GPU tests of issues 26-27 and 36 only (liger loss kernel vs the torch row pass, compiled
+#              MasterAdamW, flex vs SDPA incl. sliding; liger-kernel in .whl)
 #   producer   issue 25's producer runbook, in this order (~8 min on one H200 from cold compile caches; to
 #              stay well inside one call's 10 minutes, run `prod8 prod32 hybrid` and `pipeline1 plan` as two
 #              calls on the same warm machine):
