@@ -212,7 +212,7 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
         )
 
     def _feed_kwargs(self) -> dict:
-        """ShardFeed's settings from the config (the in-process feed's and the data worker's)."""
+        """ShardFeed's settings from the config."""
         cfg = self.cfg
         return dict(
             context_tokens=cfg.context_tokens,
