@@ -15,7 +15,8 @@ by ``--variant-timeout-s`` and what remains of ``--budget-s``; a variant is not 
 keeps what finished), with: median ms/step over the measured steps and the ratio to the reference step,
 per-10-step intervals (ms/step, GPU busy fraction, GPU ms per step, host wait, GC ms, allocator retries),
 fill, first step, recompiles after warm-up, peak memory over the first and the last fifth of the
-intervals, and the kernel table when the variant asks for one (``--profile-steps``, copied to OUT).
+intervals, the loss per interval (the same spool and seed: a variant that computes another loss shows it),
+and the kernel table when the variant asks for one (``--profile-steps``, copied to OUT).
 
     python ops/bench/consumer_ab.py --preset 32b --reference .bench/ref --out $OUT \\
         --variant default= --variant "liger=--loss-impl liger" --variant "gc-python=--gc-mode python"
@@ -47,7 +48,7 @@ from dflash.consumer.config import TrainConfig
 FIXED = ("spool", "target", "run", "run_dir", "checkpoint", "save_every", "max_steps", "total_steps")
 """TrainConfig fields the bench sets itself (a variant's flags cannot)."""
 PER_INTERVAL = (
-    "gpu_busy", "gpu_ms", "gpu_gap_max_ms", "host_wait_ms", "host_launch_ms", "gc_ms", "gc_max_ms", "alloc_retries",
+    "loss", "gpu_busy", "gpu_ms", "gpu_gap_max_ms", "host_wait_ms", "host_launch_ms", "gc_ms", "gc_max_ms", "alloc_retries",
     "mem_reserved_gb", "sm_clock_mhz", "gpu_temp_c", "power_w",
 )  # fmt: skip
 
@@ -207,7 +208,8 @@ def main() -> None:
     results = out / "ab.jsonl"
 
     def record(rec: dict) -> None:
-        print(json.dumps({k: v for k, v in rec.items() if not k.startswith("intervals_") or k == "intervals_ms"}), flush=True)
+        shown = ("intervals_ms", "intervals_gpu_busy", "intervals_host_wait_ms", "intervals_gc_ms", "intervals_loss")
+        print(json.dumps({k: v for k, v in rec.items() if not k.startswith("intervals_") or k in shown}), flush=True)
         with results.open("a") as f:
             f.write(json.dumps(rec) + "\n")
 

@@ -89,7 +89,7 @@ if [[ "$parts" == *" ab "* ]]; then  # never part of `all`: it takes a whole cal
   args=(); for v in "${ab[@]}"; do args+=(--variant "$v"); done
   timeout -k 10 "$(( ${AB_BUDGET:-470} + 20 ))" python3 ops/bench/consumer_ab.py --preset 32b --reference .bench/ref \
     --out "$OUT/ab" --workdir /tmp/bench-work --budget-s "${AB_BUDGET:-470}" "${args[@]}" > "$OUT/ab.log" 2>&1
-  echo "exit $?"; grep -E '^\{|^\|' "$OUT/ab.log" | cut -c1-1500
+  echo "exit $?"; grep -E '^\{|^\|' "$OUT/ab.log" | cut -c1-2500
 fi
 if want trainer8; then bench trainer8 --mode trainer --preset 8b --steps "${TRAINER8_STEPS:-200}"; fi
 if want learning; then
