@@ -10,7 +10,7 @@
   data path) and spent launching a step (``host_launch_ms`` per step: on a GPU the launches run ahead of
   the kernels unless the host is slow or the launch queue is full).
 - **Python's garbage collector**: every collection in the process, timed with ``gc.callbacks``
-  (``gc_ms``, ``gc_max_ms``, ``gc_count`` over the interval); a collection holds the GIL for its whole
+  (``gc_ms``, ``gc_max_ms``, ``gc_count`` over the interval, ``gc_full`` of them full ones); a collection holds the GIL for its whole
   length, so the launching thread waits on it wherever it runs.
 - **CUDA caching allocator**: ``alloc_retries`` (the allocator freed its cache and retried a cudaMalloc:
   a device-wide sync each time), reserved memory.
@@ -62,8 +62,9 @@ class LoopWatch:
         self.gc_s = 0.0
         self.gc_max_s = 0.0
         self.gc_count = 0
+        self.gc_full = 0
 
-    def _on_gc(self, phase: str, _info: dict) -> None:
+    def _on_gc(self, phase: str, info: dict) -> None:
         if phase == "start":
             self._gc_t0 = time.perf_counter()
         elif self._gc_t0 is not None:
@@ -72,6 +73,7 @@ class LoopWatch:
             self.gc_s += took
             self.gc_max_s = max(self.gc_max_s, took)
             self.gc_count += 1
+            self.gc_full += info.get("generation") == 2
 
     def waited(self, seconds: float) -> None:
         """The main thread was blocked ``seconds`` on the next step's inputs."""
@@ -153,6 +155,7 @@ class LoopWatch:
             "gc_ms": round(1e3 * self.gc_s, 2),
             "gc_max_ms": round(1e3 * self.gc_max_s, 2),
             "gc_count": self.gc_count,
+            "gc_full": self.gc_full,
         }
         if self.cuda:
             out.update(self._gpu_figures())

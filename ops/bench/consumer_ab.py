@@ -48,7 +48,8 @@ from dflash.consumer.config import TrainConfig
 FIXED = ("spool", "target", "run", "run_dir", "checkpoint", "save_every", "max_steps", "total_steps")
 """TrainConfig fields the bench sets itself (a variant's flags cannot)."""
 PER_INTERVAL = (
-    "loss", "gpu_busy", "gpu_ms", "gpu_gap_max_ms", "host_wait_ms", "host_launch_ms", "gc_ms", "gc_max_ms", "alloc_retries",
+    "loss", "gpu_busy", "gpu_ms", "gpu_gap_max_ms", "host_wait_ms", "host_launch_ms", "gc_ms", "gc_max_ms", "gc_full",
+    "alloc_retries",
     "mem_reserved_gb", "sm_clock_mhz", "gpu_temp_c", "power_w",
 )  # fmt: skip
 
