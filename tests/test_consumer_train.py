@@ -152,6 +152,8 @@ def test_three_consumers_started_together_compile_and_train(tmp_path, tiny_targe
         (["--gpu", "cpu", "--context-tokens", "0"], "context-tokens must be a positive integer"),
         (["--gpu", "cpu", "--lr", "-1"], "lr must be > 0"),
         (["--gpu", "cpu", "--spool", "/nonexistent/spool"], "--spool /nonexistent/spool: no such directory"),
+        (["--gpu", "cpu", "--profile-steps", "40"], "profile-steps must be FIRST:COUNT"),
+        (["--gpu", "cpu", "--loss-impl", "liger"], "loss-impl liger needs a CUDA device"),
     ],
 )
 def test_bad_arguments_are_one_clear_line(tmp_path, tiny_target, args, message):

@@ -257,6 +257,9 @@ def main() -> None:
             rec.update(rc=rc, wall_s=round(time.monotonic() - t, 1))
             if rc in (124, 137):
                 rec["timed_out"] = f"{limit} s"
+            elif rc != 0:  # the variant's last words: its log holds the rest
+                tail = [line for line in (out / f"{name}.log").read_text().splitlines() if line.strip()]
+                rec["error"] = tail[-1][-300:] if tail else ""
             if ref and ref.get("ms_per_step") and rec.get("ms_per_step_median"):
                 rec["vs_reference"] = round(ref["ms_per_step"] / rec["ms_per_step_median"], 3)
             if rec.get("kernel_table"):
