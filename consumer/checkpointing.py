@@ -111,8 +111,6 @@ class CheckpointingMixin:
     def _submit_save(self) -> None:
         for blob in D.all_gather_bytes(self.trained.to_bytes(), self.dist):
             self.trained.update(SampleSet.from_bytes(blob))  # in place: the feed skips from this set
-        if self.dist.enabled:
-            self._share_trained()  # a data worker's skip set is its own copy: it gets the merged one
         trained = SampleSet.from_bytes(self.trained.to_bytes())  # frozen at this step; the live set grows on
         trained.epoch = self._step_epoch  # recorded in the checkpoint (the merged set: equal on every rank)
         rng_states = D.all_gather_object(capture_rng_state(), self.dist)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import typing
 from dataclasses import asdict, dataclass, field
+from typing import Literal
 
 from dflash.common.cli.flags import flag
 from dflash.common.drafter.layers import parse_layer_types
 
 PRECISIONS = ("auto", "mixed", "amp", "bf16", "fp32")
+LossImpl = Literal["auto", "chunked", "liger"]
+GcMode = Literal["python", "freeze", "interval"]
 
 
 @dataclass(kw_only=True)
@@ -74,10 +78,11 @@ class TrainConfig:
     """AdamW weight decay (the public recipe: none)"""
     grad_clip: float = 1.0
     """clip the gradient's global L2 norm to this"""
-    loss_impl: str = field(default="auto", metadata=flag(choices=("auto", "fused", "chunked")))
-    """lm_head + cross-entropy: fused (one compiled function: bf16 logits, no fp32 copy; kept for backward:
-    query tokens x vocab x 2 bytes), chunked (loss-chunk-tokens rows at a time, fp32); auto = chunked
-    until fused is measured faster on a GPU (common/drafter/loss.py, docs/training.md)"""
+    loss_impl: LossImpl = "auto"
+    """lm_head + cross-entropy, both loss_chunk_tokens query rows at a time, neither keeping logits for the
+    backward: chunked (torch ops, fp32 softmax passes), liger (liger-kernel's Triton cross-entropy kernel:
+    loss, gradient and argmax in one pass over the bf16 logits; CUDA only, needs the liger-kernel package);
+    auto = chunked until liger is measured faster on a GPU (common/drafter/loss.py, docs/training.md)"""
     loss_chunk_tokens: int = 2048
     """query tokens per lm_head + cross-entropy chunk of the chunked loss (logits memory: chunk x vocab)"""
     mask_token_id: int | None = None
@@ -107,12 +112,6 @@ class TrainConfig:
     is packed at once when none can give more soon: done, gone, blocked on the spool budget)"""
     prefetch_steps: int = 2
     """steps packed and copied to the GPU ahead of the one training"""
-    data_workers: str = field(default="auto", metadata=flag(choices=("auto", "0", "1")))
-    """where the data path runs (claims, decode, packing, anchors and labels, acks, shard deletion): 1 = in
-    one spawned worker process, handing steps over shared memory, so none of it takes the GIL from the
-    thread launching the GPU's kernels (~27 ms of CPU work per step at 32B-class shapes); 0 = threads of
-    the training process; auto = 0 until the worker is measured faster on a GPU (on the CPU a step is the
-    CPU's work anyway, and a spawned worker costs seconds of start-up per consumer: docs/training.md)"""
     precision: str = field(default="auto", metadata=flag(choices=PRECISIONS))
     """parameters and Adam state: mixed (bf16 weights; fp32 master and moments in the optimizer, one fused
     update pass), amp (fp32 + bf16 autocast), bf16 (bf16 weights and moments: measured to learn worse),
@@ -125,6 +124,24 @@ class TrainConfig:
     inductor without code generation (tests)"""
     cpu_threads: int | None = None
     """torch threads per CPU consumer (default: torch's own choice; several CPU processes share the cores)"""
+    gc_mode: GcMode = "interval"
+    """Python's garbage collector in the training loop: python (automatic, as Python does it), freeze (after
+    the warm-up steps, everything alive is frozen out of later collections: the model, compiled graphs,
+    modules), interval (freeze, then no automatic collection: one at each log line, timed in gc_ms). A
+    full collection walks every tracked object while holding the GIL, so it stalls the kernel launches;
+    docs/training.md, "Where a step's time goes" """
+    expandable_segments: bool = field(
+        default=True, metadata=flag(negate=True, help="CUDA: the caching allocator without expandable segments")
+    )
+    """CUDA: the caching allocator maps memory in growable segments (PYTORCH_CUDA_ALLOC_CONF
+    expandable_segments), so freed blocks are not stranded in fixed segments; left alone when
+    PYTORCH_CUDA_ALLOC_CONF is set"""
+    decode_threads: int | None = None
+    """zarr's threads decoding a shard's chunks in this process (default: zarr's own choice); each shares the
+    GIL with the thread launching the kernels"""
+    profile_steps: str | None = None
+    """FIRST:COUNT, e.g. 40:5: record steps FIRST..FIRST+COUNT-1 with torch.profiler and write their kernel
+    table to run-dir/profile-r<rank>.txt (default: no profile)"""
 
     def __post_init__(self) -> None:
         for name in (
@@ -182,10 +199,15 @@ class TrainConfig:
             raise ValueError(f"min-split-tokens must be >= 0, got {self.min_split_tokens}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.loss_impl not in ("auto", "fused", "chunked"):
-            raise ValueError(f"loss-impl must be auto, fused or chunked, got {self.loss_impl!r}")
-        if self.data_workers not in ("auto", "0", "1"):
-            raise ValueError(f"data-workers must be auto, 0 or 1, got {self.data_workers!r}")
+        for name, kind in (("loss_impl", LossImpl), ("gc_mode", GcMode)):
+            if getattr(self, name) not in typing.get_args(kind):
+                choices = ", ".join(typing.get_args(kind))
+                value = getattr(self, name)
+                raise ValueError(f"{name.replace('_', '-')} must be one of {choices}, got {value!r}")
+        if self.decode_threads is not None and self.decode_threads < 1:
+            raise ValueError(f"decode-threads must be >= 1, got {self.decode_threads}")
+        if self.profile_steps is not None:
+            self.profile_window  # noqa: B018  raises ValueError on a malformed FIRST:COUNT
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu-threads must be >= 1, got {self.cpu_threads}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -209,13 +231,6 @@ class TrainConfig:
             return self.compile_backend
         return "inductor" if device_type == "cuda" else "eager"
 
-    def resolved_data_workers(self, device_type: str) -> int:
-        """``data_workers`` on this device: auto = 0 (threads of the training process) until the worker is
-        measured faster on a GPU (docs/training.md, "Measured on the H200")."""
-        if self.data_workers != "auto":
-            return int(self.data_workers)
-        return 0
-
     def resolved_precision(self, device_type: str) -> str:
         """``precision`` on this device: auto = amp on CUDA (the fastest measured that learns as fp32 does;
         mixed is not yet measured faster, docs/training.md), fp32 on the CPU (bf16 matmuls are 4-5x slower)."""
@@ -224,8 +239,7 @@ class TrainConfig:
         return "amp" if device_type == "cuda" else "fp32"
 
     def resolved_loss_impl(self, device_type: str) -> str:
-        """``loss_impl`` on this device: auto = chunked (the loss measured on the GPU; fused awaits its GPU
-        measurement, docs/training.md)."""
+        """``loss_impl`` on this device: auto = chunked (liger awaits its GPU measurement, docs/training.md)."""
         if self.loss_impl != "auto":
             return self.loss_impl
         return "chunked"
@@ -236,6 +250,16 @@ class TrainConfig:
         import torch  # not at the top: the CLI imports this config before parsing its flags
 
         return torch.bfloat16 if self.resolved_precision(device_type) in ("mixed", "bf16") else torch.float32
+
+    @property
+    def profile_window(self) -> tuple[int, int] | None:
+        """--profile-steps as (first step, count), None without it."""
+        if self.profile_steps is None:
+            return None
+        first, sep, count = self.profile_steps.partition(":")
+        if not (sep and first.isdigit() and count.isdigit() and int(first) >= 1 and int(count) >= 1):
+            raise ValueError(f"profile-steps must be FIRST:COUNT, both >= 1 (e.g. 40:5), got {self.profile_steps!r}")
+        return int(first), int(count)
 
     @property
     def layer_types(self) -> list[str] | None:

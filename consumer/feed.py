@@ -378,12 +378,6 @@ class ShardFeed:
             self.counters.shards_acked += 1
         return [s.sample_index for s in step if s.last_piece]
 
-    def newest_completions(self) -> list[int]:
-        """The sample indices the newest packed step completes (what its ``commit()`` will return): a
-        data worker sends them with the step, so the trainer's ledger needs no round trip."""
-        with self._lock:
-            return [s.sample_index for s in self._in_flight[-1] if s.last_piece]
-
     @property
     def in_flight(self) -> int:
         """Packed steps not yet committed."""

@@ -61,6 +61,8 @@ class IntervalLogMixin:
         loss_sum, weight_sum, tau_sum, blocks, tokens, samples = packed[:6].tolist()
         correct, valid = packed[6 : 6 + B], packed[6 + B :]
         elapsed = time.monotonic() - stats.t0
+        self.watch.at_log_line()  # gc_mode interval: the interval's one collection, counted in its own gc_ms
+        loop = self.watch.interval()
         acc_per_pos = (correct / valid.clamp(min=1)).tolist()
         acc = float(correct[1:].sum() / valid[1:].sum().clamp(min=1))
         spool_stats = self._spool_summary()
@@ -84,6 +86,8 @@ class IntervalLogMixin:
             **self._campaign_fields(elapsed / stats.steps),
             "world_size": self.dist.world_size,
             **spool_stats,
+            # where the interval's time went (consumer/loop_watch.py): a host stall vs a slow kernel
+            **loop,
         }
         if self.device.type == "cuda":
             rec["mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 2**30
@@ -97,7 +101,11 @@ class IntervalLogMixin:
             self.metrics.write(rec)
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in rec.items() if k not in ("acc_per_pos", "time")}, step=self.step)
-        log.info(format_console_line(rec, elapsed_s=time.monotonic() - self._t_process, eta_s=rec.get("eta_s")))
+        line = format_console_line(rec, elapsed_s=time.monotonic() - self._t_process, eta_s=rec.get("eta_s"))
+        loop_line = f"wait {rec['host_wait_ms']:.0f} ms/step, gc {rec['gc_ms']:.0f} ms"
+        if "gpu_busy" in rec:
+            loop_line = f"gpu busy {100 * rec['gpu_busy']:.0f}% ({rec['gpu_ms']:.0f} ms/step), " + loop_line
+        log.info("%s | %s", line, loop_line)
 
     def _spool_summary(self) -> dict:
         """Spool depth and the producers' summed rate, as the feed's heartbeat thread last saw them."""

@@ -4,6 +4,7 @@ itself (clipping folded in, the mixed precision's master weights) is consumer/op
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import time
 from dataclasses import dataclass, field
@@ -90,17 +91,20 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 def _step_backend(cfg: TrainConfig, device: torch.device) -> str:
-    """The draft layers' compile backend, which the fused loss and the master-weight AdamW share."""
+    """The draft layers' compile backend, which the master-weight AdamW shares."""
     return cfg.resolved_compile_backend(device.type) if cfg.compile else "eager"
 
 
 def make_loss(cfg: TrainConfig, device: torch.device) -> LinearCrossEntropy:
-    """The step's lm_head + cross-entropy for this device (``TrainConfig.loss_impl``): the fused one is
-    compiled with the draft layers' backend."""
-    return linear_cross_entropy(
-        cfg.resolved_loss_impl(device.type), chunk_tokens=cfg.loss_chunk_tokens,
-        compile_backend=_step_backend(cfg, device),
-    )  # fmt: skip
+    """The step's lm_head + cross-entropy for this device (``TrainConfig.loss_impl``). liger needs CUDA and
+    the liger-kernel package: anything else is one clear error here, before the model is compiled."""
+    impl = cfg.resolved_loss_impl(device.type)
+    if impl == "liger":
+        if device.type != "cuda":
+            raise ValueError("loss-impl liger needs a CUDA device (its kernel is Triton): use chunked")
+        if importlib.util.find_spec("liger_kernel") is None:
+            raise ValueError("loss-impl liger needs the liger-kernel package: pip install liger-kernel")
+    return linear_cross_entropy(impl, chunk_tokens=cfg.loss_chunk_tokens)
 
 
 def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):

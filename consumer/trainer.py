@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch._dynamo  # noqa: F401  first import in the main thread: concurrent first imports from threads crash
+import zarr
 from transformers import AutoConfig, AutoTokenizer
 
 from dflash.common.checkpoints.store import CheckpointStoreError
@@ -41,11 +42,11 @@ from dflash.consumer.async_checkpoint import AsyncCheckpointer
 from dflash.consumer.campaign import CampaignPlan, WarmupCosine, read_plan
 from dflash.consumer.checkpointing import CheckpointingMixin
 from dflash.consumer.config import TrainConfig
-from dflash.consumer.data_worker import DataWorker, WorkerSpec
 from dflash.consumer.feed import ShardFeed
 from dflash.consumer.held_out import HeldOutEval
 from dflash.consumer.input_pipeline import InputPipeline, StepInput
 from dflash.consumer.interval_log import IntervalLogMixin
+from dflash.consumer.loop_watch import LoopWatch, StepProfiler
 from dflash.consumer.optim import clipped_step
 from dflash.consumer.step import (
     StepStats,
@@ -137,10 +138,17 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
         self.plan: CampaignPlan | None = None
         self._t_process = time.monotonic()
         self.history: list[dict] = []
+        self.watch = LoopWatch(self.device, gc_mode=cfg.gc_mode, freeze_at_step=WARMUP_STEPS_FOR_RECOMPILES)
+        window = cfg.profile_steps and cfg.profile_window
+        out = Path(cfg.run_dir or ".") / f"profile-r{self.dist.rank}.txt"
+        self.profiler = StepProfiler(window, out, self.device) if window else None
 
     def _set_up_device(self) -> None:
         self.device = torch.device(self.cfg.device)
         if self.device.type == "cuda":
+            if self.cfg.expandable_segments and not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ):
+                # before this process's first CUDA allocation (the CLI and the benches make none before)
+                torch.cuda.memory._set_allocator_settings("expandable_segments:True")
             if self.device.index is None:  # "cuda": the current device, named (streams and DDP want an index)
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
@@ -148,6 +156,8 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
             torch.set_flush_denormal(True)  # tiny fp32 optimizer states turn denormal and crawl otherwise
             if self.cfg.cpu_threads:
                 torch.set_num_threads(self.cfg.cpu_threads)
+        if self.cfg.decode_threads:  # the feed's decoder: its chunk-decoding thread pool in this process
+            zarr.config.set({"threading.max_workers": self.cfg.decode_threads})
         self.compute_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
 
     def _build_model(self) -> None:
@@ -181,23 +191,10 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
             )
 
     def _build_data(self) -> None:
-        """The data path: in a worker process (``data_worker.py``: claims, decode, pack, anchors, acks;
-        this process only copies to the device), or in threads of this one (the shard feed and the input
-        pipeline). Either gives the same batches: the same feed, the same seeded generator."""
+        """The data path, in threads of this process: the shard feed (claims, decode, packing, acks, shard
+        deletion) and the input pipeline (anchors, labels, the host->device copy)."""
         cfg = self.cfg
         self._padding_input: StepInput | None = None
-        if cfg.resolved_data_workers(self.device.type):
-            level = logging.getLogger().getEffectiveLevel()
-            spec = WorkerSpec(
-                spool=str(self.spool.root), consumer_id=self.consumer_id, feed=self._feed_kwargs(),
-                batch=self._batch_kwargs(), seed=cfg.seed * 1000 + self.dist.rank,
-                hidden_width=self._hidden_width(), log_level=level, log_prefix=f"consumer[{self.dist.rank}] data",
-            )  # fmt: skip
-            # the worker's skip set is the trained set (the resume cursor); a restarted one gets it as grown
-            self.feed = self.inputs = DataWorker(
-                spec, self.trained, device=self.device, hidden_dtype=self.compute_dtype, slots=cfg.prefetch_steps + 1
-            )
-            return
         self.feed = ShardFeed(
             self.spool,
             self.consumer_id,
@@ -214,14 +211,8 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
             depth=cfg.prefetch_steps,
         )
 
-    def _share_trained(self) -> None:
-        """The merged trained set (all ranks', at a save) for the duplicate filter: the in-process feed
-        reads ``self.trained`` itself; a data worker keeps a copy, so it is sent."""
-        if isinstance(self.feed, DataWorker):
-            self.feed.update_skip(self.trained)
-
     def _feed_kwargs(self) -> dict:
-        """ShardFeed's settings from the config (the in-process feed's and the data worker's)."""
+        """ShardFeed's settings from the config."""
         cfg = self.cfg
         return dict(
             context_tokens=cfg.context_tokens,
@@ -250,7 +241,9 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
         t_start = time.monotonic()
         try:
             while cfg.max_steps is None or self.step < cfg.max_steps:
+                t_wait = time.perf_counter()
                 item, self._deferred = self._deferred or self.inputs.get(timeout=0.5), None
+                self.watch.waited(time.perf_counter() - t_wait)
                 if self.dist.is_main:  # a finished background save: said at once (and fatal if none exists)
                     self._report_saves(self.checkpointer.collect())
                 agreed = self._agree(item)
@@ -279,7 +272,13 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
                 if self.first_step_s is None:
                     self._plan_campaign()
                     self._say_phase("compiling" if self._compiles else "training")
+                if self.profiler is not None:
+                    self.profiler.before_step(self.step)
+                self.watch.begin()
                 self._train_step(item, stats)
+                self.watch.end(self.step)
+                if self.profiler is not None:
+                    self.profiler.after_step(self.step)
                 self._replan(tokens)
                 if self.first_step_s is None:
                     self.first_step_s = time.monotonic() - t_start
@@ -301,8 +300,9 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
             # write (exiting while it runs aborts the process and loses the checkpoint)
             self.save(final=True)
         finally:
+            self.watch.close()
             self.inputs.close()
-            self.feed.close()  # the same object as inputs with a data worker: closing twice is a no-op
+            self.feed.close()
         return {
             "steps": self.step,
             "rank": self.dist.rank,

@@ -30,8 +30,12 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
     "dflash-consume": {
         "--draft-layer-types": "issue 27: sliding-window draft layers (auto: the public layout for hybrid targets)",
         "--sliding-window": "issue 27: the window of the sliding draft layers",
-        "--loss-impl": "issue 26: the compiled fused lm_head + cross-entropy (CUDA default) or the chunked one",
-        "--data-workers": "issue 26: the data path in its own process (1) or in threads (0, auto until measured on a GPU)",
+        "--loss-impl": "issue 26, changed by issue 36: chunked (default) or liger's one-pass Triton kernel; the "
+        "compiled whole-graph 'fused' choice was removed (0.73x the reference step on the H200, RESULTS.md)",
+        "--gc-mode": "issue 36: Python's collector frozen after warm-up and run at log lines only (interval)",
+        "--no-expandable-segments": "issue 36: the CUDA caching allocator's expandable segments (on by default)",
+        "--decode-threads": "issue 36: zarr's chunk-decoding threads in the training process",
+        "--profile-steps": "issue 36: torch.profiler kernel table of a few steps, written to the run dir",
     },
     "dflash-eval": {
         "--temperature": "issue 27: lossless speculative rejection sampling",
@@ -43,6 +47,13 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
     "dflash-export": {
         "--check": "issue 27: validate any drafter folder against what vLLM, SGLang and transformers read",
         "--target": "issue 27: where the tokenizer files come from when the recorded target is not here",
+    },
+}
+# prog -> {option: why it was removed}: once added (ADDED), measured, and taken out again
+REMOVED: dict[str, dict[str, str]] = {
+    "dflash-consume": {
+        "--data-workers": "issue 36: the data path in a spawned worker process measured 0.86x the reference "
+        "step against the in-thread path's 1.04x (H200, 32B-class real loop, RESULTS.md); no bug found to explain it",
     },
 }
 SUBCOMMANDS_ADDED = {
@@ -170,3 +181,11 @@ def test_added_options_exist():
         name = prog.split()[0]
         now = options(_parsers(SCRIPTS[name])[prog])
         assert set(opts) <= set(now), f"{prog}: {sorted(set(opts) - set(now))} listed in ADDED but absent"
+
+
+def test_removed_options_are_gone():
+    """REMOVED names options a console script no longer takes (one coming back needs an entry in ADDED)."""
+    for prog, opts in REMOVED.items():
+        now = options(_parsers(SCRIPTS[prog.split()[0]])[prog])
+        back = sorted(set(opts) & set(now))
+        assert not back, f"{prog}: {back} listed in REMOVED but present"

@@ -152,6 +152,8 @@ def test_three_consumers_started_together_compile_and_train(tmp_path, tiny_targe
         (["--gpu", "cpu", "--context-tokens", "0"], "context-tokens must be a positive integer"),
         (["--gpu", "cpu", "--lr", "-1"], "lr must be > 0"),
         (["--gpu", "cpu", "--spool", "/nonexistent/spool", "--spool-wait-s", "0"], "--spool /nonexistent/spool: no such directory"),
+        (["--gpu", "cpu", "--profile-steps", "40"], "profile-steps must be FIRST:COUNT"),
+        (["--gpu", "cpu", "--loss-impl", "liger"], "loss-impl liger needs a CUDA device"),
     ],
 )
 def test_bad_arguments_are_one_clear_line(tmp_path, tiny_target, args, message):
@@ -194,3 +196,90 @@ def test_three_consumers_share_one_gpu_with_compiled_flex(tmp_path, tiny_target)
     """On the device: three dflash-consume processes on GPU 0 at once, each compiling its draft layers
     with flex_attention inside (inductor); all train, none recompiles after warm-up."""
     _three_consumers_at_once(tmp_path, tiny_target, gpu="0", extra=[])
+
+
+def test_each_log_line_says_where_the_interval_went_and_the_profile_is_written(tmp_path, tiny_target):
+    """Every metrics record carries the loop's own figures (host wait and launch per step, the garbage
+    collector's time and count; on the CPU no GPU figures), --gc-mode interval collects once per log line
+    (gc_count >= 1 after the freeze at step 2), and --profile-steps writes the kernel table of its steps."""
+    spool = write_synthetic_spool(
+        tmp_path / "spool", hidden_size=256, layer_ids=[1, 2, 3, 4, 5], num_shards=4, samples_per_shard=8,
+        tokens_per_sample=32, vocab=4096,
+    )  # fmt: skip
+    run_dir = tmp_path / "run"
+    cmd = consume_cmd(
+        spool.root, tiny_target, "--run-dir", str(run_dir), "--context-tokens", "256", "--max-steps", "4",
+        "--log-every", "2", "--compile-backend", "eager", "--gc-mode", "interval", "--profile-steps", "3:2",
+        "--eval-every", "0",
+    )  # fmt: skip
+    proc = run(cmd, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recs = [r for r in read_metrics(run_dir / "metrics" / "consumer-0.jsonl") if "loss" in r]
+    assert [r["step"] for r in recs] == [2, 4]
+    for r in recs:
+        assert r["host_wait_ms"] >= 0 and r["host_launch_ms"] > 0
+        assert r["gc_ms"] >= 0 and r["gc_max_ms"] <= r["gc_ms"]
+        assert "gpu_busy" not in r and "alloc_retries" not in r  # the CPU: host figures only
+    assert recs[1]["gc_count"] >= 1  # frozen after step 2, then one collection at the step-4 log line
+    table = (run_dir / "profile-r0.txt").read_text()
+    assert table.startswith("steps 3..4 (2 steps)") and "aten::" in table
+
+
+def test_loop_watch_times_collections_and_host_wait_and_restores_the_collector():
+    """LoopWatch alone: a collection inside an interval is counted and timed, waits add up per step, and
+    gc_mode interval turns automatic collection off after the warm-up step and back on at close."""
+    import gc
+
+    import torch
+
+    from dflash.consumer.loop_watch import LoopWatch
+
+    watch = LoopWatch(torch.device("cpu"), gc_mode="interval", freeze_at_step=1)
+    try:
+        watch.waited(0.004)
+        watch.begin()
+        watch.end(step=1)
+        assert watch.frozen and not gc.isenabled()
+        watch.begin()
+        gc.collect()
+        watch.end(step=2)
+        watch.waited(0.002)
+        fig = watch.interval()
+        assert fig["host_wait_ms"] == 3.0  # (4 + 2) ms over two steps
+        assert fig["gc_count"] >= 2 and fig["gc_full"] >= 2  # the freeze's collection and the one in step 2
+        assert fig["gc_ms"] > 0 and fig["gc_max_ms"] > 0
+        assert watch.interval()["gc_count"] == 0  # a fresh interval
+    finally:
+        watch.close()
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_the_ab_bench_reads_variants_as_dflash_consume_flags_and_summarizes_intervals():
+    """ops/bench/consumer_ab.py: a variant's flags are parsed by TrainConfig's generated flags (a flag the
+    consumer lacks is refused before any prefill), and the summary keeps the measured intervals only."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops" / "bench"))
+    import consumer_ab
+
+    assert consumer_ab.parse_variant("liger=--loss-impl liger") == ("liger", ["--loss-impl", "liger"])
+    assert consumer_ab.parse_variant("default=") == ("default", [])
+    with pytest.raises(SystemExit):
+        consumer_ab.parse_variant("no-equals-sign")
+    parser = consumer_ab.variant_parser(context=4096, anchors=256)
+    assert parser.parse_args(["--gc-mode", "python"]).gc_mode == "python"
+    assert parser.parse_args([]).max_anchors_per_doc == 256
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--data-workers", "1"])
+    history = [
+        {"step": s, "time": t, "interval_s": 1.0, "gpu_busy": b, "gc_ms": g, "mem_gb": m}
+        for s, t, b, g, m in [(10, 5.0, 0.5, 900.0, 40.0), (20, 7.0, 0.98, 1.0, 41.0), (30, 9.2, 0.97, 2.0, 41.0),
+                              (40, 11.2, 0.99, 0.5, 42.0), (43, 11.9, 0.9, 0.1, 50.0)]
+    ]  # fmt: skip
+    out = consumer_ab.summarize(history, warmup=10, last_step=40)
+    assert out["intervals_ms"] == [(20, 200.0), (30, 220.0), (40, 200.0)]
+    assert out["ms_per_step_median"] == 200.0
+    assert out["intervals_gpu_busy"] == [0.98, 0.97, 0.99] and out["gpu_busy_median"] == 0.98
+    assert out["gc_ms_total"] == 3.5  # the warm-up interval's 900 ms and the profiled tail left out
+    assert out["peak_mem_gb_first_fifth"] == 41.0 and out["peak_mem_gb_last_fifth"] == 42.0

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -125,11 +124,9 @@ def test_two_gloo_ranks_equal_one_process_on_the_same_data(tmp_path):
     assert worst <= 1e-5, worst
 
 
-@pytest.mark.parametrize("data_workers", ["0", "1"])
-def test_two_consumer_processes_keep_identical_weights_and_stop_together(tmp_path, tiny_target, data_workers):
+def test_two_consumer_processes_keep_identical_weights_and_stop_together(tmp_path, tiny_target):
     """Two dflash-consume processes (env:// rendezvous, gloo) on one spool: every sample trained exactly
-    once across the group, both stop when the spool is drained, weights identical on both ranks; with the
-    data path in threads and in a data worker per rank (whose skip set gets the merged one at saves)."""
+    once across the group, both stop when the spool is drained, weights identical on both ranks."""
     spool = write_synthetic_spool(
         tmp_path / "spool",
         hidden_size=256,
@@ -158,8 +155,6 @@ def test_two_consumer_processes_keep_identical_weights_and_stop_together(tmp_pat
             str(tmp_path / "ckpt"),
             "--run",
             "ddp",
-            "--data-workers",
-            data_workers,
         )
         procs.append(
             subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

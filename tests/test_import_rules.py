@@ -53,7 +53,7 @@ LOCAL_IMPORTS_OK = {
     "dflash.consumer.config": "imported by the CLI before parsing: torch only in param_dtype",
     "dflash.producer.supervisor": "the worker entry runs in a spawned child: its imports are the child's",
     "dflash.consumer.interval_log": "wandb (seconds to import) only for a run that logs to it",
-    "dflash.consumer.data_worker": "the feed (numcodecs' blosc lock) only after the spawned worker's anonymous_library_locks",
+    "dflash.common.drafter.loss": "liger-kernel and Triton (CUDA only, optional) only for --loss-impl liger",
 }
 
 

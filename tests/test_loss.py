@@ -1,5 +1,5 @@
-"""The lm_head + cross-entropy, chunked and fused: both equal the unchunked loss; the chunked one never holds
-full logits, the compiled fused one (CUDA) never an fp32 copy of them; accuracy and τ."""
+"""The lm_head + cross-entropy in chunks, with either row pass (torch ops, liger-kernel's Triton kernel):
+both equal the unchunked loss with its per-position weights; no full logits ever exist; accuracy and τ."""
 
 from types import SimpleNamespace
 
@@ -9,11 +9,12 @@ import torch.nn.functional as F
 from draft_reference import one_thread  # noqa: F401  (autouse fixture)
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dflash.common.drafter import loss as loss_module
 from dflash.common.drafter.loss import (
     chunked_linear_cross_entropy,
     draft_loss,
-    fused_linear_cross_entropy,
     linear_cross_entropy,
+    torch_rows,
 )
 
 
@@ -130,30 +131,37 @@ def test_draft_loss_ignores_position_zero_and_zero_weights_in_grad():
     assert (hidden.grad[:2, 1:].abs().sum(-1) > 0).all()
 
 
+def kernel_like_rows(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool):
+    """liger_rows' contract on the CPU (liger's kernel is Triton, CUDA only): each row's unreduced loss and
+    argmax, and the gradient written over the logits in their own dtype (the kernel works in place)."""
+    row_loss, preds, grad = torch_rows(logits, labels, need_grad)
+    if grad is not None:
+        logits.copy_(grad)
+    return row_loss, preds, logits if need_grad else None
+
+
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-def test_fused_equals_chunked_loss_grads_and_predictions(weight_dtype):
-    """The fused function (what torch.compile fuses on CUDA; here eager) against the chunked Function:
-    the weighted loss, the hidden states' gradient and every greedy prediction, in fp32 to 1e-5; with a
-    bf16 lm_head (as on CUDA) the predictions are the argmax of the same bf16 logits, so they match exactly."""
+def test_an_in_place_row_pass_equals_the_torch_one_with_per_position_weights(weight_dtype):
+    """The chunked Function around a row pass that overwrites the logits with their gradient (as liger's
+    kernel does) gives the torch row pass's weighted loss, hidden-state gradient and every prediction: the
+    per-position weights are applied after the projection, never inside the kernel."""
     hidden, weight, labels, weights = inputs(3, m=45, h=24, v=301)
     weight = weight.detach().to(weight_dtype)
     got = {}
-    for name, fn in (
-        ("fused", fused_linear_cross_entropy),
-        ("chunked", lambda *a: chunked_linear_cross_entropy(*a, chunk_tokens=8)),
-    ):
+    for name, rows in (("in_place", kernel_like_rows), ("torch", torch_rows)):
         hidden.grad = None
-        loss, preds = fn(hidden, weight, labels, weights)
+        loss, preds = chunked_linear_cross_entropy(hidden, weight, labels, weights, chunk_tokens=8, row_pass=rows)
         (loss * 0.3).backward()
         got[name] = (loss.detach(), preds, hidden.grad.clone())
-    torch.testing.assert_close(got["fused"][0], got["chunked"][0], atol=1e-5, rtol=1e-5)
-    # a bf16 gradient is rounded before (chunked: in forward) or after (fused) the upstream scale
+    torch.testing.assert_close(got["in_place"][0], got["torch"][0], atol=1e-5, rtol=1e-5)
+    # bf16 logits: the in-place gradient is rounded to bf16 once more before the projection
     tol = {"atol": 1e-5, "rtol": 1e-5} if weight_dtype == torch.float32 else {"atol": 8e-3, "rtol": 1.6e-2}
-    torch.testing.assert_close(got["fused"][2], got["chunked"][2], **tol)
-    assert torch.equal(got["fused"][1], got["chunked"][1])
+    torch.testing.assert_close(got["in_place"][2], got["torch"][2], **tol)
+    assert torch.equal(got["in_place"][1], got["torch"][1])
 
 
-def test_draft_loss_metrics_are_the_same_with_either_implementation():
+def test_draft_loss_metrics_are_the_same_with_either_row_pass(monkeypatch):
+    monkeypatch.setitem(loss_module.ROW_PASSES, "liger", kernel_like_rows)  # the CPU stand-in
     g = torch.Generator().manual_seed(4)
     n, b, h, v = 6, 5, 16, 40
     hidden = torch.randn(n, b, h, generator=g)
@@ -164,44 +172,36 @@ def test_draft_loss_metrics_are_the_same_with_either_implementation():
         labels=labels, label_weights=(torch.rand(n, b, generator=g) > 0.2).float(),
         anchor_valid=torch.tensor([1, 1, 1, 1, 0, 1]).bool(),
     )  # fmt: skip
-    fused = draft_loss(hidden, batch, weight, lce=linear_cross_entropy("fused"))
+    liger = draft_loss(hidden, batch, weight, lce=linear_cross_entropy("liger", chunk_tokens=7))
     chunked = draft_loss(hidden, batch, weight, lce=linear_cross_entropy("chunked", chunk_tokens=7))
-    assert fused.tau_sum.item() > fused.num_blocks.item()  # the test sees accepted drafts
-    torch.testing.assert_close(fused.loss_sum, chunked.loss_sum, atol=1e-5, rtol=1e-5)
+    assert liger.tau_sum.item() > liger.num_blocks.item()  # the test sees accepted drafts
+    torch.testing.assert_close(liger.loss_sum, chunked.loss_sum, atol=1e-5, rtol=1e-5)
     for f in ("weight_sum", "correct", "valid", "tau_sum", "num_blocks"):
-        assert torch.equal(getattr(fused, f), getattr(chunked, f)), f
+        assert torch.equal(getattr(liger, f), getattr(chunked, f)), f
     with pytest.raises(ValueError, match="loss impl must be one of"):
-        linear_cross_entropy("dense")
+        linear_cross_entropy("fused")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_compiled_fused_loss_on_cuda_equals_chunked_and_keeps_no_fp32_logits():
-    """The training path on CUDA: bf16 lm_head, compiled fused loss vs the chunked one (same bf16 logits:
-    equal predictions; loss and gradient to bf16 tolerance), and its peak memory during forward + backward
-    stays below one fp32 [tokens x vocab] buffer (the bf16 logits saved for backward are half of it)."""
+def test_liger_kernel_on_cuda_equals_the_torch_row_pass_at_32b_shapes():
+    """The training path on CUDA at the 32B-class loss shapes (3,840 query rows x 151,936, bf16 lm_head):
+    liger-kernel's row pass against the torch one: every prediction equal (the argmax of the same bf16
+    logits), the weighted loss and the hidden states' gradient to bf16 tolerance."""
+    pytest.importorskip("liger_kernel")
     torch.manual_seed(0)
     m, h, v = 3840, 1024, 151936
     dev = torch.device("cuda")
     hidden = (torch.randn(m, h, device=dev) * 0.5).to(torch.bfloat16).requires_grad_()
     weight = (torch.randn(v, h, device=dev) * 0.02).to(torch.bfloat16)
     labels = torch.randint(0, v, (m,), device=dev)
-    weights = (torch.rand(m, device=dev) > 0.3).float()
-    fused = linear_cross_entropy("fused", compile_backend="inductor")
-    fused(hidden, weight, labels, weights)[0].backward()  # compile outside the measured call
-    hidden.grad = None
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    loss, preds = fused(hidden, weight, labels, weights)
-    loss.backward()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    got = (loss.detach().float(), preds, hidden.grad.float())
-    hidden.grad = None
-    loss_c, preds_c = chunked_linear_cross_entropy(hidden, weight, labels, weights, chunk_tokens=2048)
-    loss_c.backward()
-    assert peak < m * v * 4, f"peak {peak / 2**30:.2f} GiB: an fp32 copy of the logits exists"
-    assert torch.equal(got[1], preds_c)
-    torch.testing.assert_close(got[0], loss_c.detach().float(), rtol=2e-3, atol=0)
-    torch.testing.assert_close(got[2], hidden.grad.float(), rtol=2e-2, atol=2e-3)
+    weights = torch.exp(-torch.arange(m, device=dev).remainder(15) / 7.0) * (torch.rand(m, device=dev) > 0.3)
+    got = {}
+    for impl in ("liger", "chunked"):
+        hidden.grad = None
+        loss, preds = linear_cross_entropy(impl, chunk_tokens=2048)(hidden, weight, labels, weights)
+        (loss * 0.5).backward()
+        got[impl] = (loss.detach().float(), preds, hidden.grad.float())
+    assert torch.equal(got["liger"][1], got["chunked"][1])
+    torch.testing.assert_close(got["liger"][0], got["chunked"][0], rtol=1e-4, atol=0)
+    torch.testing.assert_close(got["liger"][2], got["chunked"][2], rtol=2e-2, atol=2e-3)

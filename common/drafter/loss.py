@@ -1,23 +1,21 @@
-"""Draft loss: the target's frozen lm_head + weighted cross-entropy, plus accuracy and τ. Two ways to the
-same numbers (``LOSS_IMPLS``; tests/test_loss.py holds them equal to 1e-5 in fp32):
+"""Draft loss: the target's frozen lm_head + weighted cross-entropy, plus accuracy and τ.
 
-- ``fused`` (CUDA, compiled): one plain function, ``logits = h @ W.T`` in the lm_head's dtype (bf16), the
-  cross-entropy in fp32 and the argmax, handed to torch.compile whole, so inductor can fuse the
-  log-softmax, the weighted NLL and the argmax into the reduction over the bf16 logits, and the backward's
-  softmax - onehot into one pass, without an fp32 [tokens x vocab] buffer (the kernels it makes and their
-  time are not yet measured on a GPU: docs/training.md, "Measured on the H200"). At 32B-class shapes (3,840 query tokens x
-  151,936) the chunked path spent ~14.5 ms a step in such passes (RESULTS.md's kernel table); the bf16
-  logits it keeps for backward are 1.2 GB.
-- ``chunked`` (the CPU, and anything short of memory): a custom autograd Function that walks the query
-  tokens in chunks: for each chunk it computes the logits, the loss, the greedy predictions AND the
-  gradient w.r.t. the hidden states (softmax - onehot, times the weight, times lm_head), then drops the
-  logits. Backward only scales the stored gradient by the upstream scalar. At most one chunk of logits
-  exists at any time, in forward and backward, and no logits are recomputed.
+The lm_head + cross-entropy walks the query tokens in chunks (``chunk_tokens`` rows): for each chunk it
+computes the logits, each row's cross-entropy, its greedy prediction AND the gradient w.r.t. the hidden
+states, then drops the logits; backward only scales the stored gradient by the upstream scalar. At most one
+chunk of logits exists at any time and none is recomputed. The per-row loss weights are applied after the
+projection back to the hidden width (``diag(w) (G W) = (diag(w) G) W``: exact, and a pass over [rows x H]
+instead of [rows x vocab]). Two ways to the row pass over a chunk's logits (``LOSS_IMPLS``):
 
-Why not a library kernel: liger-kernel's fused linear cross-entropy and cut-cross-entropy both return the
-loss alone (the per-position accuracy and tau need each query's greedy prediction, a second [tokens x vocab]
-pass if done outside) and neither is in this stack's wheels on the device; a compiled plain function gives
-inductor the whole graph (GEMM, log-softmax, NLL and argmax) and costs no dependency.
+- ``chunked`` (the default, any device): torch ops in fp32 (logsumexp, gather, argmax, exp, scatter):
+  at 32B-class shapes (3,840 query tokens x 151,936) ~14.5 ms a step of elementwise passes (RESULTS.md).
+- ``liger`` (CUDA, needs ``liger-kernel``): liger-kernel's Triton cross-entropy kernel
+  (``liger_kernel.ops.cross_entropy.liger_cross_entropy_kernel``) over the bf16 logits in place: an online
+  softmax pass, then one pass writing the gradient (softmax - onehot) and the argmax, each row's loss
+  unreduced. liger's own ``LigerFusedLinearCrossEntropyFunction`` is not used: its loss weights are per
+  class (``ce_weight``), not per position, and its ``reduction="none"`` path (the only one taking
+  per-position weights, as the upstream gradient) recomputes every chunk's logits in backward (one more
+  lm_head GEMM, ~6 TFLOP a step here) and reads the token count back to the host each call.
 
 Sums, not means, come back: the trainer all-reduces `loss_sum` / `weight_sum` / counts across ranks and divides
 by the GLOBAL weight sum, so every token weighs the same whatever rank it landed on.
@@ -30,18 +28,59 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-LOSS_IMPLS = ("fused", "chunked")
+LOSS_IMPLS = ("chunked", "liger")
 LinearCrossEntropy = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 """(hidden [M, H], lm_head weight [V, H], labels [M], weights [M]) -> (sum of weighted CE, argmax [M])."""
+RowPass = Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
+"""(logits [c, V] in the lm_head's dtype, labels [c], need gradient) -> (each row's cross-entropy, fp32 [c];
+its argmax [c]; d CE / d logits [c, V], unweighted, or None): the row pass over one chunk's logits."""
+
+
+def torch_rows(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool):
+    """The row pass in torch ops, fp32 (``RowPass``)."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    row_loss = lse - logits.gather(1, labels[:, None]).squeeze(1)
+    preds = logits.argmax(dim=-1)
+    if not need_grad:
+        return row_loss, preds, None
+    grad = torch.exp(logits - lse[:, None])
+    grad.scatter_add_(1, labels[:, None], -torch.ones_like(lse)[:, None])
+    return row_loss, preds, grad
+
+
+def liger_rows(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool):
+    """The row pass in liger-kernel's Triton kernel (``RowPass``; CUDA): the logits become the gradient in
+    place. reduction "sum" leaves each row's loss unscaled; no index is ignored (every label is a token)."""
+    import triton  # CUDA only: optional, and absent from CPU installs
+    from liger_kernel.ops.cross_entropy import liger_cross_entropy_kernel
+
+    rows, vocab = logits.shape
+    logits = logits.contiguous()
+    labels = labels.contiguous()
+    row_loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    preds = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    liger_cross_entropy_kernel[(rows,)](
+        X_ptr=logits, X_stride=logits.stride(-2), Y_ptr=labels, Y_stride=labels.stride(-1), weight_ptr=None,
+        loss_ptr=row_loss, z_loss_ptr=None, loss_stride=row_loss.stride(-1), token_accuracy_ptr=None,
+        token_accuracy_stride=0, predicted_tokens_ptr=preds, predicted_tokens_stride=preds.stride(-1),
+        n_cols=vocab, n_non_ignore=1, sum_non_ignore_weight=1, weight_sum=0.0, ignore_index=-100,
+        lse_square_scale=0.0, label_smoothing=0.0, reduction="sum", softcap=None, RETURN_Z_LOSS=False,
+        RETURN_TOKEN_ACCURACY=False, RETURN_PREDICTED_TOKENS=True, BLOCK_SIZE=min(32768, triton.next_power_of_2(vocab)),
+        HAS_WEIGHT=False, HAS_SOFTCAPPING=False, HAS_GRADIENTS=need_grad, num_warps=32,
+    )  # fmt: skip
+    return row_loss, preds, logits if need_grad else None
+
+
+ROW_PASSES: dict[str, RowPass] = {"chunked": torch_rows, "liger": liger_rows}
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """sum_i w_i * CE(hidden_i @ weight.T, label_i), and the argmax of each row, in chunks of rows."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, chunk_tokens: int):
+    def forward(ctx, hidden, weight, labels, weights, chunk_tokens: int, row_pass: RowPass):
         num_rows = hidden.shape[0]
         need_hidden_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -51,22 +90,19 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for start in range(0, num_rows, chunk_tokens):
             end = min(start + chunk_tokens, num_rows)
             h = hidden[start:end]
-            lab = labels[start:end]
             w = weights[start:end].float()
-            # [chunk, V]: matmul in the lm_head's dtype, softmax in fp32
-            logits = (h.to(weight.dtype) @ weight.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            target = logits.gather(1, lab[:, None]).squeeze(1)
-            loss_sum = loss_sum + ((lse - target) * w).sum()
-            preds[start:end] = logits.argmax(dim=-1)
-            if need_hidden_grad or need_weight_grad:
-                grad_logits = torch.exp(logits - lse[:, None])
-                grad_logits.scatter_add_(1, lab[:, None], -torch.ones_like(lse)[:, None])
-                grad_logits.mul_(w[:, None])
-                if need_hidden_grad:
-                    grad_hidden[start:end] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
-                if need_weight_grad:
-                    grad_weight.add_(grad_logits.t() @ h.float())
+            logits = h.to(weight.dtype) @ weight.t()  # [chunk, V] in the lm_head's dtype
+            need_grad = need_hidden_grad or need_weight_grad
+            row_loss, preds[start:end], grad = row_pass(logits, labels[start:end], need_grad)
+            loss_sum = loss_sum + (row_loss * w).sum()
+            del logits
+            if grad is None:
+                continue
+            grad = grad.to(weight.dtype)
+            if need_hidden_grad:  # the weights scale rows of the [chunk, H] product, not of the logits
+                grad_hidden[start:end] = ((grad @ weight).float() * w[:, None]).to(hidden.dtype)
+            if need_weight_grad:
+                grad_weight.add_(grad.t().float() @ (h.float() * w[:, None]))
         ctx.mark_non_differentiable(preds)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
@@ -77,7 +113,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = grad_hidden * grad_loss.to(grad_hidden.dtype) if grad_hidden is not None else None
         gw = (grad_weight * grad_loss).to(ctx.weight_dtype) if grad_weight is not None else None
-        return gh, gw, None, None, None
+        return gh, gw, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
@@ -87,33 +123,22 @@ def chunked_linear_cross_entropy(
     weights: torch.Tensor,
     *,
     chunk_tokens: int,
+    row_pass: RowPass = torch_rows,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of weighted CE [scalar fp32, differentiable], greedy predictions [M] int64) for hidden [M, H]."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, weights, chunk_tokens)
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, weights, chunk_tokens, row_pass)
 
 
-def fused_linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of weighted CE [scalar fp32, differentiable], greedy predictions [M] int64), as one function for
-    torch.compile to fuse (module docstring). Eager, it materializes fp32 logits: compile it on CUDA."""
-    logits = hidden.to(weight.dtype) @ weight.t()
-    ce = F.cross_entropy(logits.float(), labels, reduction="none")
-    return (ce * weights.float()).sum(), logits.argmax(dim=-1)
-
-
-def linear_cross_entropy(impl: str, *, chunk_tokens: int = 2048, compile_backend: str = "eager") -> LinearCrossEntropy:
-    """The loss's lm_head + cross-entropy for ``impl`` (``LOSS_IMPLS``). ``fused`` is compiled once with
-    ``compile_backend`` (static shapes: a step's query tokens never change) unless that is "eager"."""
-    if impl == "chunked":
-        return lambda h, w, lab, wt: chunked_linear_cross_entropy(h, w, lab, wt, chunk_tokens=chunk_tokens)
-    if impl != "fused":
+def linear_cross_entropy(impl: str, *, chunk_tokens: int = 2048) -> LinearCrossEntropy:
+    """The loss's lm_head + cross-entropy for ``impl`` (``LOSS_IMPLS``), ``chunk_tokens`` rows at a time."""
+    if impl not in ROW_PASSES:
         raise ValueError(f"loss impl must be one of {LOSS_IMPLS}, got {impl!r}")
-    if compile_backend == "eager":
-        return fused_linear_cross_entropy
-    return torch.compile(fused_linear_cross_entropy, backend=compile_backend, dynamic=False, fullgraph=True)
+    row_pass = ROW_PASSES[impl]
+    return lambda h, w, lab, wt: chunked_linear_cross_entropy(
+        h, w, lab, wt, chunk_tokens=chunk_tokens, row_pass=row_pass
+    )
 
 
 @dataclass(kw_only=True)

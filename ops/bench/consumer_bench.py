@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -42,6 +43,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_data import FillPlan, SpoolFiller, write_target_head  # noqa: E402
 
+from dflash.common.cli.flags import add_flags
 from dflash.common.drafter.batch import build_draft_batch, pack_samples
 from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.dflash import recompile_count
@@ -262,11 +264,11 @@ def visible_pairs(batch, block_size: int) -> float:
     return float(((batch.anchors - doc_start + block_size) * batch.anchor_valid).sum()) * block_size
 
 
-def run_reference(ref_dir: str, context: int, anchors: int) -> dict:
+def run_reference(ref_dir: str, context: int, anchors: int, *, timeout: float = 600) -> dict:
     """The reference step (../shared/bench/ref_consumer_step.py) in a subprocess on the same GPU."""
     script = Path(ref_dir) / "ref_consumer_step.py"
     proc = subprocess.run(
-        [sys.executable, str(script), str(context), str(anchors)], capture_output=True, text=True, timeout=600
+        [sys.executable, str(script), str(context), str(anchors)], capture_output=True, text=True, timeout=timeout
     )
     out = proc.stdout + proc.stderr
     m = re.search(r"([\d.]+) ms/step, (\d+) TFLOP/s.*ctx tok/s (\d+)", out)
@@ -310,8 +312,7 @@ def run_trainer(
     producers: int = 12,
     log_every: int = 10,
     device: str = "cuda",
-    data_workers: str = "auto",
-    loss_impl: str = "auto",
+    overrides: dict | None = None,
 ) -> dict:
     """The real Trainer over a spool that producer processes fill while it trains."""
     shape = PRESETS[preset]
@@ -365,8 +366,7 @@ def run_trainer(
         precision=precision,
         seed=seed,
         bucket=bucket,
-        data_workers=data_workers,
-        loss_impl=loss_impl,
+        **(overrides or {}),
     )
     t0 = time.monotonic()
     trainer = Trainer(cfg)
@@ -509,6 +509,16 @@ def feed_throughput(
     }
 
 
+def consume_overrides(flags: str) -> dict:
+    """TrainConfig fields a dflash-consume flag string sets (parsed by the flags generated from TrainConfig):
+    only those given, so the bench's own settings stand for the rest."""
+    p = argparse.ArgumentParser(prog="--consume-flags", add_help=False, argument_default=argparse.SUPPRESS)
+    add_flags(p, TrainConfig, exclude=("spool", "target"))
+    for action in p._actions:
+        action.default = argparse.SUPPRESS
+    return vars(p.parse_args(shlex.split(flags)))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", default="trainer", choices=["trainer", "step", "learning", "reference", "feed"])
@@ -531,8 +541,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, action="append", help="trainer seed(s): init and anchors (default 0)")
     p.add_argument("--save-runs", type=int, default=10**6, help="trainer mode: checkpoints in the first N runs only "
                    "(a 32B-class final save writes ~31 GB: tens of seconds per run)")
-    p.add_argument("--loss-impl", default="auto", help="trainer mode: as dflash-consume's (auto = chunked)")
-    p.add_argument("--data-workers", default="auto", help="trainer mode: as dflash-consume's (auto = 0)")
+    p.add_argument("--consume-flags", default="", help="trainer mode: more dflash-consume flags, e.g. "
+                   "'--loss-impl liger --gc-mode python' (TrainConfig's own; shapes and steps are the bench's)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     device = torch.device(args.device)
@@ -575,8 +585,7 @@ def main() -> None:
                     seed=seed,
                     bucket="random" if args.mode == "trainer" else "oldest",
                     device=args.device,
-                    data_workers=args.data_workers,
-                    loss_impl=args.loss_impl,
+                    overrides=consume_overrides(args.consume_flags),
                 )
             if results and results[0]["mode"] == "reference" and "context_tok_s" in r:
                 r["vs_reference"] = round(r["context_tok_s"] / results[0]["context_tok_s"], 3)

@@ -12,10 +12,14 @@
 #              the same data, a fresh Trainer each, warm compile cache after the first), 150 measured steps
 #              each; the first run saves one background checkpoint (its last step's)
 #   learning   a learnable spool trained 500 steps with the default (mixed) and with amp (loss curves)
-#   ab32       issue 26's next call: the 32B-class real loop at the defaults and with each new path alone
-#              (--precision mixed, --loss-impl fused, --data-workers 1), 100 measured steps each, no saves;
-#              run with `ref` (the reference in the same call), e.g. `ref ab32 gpusel` (~6 min)
-#   gpusel     the GPU tests of issues 26-27 only (fused loss, compiled MasterAdamW, flex vs SDPA incl. sliding)
+#   ab         the 32B-class real loop, A/B (ops/bench/consumer_ab.py): the reference step, one spool filled
+#              once, then each variant of dflash-consume flags in a fresh process on a hard-linked copy of
+#              it, sharing one inductor cache; 10 warm-up + 80 measured steps each, no saves. AB_VARIANTS
+#              ("NAME=FLAGS;NAME=FLAGS", default below) and AB_BUDGET (s, default 470) set it; run it ALONE
+#              in a call (~8 min: setup 20 s, reference ~60, prefill ~35, the first variant ~110 with a cold
+#              compile, each later one ~50-70; results in $OUT/ab/ab.jsonl as each finishes)
+#   gpusel     the GPU tests of issues 26-27 and 36 only (liger loss kernel vs the torch row pass, compiled
+#              MasterAdamW, flex vs SDPA incl. sliding; liger-kernel in .whl)
 #   producer   issue 25's producer runbook, in this order (~8 min on one H200 from cold compile caches; to
 #              stay well inside one call's 10 minutes, run `prod8 prod32 hybrid` and `pipeline1 plan` as two
 #              calls on the same warm machine):
@@ -80,11 +84,13 @@ if want trainer32x3; then
   bench trainer32x3 --mode trainer --preset 32b --steps 150 --warmup 20 --save-every 170 --save-runs 1 \
     --seed 0 --seed 1 --seed 2
 fi
-if want ab32; then
-  for v in "default:" "mixed:--precision mixed" "fused:--loss-impl fused" "worker:--data-workers 1"; do
-    # shellcheck disable=SC2086  # the flags split on purpose
-    bench "ab32-${v%%:*}" --mode trainer --preset 32b --steps 100 --warmup 20 --save-every 0 ${v#*:}
-  done
+if [[ "$parts" == *" ab "* ]]; then  # never part of `all`: it takes a whole call
+  echo "== consumer A/B: reference, one spool, a fresh process per variant"
+  IFS=';' read -ra ab <<< "${AB_VARIANTS:-default=--profile-steps 1:5;old-defaults=--gc-mode python --no-expandable-segments;liger=--loss-impl liger;mixed=--precision mixed}"
+  args=(); for v in "${ab[@]}"; do args+=(--variant "$v"); done
+  timeout -k 10 "$(( ${AB_BUDGET:-470} + 20 ))" python3 ops/bench/consumer_ab.py --preset 32b --reference .bench/ref \
+    --out "$OUT/ab" --workdir /tmp/bench-work --budget-s "${AB_BUDGET:-470}" "${args[@]}" > "$OUT/ab.log" 2>&1
+  echo "exit $?"; grep -E '^\{|^\|' "$OUT/ab.log" | cut -c1-2500
 fi
 if want trainer8; then bench trainer8 --mode trainer --preset 8b --steps "${TRAINER8_STEPS:-200}"; fi
 if want learning; then
