@@ -95,8 +95,8 @@ def normalize_tools(raw: Any) -> list[dict] | None:
 
 
 def _tool_calls(raw: Any) -> list[dict] | None:
-    """HF's shape: [{"type": "function", "function": {"name", "arguments"}}] (a flat {name, arguments}
-    is wrapped; an OpenAI "id" is kept)."""
+    """HF's shape: [{"type": "function", "function": {"name", "arguments": object}}] (a flat {name,
+    arguments} is wrapped, arguments given as JSON text are parsed; an OpenAI "id" is kept)."""
     if raw is None or raw == []:
         return None
     if not isinstance(raw, list):
@@ -106,7 +106,13 @@ def _tool_calls(raw: Any) -> list[dict] | None:
         fn = call.get("function", call) if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
             raise BadRow("tool call without a function name")
-        out = {"type": "function", "function": {"name": fn["name"], "arguments": fn.get("arguments", {})}}
+        args = fn.get("arguments", {})
+        if isinstance(args, str):  # JSON text (OpenAI's wire form): HF templates expect the object
+            try:
+                args = json.loads(args) if isinstance(json.loads(args), dict) else args
+            except json.JSONDecodeError:
+                pass  # not JSON: the template gets the text as it is
+        out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
         if isinstance(call.get("id"), str):
             out["id"] = call["id"]
         calls.append(out)
