@@ -45,7 +45,10 @@ SEARCH = {
     "function": {
         "name": "search_docs",
         "description": "Search the library documentation",
-        "parameters": {"type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}}},
+        "parameters": {
+            "type": "object",
+            "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
+        },
     },
 }
 
@@ -65,7 +68,11 @@ def chats() -> list[dict]:
         {  # single turn with reasoning
             "messages": [
                 {"role": "user", "content": "How do I reverse a list?"},
-                {"role": "assistant", "content": _say("reversal"), "reasoning_content": "Slicing or reverse()."},
+                {
+                    "role": "assistant",
+                    "content": _say("reversal"),
+                    "reasoning_content": "Slicing or reverse().",
+                },
             ]
         },
         {  # multi-turn, reasoning in every turn: one sample per user query
@@ -76,7 +83,11 @@ def chats() -> list[dict]:
                 {"role": "user", "content": "And a set?"},
                 {"role": "assistant", "content": _say("set"), "reasoning_content": "Like dict keys only."},
                 {"role": "user", "content": "Which is faster for lookups?"},
-                {"role": "assistant", "content": _say("lookup"), "reasoning_content": "Both O(1) on average."},
+                {
+                    "role": "assistant",
+                    "content": _say("lookup"),
+                    "reasoning_content": "Both O(1) on average.",
+                },
             ]
         },
         {  # tool call (null content), tool result, answer; then a second query
@@ -91,7 +102,11 @@ def chats() -> list[dict]:
                     "tool_calls": [_call("get_weather", {"city": "Paris"}, "c1")],
                 },
                 {"role": "tool", "tool_call_id": "c1", "content": '{"temp_c": 12, "sky": "cloudy"}'},
-                {"role": "assistant", "content": _say("weather"), "reasoning_content": "Report 12 C and clouds."},
+                {
+                    "role": "assistant",
+                    "content": _say("weather"),
+                    "reasoning_content": "Report 12 C and clouds.",
+                },
                 {"role": "user", "content": "And in Rome?"},
                 {
                     "role": "assistant",
@@ -168,8 +183,12 @@ def check_samples_against_template(tok, row: dict, samples: list[tuple[list[int]
     trained_in = []
     for head, full in turns:
         assert full[: len(head)] == head  # the turn's tokens follow the generation prompt's
-        hits = [k for k, (ids, mask) in enumerate(samples) if ids[: len(full)] == full and all(mask[len(head) : len(full)])]
-        assert len(hits) >= 1, f"turn not trained as generated: {tok.decode(full[len(head):])!r}"
+        hits = [
+            k
+            for k, (ids, mask) in enumerate(samples)
+            if ids[: len(full)] == full and all(mask[len(head) : len(full)])
+        ]
+        assert len(hits) >= 1, f"turn not trained as generated: {tok.decode(full[len(head) :])!r}"
         trained_in.append(hits[-1])
     for k, (ids, mask) in enumerate(samples):
         expected = np.zeros(len(ids), dtype=bool)
@@ -182,7 +201,9 @@ def check_samples_against_template(tok, row: dict, samples: list[tuple[list[int]
 
 def test_generation_renderings_split_only_where_history_differs(qtok):
     rows = chats()
-    groups = [generation_renderings(qtok, normalize_conversation(r["messages"])[0], r.get("tools")) for r in rows]
+    groups = [
+        generation_renderings(qtok, normalize_conversation(r["messages"])[0], r.get("tools")) for r in rows
+    ]
     # one sample per user query whose turns carry reasoning; a tool loop within one query shares it. The
     # call without reasoning (row 3) renders an empty <think> block while it is the last turn, none once
     # history: the answer after it needs a sample of its own too.
@@ -215,7 +236,10 @@ def test_reasoning_off_renders_the_rows_without_it(qtok):
         for text, _ in generation_renderings(qtok, msgs, row.get("tools")):
             assert not any(m.get("reasoning_content", "\0") in text for m in row["messages"])
     fn = _Tokenize(qtok, "messages", 4096, 1, np.arange(len(rows)), train_reasoning=False)
-    out = fn({"messages": [r["messages"] for r in rows], "tools": [r.get("tools") for r in rows]}, list(range(len(rows))))
+    out = fn(
+        {"messages": [r["messages"] for r in rows], "tools": [r.get("tools") for r in rows]},
+        list(range(len(rows))),
+    )
     assert set(out["status"]) == {"ok"}
     assert all("I need the weather tool" not in qtok.decode(ids) for ids in out["input_ids"])
 
@@ -230,7 +254,12 @@ def test_drop_reasons_name_what_happened(tmp_path, qtok):
     bad = [
         {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": _say("x")}]},
         {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
-        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [{"type": "function"}]}]},
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [{"type": "function"}]},
+            ]
+        },
         {"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "boo"}]},
     ]
     path = _write_jsonl(tmp_path / "chats.jsonl", good + bad)
@@ -255,7 +284,11 @@ def test_drop_reasons_name_what_happened(tmp_path, qtok):
     assert f"a ShareGPT row in an OpenAI-format file 1 (first: row {n}" in line
     # the arrow-loaded rows trained exactly as the template renders them (no null keys from the struct union)
     for r in range(n):
-        samples = [(ids, mask) for ids, mask, i in zip(out["input_ids"], out["loss_mask"], out["sample_index"], strict=True) if i == r]
+        samples = [
+            (ids, mask)
+            for ids, mask, i in zip(out["input_ids"], out["loss_mask"], out["sample_index"], strict=True)
+            if i == r
+        ]
         check_samples_against_template(qtok, good[r], samples)
 
 
@@ -269,14 +302,21 @@ def test_raw_rows_with_mixed_types_and_sharegpt_tools(tmp_path, qtok):
         "tools": json.dumps([WEATHER]),
         "conversations": [
             {"from": "human", "value": "Weather in Paris?"},
-            {"from": "function_call", "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}})},
+            {
+                "from": "function_call",
+                "value": json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}}),
+            },
             {"from": "observation", "value": '{"temp_c": 12}'},
             {"from": "gpt", "value": _say("weather")},
         ],
     }
     outs = []
     for name, data in (("mixed.jsonl", [row, as_text]), ("sharegpt.jsonl", [sharegpt])):
-        cfg = DataConfig(dataset=str(_write_jsonl(tmp_path / name, data)), cache_dir=str(tmp_path / "cache"), min_loss_tokens=1)
+        cfg = DataConfig(
+            dataset=str(_write_jsonl(tmp_path / name, data)),
+            cache_dir=str(tmp_path / "cache"),
+            min_loss_tokens=1,
+        )
         ds = load_raw_dataset(cfg)
         outs.append(tokenize_slice(ds, qtok, cfg, slice_indices(len(ds), rank=0, world=1)))
         assert set(outs[-1]["status"]) == {"ok"}
@@ -286,7 +326,10 @@ def test_raw_rows_with_mixed_types_and_sharegpt_tools(tmp_path, qtok):
     assert first == second  # '{"city": "Paris"}' as text renders like the object
     text = qtok.decode(outs[1]["input_ids"][-1])
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
-    assert "<tool_response>\n{\"temp_c\": 12}\n</tool_response>" in text and '"get_weather"' in text.split("<|im_start|>user")[0]
+    assert (
+        '<tool_response>\n{"temp_c": 12}\n</tool_response>' in text
+        and '"get_weather"' in text.split("<|im_start|>user")[0]
+    )
 
 
 def test_sample_ids_stay_unique_and_exactly_once_with_several_samples_per_row():
@@ -304,7 +347,9 @@ def test_sample_ids_stay_unique_and_exactly_once_with_several_samples_per_row():
              "loss_mask": [[True, True]] * len(rows), "num_loss_tokens": [2] * len(rows), "status": ["ok"] * len(rows)}
         )  # fmt: skip
         pos, ids, _ = plan_epochs(tok_ds, mine, epochs, None)
-        assert (np.asarray(rows)[pos] == epochs.row_of(ids)).all() and (np.asarray(segs)[pos] == epochs.segment_of(ids)).all()
+        assert (np.asarray(rows)[pos] == epochs.row_of(ids)).all() and (
+            np.asarray(segs)[pos] == epochs.segment_of(ids)
+        ).all()
         for k in range(2):  # a row's samples follow each other, in segment order
             e = ids[epochs.epoch_of(ids) == k]
             assert (np.diff(epochs.segment_of(e))[np.diff(epochs.row_of(e)) == 0] == 1).all()
@@ -316,7 +361,9 @@ def test_sample_ids_stay_unique_and_exactly_once_with_several_samples_per_row():
     assert len(produced) == len(set(produced)) and not set(produced) & set(held)
     train_rows = [r for r in range(13) if r not in epochs.held_out()]
     assert len(produced) == 2 * sum(segments[r] for r in train_rows)
-    assert sorted(epochs.row_of(held).tolist()) == sorted(r for r in epochs.held_out() for _ in range(segments[int(r)]))
+    assert sorted(epochs.row_of(held).tolist()) == sorted(
+        r for r in epochs.held_out() for _ in range(segments[int(r)])
+    )
     assert (epochs.ids(1, np.arange(13)) == np.arange(13) + 13).all()  # a row's first sample keeps its id
 
 
@@ -332,9 +379,11 @@ def test_produced_shards_hold_the_generation_time_tokens(tmp_path, tiny_target):
     rows = chats()
     data = _write_jsonl(tmp_path / "chats.jsonl", rows)
     spool = tmp_path / "spool"
-    proc = run(produce_cmd(spool, target, data, "--run", "chat-shapes"), timeout=600)
+    proc = run(produce_cmd(spool, target, data, "--run", "chat-shapes", "--max-length", "4096"), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert re.search(rf"dflash-produce: 9 trainable samples; dropped 0 of 9 samples \({len(rows)} rows\)", proc.stderr), proc.stderr[-3000:]
+    assert re.search(
+        rf"dflash-produce: 9 trainable samples; dropped 0 of 9 samples \({len(rows)} rows\)", proc.stderr
+    ), proc.stderr[-3000:]
     tok = AutoTokenizer.from_pretrained(target)
     assert tok.chat_template == TEMPLATE
     by_row: dict[int, dict[int, tuple[list[int], list[bool]]]] = {}
@@ -344,7 +393,10 @@ def test_produced_shards_hold_the_generation_time_tokens(tmp_path, tiny_target):
         ids, mask, cu, sid = (g[a][:] for a in ("input_ids", "loss_mask", "cu_seqlens", "sample_index"))
         for k, s in enumerate(sid.tolist()):
             row, seg = int(epochs.row_of(s)), int(epochs.segment_of(s))
-            by_row.setdefault(row, {})[seg] = (ids[cu[k] : cu[k + 1]].tolist(), mask[cu[k] : cu[k + 1]].astype(bool).tolist())
+            by_row.setdefault(row, {})[seg] = (
+                ids[cu[k] : cu[k + 1]].tolist(),
+                mask[cu[k] : cu[k + 1]].astype(bool).tolist(),
+            )
     assert sorted(by_row) == list(range(len(rows)))
     for r, row in enumerate(rows):
         samples = [by_row[r][s] for s in sorted(by_row[r])]

@@ -277,7 +277,8 @@ def tokenize_conversations(
     tools = tools if tools is not None else [None] * len(convs)
     if has_generation_tags(tokenizer):
         if len(convs) > 1 and any(t is not None for t in tools):  # tools= is one list for the whole batch
-            return [r for c, t in zip(convs, tools, strict=True) for r in tokenize_conversations(tokenizer, [c], [t])]
+            pairs = zip(convs, tools, strict=True)
+            return [r for c, t in pairs for r in tokenize_conversations(tokenizer, [c], [t])]
         try:
             out = tokenizer.apply_chat_template(
                 convs, tools=tools[0], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
@@ -334,7 +335,11 @@ class _Tokenize:
         turns = batch[self.column][i]
         tools = batch["tools"][i] if "tools" in batch else None
         for other in _COLUMN.values():
-            if other != self.column and other in batch and turns is None and isinstance(batch[other][i], list):
+            if (
+                turns is None
+                and other != self.column
+                and isinstance(batch.get(other, [None] * (i + 1))[i], list)
+            ):
                 return None, None, f"{_FORMAT_NAME[other]} row in {_FORMAT_NAME[self.column]}-format file"
         return turns, tools, None
 
@@ -358,7 +363,8 @@ class _Tokenize:
             self.tokenizer, [normalized[i][0] for i in good], [normalized[i][1] for i in good]
         )
         by_row: dict[int, Any] = dict(zip(good, toks, strict=True))
-        out: dict[str, list] = {k: [] for k in ("sample_index", "segment", "input_ids", "loss_mask", "num_loss_tokens", "status")}  # fmt: skip
+        columns = ("sample_index", "segment", "input_ids", "loss_mask", "num_loss_tokens", "status")
+        out: dict[str, list] = {k: [] for k in columns}
 
         def emit(p: int, seg: int, ids: list[int], mask: list[bool], status: str) -> None:
             out["sample_index"].append(int(self.indices[p]))
@@ -490,12 +496,21 @@ def drop_summary(
             first[phrase] = f"row {row}{snippet}"
     ok = counts.get("ok", 0)
     rows = int(pc.count_distinct(index).as_py())
-    return {"rows": rows, "samples": len(tok_ds), "ok": ok, "dropped": len(tok_ds) - ok, "reasons": reasons, "first": first}
+    dropped = len(tok_ds) - ok
+    return {
+        "rows": rows,
+        "samples": len(tok_ds),
+        "ok": ok,
+        "dropped": dropped,
+        "reasons": reasons,
+        "first": first,
+    }
 
 
 def campaign_counts(tok_ds, exclude: np.ndarray | None = None) -> dict:
     """What one epoch of the tokenized slice gives: ``{"samples", "tokens", "loss_tokens"}`` of its kept
-    rows, minus the positions ``exclude`` (held out); counted with pyarrow (dflash.common.contract.epochs.Campaign)."""
+    samples, minus the positions ``exclude`` (held out); counted with pyarrow
+    (dflash.common.contract.epochs.Campaign)."""
     if len(tok_ds) == 0 or "status" not in tok_ds.column_names:
         return {"samples": 0, "tokens": 0, "loss_tokens": 0}
     table = tok_ds.with_format("arrow")[:]
