@@ -1,14 +1,20 @@
 """Chat conversations to tokens with the target's own chat template, the loss mask (assistant turns only),
 and the accounting of dropped rows.
 
-Why the target's template: what the drafter learns to predict must be exactly what the target generates.
-Result columns of ``tokenize_slice`` (one row per dataset row of the slice, bad rows included so they can
-be counted): ``sample_index`` int64, ``input_ids`` int32[], ``loss_mask`` bool[], ``num_loss_tokens``
-int32, ``status`` ("ok" | "short" | "bad:<reason>"). Reasons (``drop_reason`` turns a status into the
-phrase the producer prints): unparseable (a line that is not JSON), not a list / empty / turn not an object
-/ unknown role / empty content (the conversation's shape), no assistant turn, template error (the chat
-template raised), over-long (enough supervised tokens, but --max-length cuts them below the minimum);
-"short" is too few supervised tokens.
+Why the target's template, and at generation time: what the drafter learns to predict must be exactly
+what the target generates, in the context the target had when it generated it (its reasoning, its tool
+calls, the tool results, the tools listed by the template). Templates that render history unlike
+generation (the Qwen3 family strips earlier reasoning) make a row several samples
+(``generation_renderings``). Result columns of ``tokenize_slice`` (one row per sample of each dataset row
+of the slice, one per bad row so they can be counted): ``sample_index`` int64 (the dataset row),
+``segment`` int32 (which sample of its row), ``input_ids`` int32[], ``loss_mask`` bool[],
+``num_loss_tokens`` int32, ``status`` ("ok" | "short" | "bad:<reason>"). Reasons (``drop_reason`` turns a
+status into the phrase the producer prints): unparseable (a line that is not JSON), the conversation's
+shape (not a list, empty, turn not an object, unknown role, content not text, a tool call without a
+function name, tools not JSON, a row of the other format), no assistant turn / only empty assistant
+turns, template error (the chat template raised), over-long (enough supervised tokens, but --max-length
+cuts them below the minimum); "short" is too few supervised tokens. docs/producer.md says how each chat
+shape becomes tokens.
 """
 
 from __future__ import annotations
