@@ -402,3 +402,22 @@ def test_produced_shards_hold_the_generation_time_tokens(tmp_path, tiny_target):
         samples = [by_row[r][s] for s in sorted(by_row[r])]
         assert sorted(by_row[r]) == list(range(len(samples)))
         check_samples_against_template(tok, row, samples)
+
+
+def test_a_leading_assistant_turn_is_context_not_trained(qtok):
+    """No generation prompt renders before the first message (transformers refuses an empty history), so an
+    assistant turn that opens the row is context; a row that has nothing else is dropped, named."""
+    greet = {"role": "assistant", "content": "Hello! Ask me about Python."}
+    row = {
+        "messages": [
+            greet,
+            {"role": "user", "content": "What is a list?"},
+            {"role": "assistant", "content": _say("list")},
+        ]
+    }
+    msgs, _ = normalize_conversation(row["messages"])
+    [[(ids, mask)]] = tokenize_conversations(qtok, [msgs])
+    trained = qtok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert trained == "<think>\n\n</think>\n\n" + _say("list") + "<|im_end|>"  # the final turn's empty block
+    assert "Hello! Ask me" in qtok.decode(ids)
+    assert tokenize_conversations(qtok, [[greet]]) == ["bad:only a leading assistant turn"]

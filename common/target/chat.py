@@ -243,9 +243,9 @@ def generation_renderings(
     groups: list[Rendering] = []
     text, spans = "", []  # the open group: the rendering of its last turn, its turns' spans
     for i, m in enumerate(msgs):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or i == 0:  # a leading assistant turn: context (no prompt renders alone)
             continue
-        head = _render(tokenizer, msgs[:i], tools, generation=True) if i else ""
+        head = _render(tokenizer, msgs[:i], tools, generation=True)
         upto = _render(tokenizer, msgs[: i + 1], tools)
         if not upto.startswith(head):
             raise BadRow("template renders an assistant turn unlike its generation prompt")
@@ -255,6 +255,8 @@ def generation_renderings(
             spans = []
         text = upto
         spans.append((len(head), end))
+    if not spans:
+        raise BadRow("only a leading assistant turn")
     groups.append((text, spans))
     return groups
 
