@@ -421,3 +421,19 @@ def test_a_leading_assistant_turn_is_context_not_trained(qtok):
     assert trained == "<think>\n\n</think>\n\n" + _say("list") + "<|im_end|>"  # the final turn's empty block
     assert "Hello! Ask me" in qtok.decode(ids)
     assert tokenize_conversations(qtok, [[greet]]) == ["bad:only a leading assistant turn"]
+
+
+def test_raw_rows_name_the_other_format_when_the_format_is_given(qtok):
+    """Rows read one by one (a file arrow cannot type) carry no file format; --format names the odd one."""
+    from dflash.common.target.data import _RAW
+
+    sharegpt = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": _say("x")}]}
+    openai = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _say("x")}]}
+    batch = {_RAW: [json.dumps(sharegpt), json.dumps(openai), "{oops"]}
+    strict = _Tokenize(qtok, _RAW, 4096, 1, np.arange(3), fmt="openai")(batch, [0, 1, 2])
+    assert strict["status"] == ["bad:a ShareGPT row in an OpenAI-format file", "ok", "bad:unparseable"]
+    assert _Tokenize(qtok, _RAW, 4096, 1, np.arange(3))(batch, [0, 1, 2])["status"] == [
+        "ok",
+        "ok",
+        "bad:unparseable",
+    ]
