@@ -342,13 +342,10 @@ class _Tokenize:
             return row, row.get("tools"), None
         turns = batch[self.column][i]
         tools = batch["tools"][i] if "tools" in batch else None
-        for other in _COLUMN.values():
-            if (
-                turns is None
-                and other != self.column
-                and isinstance(batch.get(other, [None] * (i + 1))[i], list)
-            ):
-                return None, None, f"{_FORMAT_NAME[other]} row in {_FORMAT_NAME[self.column]}-format file"
+        if turns is None:  # a file mixing formats: arrow gives each row both columns, one of them None
+            for other in (c for c in _COLUMN.values() if c != self.column and c in batch):
+                if isinstance(batch[other][i], list):
+                    return None, None, f"{_FORMAT_NAME[other]} row in {_FORMAT_NAME[self.column]}-format file"
         return turns, tools, None
 
     def __call__(self, batch: dict[str, list], positions: list[int]) -> dict[str, list]:
