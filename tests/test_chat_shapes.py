@@ -367,6 +367,7 @@ def test_sample_ids_stay_unique_and_exactly_once_with_several_samples_per_row():
     assert (epochs.ids(1, np.arange(13)) == np.arange(13) + 13).all()  # a row's first sample keeps its id
 
 
+@pytest.mark.slow
 def test_produced_shards_hold_the_generation_time_tokens(tmp_path, tiny_target):
     """dflash-produce over the chat shapes with the Qwen3-rules template; the shards read with plain zarr:
     every row trains, each assistant turn's tokens are the template's generation-time rendering."""
