@@ -214,7 +214,8 @@ def prepare(launch: LaunchConfig, args) -> Launch:
     if not 0 <= args.eval_samples < num_rows:
         raise UsageError(f"--eval-samples {args.eval_samples}: must be in [0, {num_rows}) for dataset {data.dataset} ({num_rows} rows)")  # fmt: skip
     plan = {"epochs": args.epochs, "shuffle_seed": args.shuffle_seed, "eval_samples": args.eval_samples, "rows": num_rows,
-            "max_length": data.max_length, "min_loss_tokens": data.min_loss_tokens, "format": data.format}  # fmt: skip
+            "max_length": data.max_length, "min_loss_tokens": data.min_loss_tokens, "format": data.format,
+            "train_reasoning": data.train_reasoning}  # fmt: skip
     model = os.path.abspath(args.model) if os.path.exists(args.model) else args.model
     identity = {"run": run, "model": model, "layer_ids": layer_ids, "dataset": fingerprint, "plan": plan}
     spool, lock, launch_no = _bind_spool(spool_dir, identity, launch.node_rank)

@@ -165,10 +165,11 @@ class Progress:
 
 def merge_summaries(summaries: list[dict]) -> dict:
     """The workers' tokenization summaries as one: counts summed, reasons by count, the earliest example."""
-    out = {"rows": 0, "ok": 0, "dropped": 0, "skipped": 0, "reasons": {}, "first": {}}
+    out = {"rows": 0, "samples": 0, "ok": 0, "dropped": 0, "skipped": 0, "reasons": {}, "first": {}}
     for sm in summaries:
         for k in ("rows", "ok", "dropped", "skipped"):
             out[k] += int(sm.get(k, 0))
+        out["samples"] += int(sm.get("samples", sm.get("rows", 0)))
         for r, n in sm.get("reasons", {}).items():
             out["reasons"][r] = out["reasons"].get(r, 0) + n
         for r, ex in sm.get("first", {}).items():
@@ -218,7 +219,8 @@ class Supervisor:
     def decide(self) -> None:
         """Every worker tokenized (or died): go on, or abort when the dataset yields nothing to train."""
         summary = merge_summaries(list(self.tokenized.values()))
-        _say(f"{summary['ok']} trainable rows; {format_drops(summary)}")
+        unit = "rows" if summary["samples"] == summary["rows"] else "samples"
+        _say(f"{summary['ok']} trainable {unit}; {format_drops(summary)}")
         everyone = len(self.tokenized) == len(self.procs)
         word = "go"
         if summary["ok"] == 0 and self.launch.num_nodes == 1 and everyone:

@@ -62,23 +62,36 @@ def _samples(tok_ds, positions: np.ndarray, ids: np.ndarray) -> Iterator[Sample]
             )
 
 
+def _rows_and_segments(tok_ds) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(dataset row, which sample of its row, status) of each position of the tokenized slice."""
+    table = tok_ds.with_format("arrow")[:]
+    rows = np.asarray(table["sample_index"].to_numpy(zero_copy_only=False), dtype=np.int64)
+    segs = (
+        np.asarray(table["segment"].to_numpy(zero_copy_only=False), dtype=np.int64)
+        if "segment" in table.column_names
+        else np.zeros(len(rows), dtype=np.int64)
+    )
+    return rows, segs, np.asarray(table["status"].to_numpy(zero_copy_only=False))
+
+
 def plan_epochs(
     tok_ds, mine: np.ndarray, epochs: Epochs, skip: SampleSet | None
 ) -> tuple[np.ndarray, np.ndarray, dict]:
     """What this producer still has to produce, in order: (positions into ``tok_ds``, sample ids, counts).
 
-    Epoch by epoch, the slice's rows in the epoch's order, minus the rows tokenization dropped (counted
-    once, not per epoch), the held-out rows (``held_out_plan``) and the ids already trained (``skip``, from
-    the checkpoint).
+    Epoch by epoch, the slice's rows in the epoch's order (a row's samples one after the other), minus the
+    samples tokenization dropped (counted once, not per epoch), the held-out rows (``held_out_plan``) and
+    the ids already trained (``skip``, from the checkpoint). ``mine``: this producer's rows (the positions'
+    rows are read from ``tok_ds``, where a row may give several samples).
     """
-    status = np.asarray(tok_ds.with_format("arrow")["status"].to_numpy(zero_copy_only=False))
+    rows, segs, status = _rows_and_segments(tok_ds)
     ok = status == "ok"
-    train = ok & ~np.isin(mine, epochs.held_out())
+    train = ok & ~np.isin(rows, epochs.held_out())
     positions, ids, skipped = [], [], 0
     for epoch in range(epochs.epochs):
-        pos = epochs.slice_order(epoch, mine)
+        pos = epochs.slice_order(epoch, rows)
         pos = pos[train[pos]]
-        sid = epochs.ids(epoch, mine[pos])
+        sid = epochs.ids(epoch, rows[pos], segs[pos])
         if skip is not None and len(sid):
             trained = skip.contains_mask(sid).numpy()
             skipped += int(trained.sum())
@@ -91,10 +104,16 @@ def plan_epochs(
 
 
 def held_out_plan(tok_ds, mine: np.ndarray, epochs: Epochs) -> tuple[np.ndarray, np.ndarray]:
-    """(positions into ``tok_ds``, sample ids) of this slice's kept held-out rows (ids = rows)."""
-    status = np.asarray(tok_ds.with_format("arrow")["status"].to_numpy(zero_copy_only=False))
-    pos = np.flatnonzero(np.isin(mine, epochs.held_out()) & (status == "ok"))
-    return pos, mine[pos].astype(np.int64)
+    """(positions into ``tok_ds``, sample ids) of this slice's kept held-out samples (epoch 0's ids)."""
+    rows, segs, status = _rows_and_segments(tok_ds)
+    pos = np.flatnonzero(np.isin(rows, epochs.held_out()) & (status == "ok"))
+    return pos, epochs.ids(0, rows[pos], segs[pos])
+
+
+def held_out_positions(tok_ds, epochs: Epochs) -> np.ndarray:
+    """Positions into ``tok_ds`` of the held-out rows' samples (kept or not)."""
+    rows, _, _ = _rows_and_segments(tok_ds)
+    return np.flatnonzero(np.isin(rows, epochs.held_out()))
 
 
 def write_held_out(
@@ -236,7 +255,7 @@ def run_producer(
     if len(held_ids):  # spooled once per campaign: what an earlier launch wrote stays in eval/
         keep = ~np.isin(held_ids, spool.eval_sample_ids())
         held_pos, held_ids = held_pos[keep], held_ids[keep]
-    # total - samples - dropped = what is left to produce
+    # total - samples - dropped = what is left to produce (counted in samples: a row may give several)
     counters.add(**counts, total=len(ids) + counts["dropped"])
     if on_tokenized is not None:
 
@@ -245,7 +264,7 @@ def run_producer(
         )
         summary["skipped"] = counts["skipped"]
         summary["remaining"] = len(ids)
-        summary["campaign"] = campaign_counts(tok_ds, exclude=np.flatnonzero(np.isin(mine, epochs.held_out())))
+        summary["campaign"] = campaign_counts(tok_ds, exclude=held_out_positions(tok_ds, epochs))
         if not on_tokenized(summary):
             heartbeat(force=True, phase="aborted", done=False)
             heartbeat.close()

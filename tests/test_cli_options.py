@@ -25,6 +25,7 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
         "--compile-backend": "issue 25: auto = inductor on CUDA, eager on the CPU (as the consumer's)",
         "--compile-scope": "issue 25: compile each decoder layer (default) or the whole truncated trunk",
         "--compile-shapes": "issue 25: one dynamic graph (default) or one static graph per bucket shape",
+        "--no-train-reasoning": "chat data: assistant reasoning_content is trained by default; this renders rows without it",
     },
     "dflash-plan": {"--bench": "issue 25: plan each target shape from pipeline_bench / producer_bench figures"},
     "dflash-consume": {

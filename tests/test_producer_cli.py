@@ -113,7 +113,7 @@ def test_two_cpu_workers_cover_dataset_exactly(tmp_path, target, demo_rows):
     for shard in shards[:2]:
         cu = shard.cu_seqlens.tolist()
         for n, idx in enumerate(shard.sample_index.tolist()):
-            ids, mask = tokenize_conversations(tok, [rows[idx]["messages"]])[0]
+            [(ids, mask)] = tokenize_conversations(tok, [rows[idx]["messages"]])[0]
             a, b = cu[n], cu[n + 1]
             assert shard.input_ids[a:b].tolist() == ids[:MAX_LENGTH]
             assert shard.loss_mask[a:b].tolist() == mask[:MAX_LENGTH]

@@ -68,7 +68,7 @@ def test_loss_mask_is_exactly_assistant_content(tok, plain_tok, rows, which):
     multi = [r["messages"] for r in rows if sum(m["role"] == "assistant" for m in r["messages"]) > 1]
     assert multi, "the demo data has multi-turn conversations"
     convs = [r["messages"] for r in rows[:20]] + multi[:5]
-    for msgs, (ids, mask) in zip(convs, tokenize_conversations(t, convs), strict=True):
+    for msgs, [(ids, mask)] in zip(convs, tokenize_conversations(t, convs), strict=True):
         expected = "".join(m["content"] + "<|im_end|>" for m in msgs if m["role"] == "assistant")
         assert _marked_text(t, ids, mask) == expected
         # Everything outside the marks is the prompt side: system/user turns and role headers.
@@ -123,7 +123,7 @@ def test_bad_rows_are_counted_not_fatal(tmp_path, tok, rows):
     status = out["status"]
     assert status[0] == status[7] == status[8] == "ok"
     assert status[1] == "bad:no assistant turn"
-    assert status[2] == "bad:empty content"
+    assert status[2] == "bad:only empty assistant turns"  # an empty assistant turn drops that turn
     assert status[3] == "bad:unknown role"
     assert status[4] == "bad:not a list"
     assert status[5].startswith("bad:")

@@ -4,6 +4,9 @@ Why one integer per (epoch, row): everything that guarantees exactly-once (the t
 checkpoints, the producers' skip set, the consumers' duplicate check, the sample ledger) works on sample
 ids. Naming the k-th training of dataset row r by ``id = k * rows + r`` gives every epoch its own ids, so
 those guarantees hold per epoch with no second mechanism, and a one-epoch run keeps ``id == row``.
+A row may give several samples (a multi-turn chat whose template renders history unlike generation:
+common/target/chat.py); its s-th sample (s >= 1) takes ``id = (s * epochs + k) * rows + r``, above every
+first sample's id, so rows that give one sample keep their ids and every sample's id is unique and stable.
 
 The order of epoch k is a permutation of the rows drawn from (seed, k): reproducible from the run's
 record, different every epoch. Producers keep their slice of rows (row % world == rank, so each tokenizes
@@ -64,19 +67,27 @@ class Epochs:
 
     @property
     def num_ids(self) -> int:
+        """Ids of the rows' first samples (a row's further samples have ids above these)."""
         return self.rows * self.epochs
 
-    def ids(self, epoch: int, rows: np.ndarray) -> np.ndarray:
-        """Sample ids of ``rows`` in ``epoch``."""
+    def ids(self, epoch: int, rows: np.ndarray, segments: np.ndarray | None = None) -> np.ndarray:
+        """Sample ids of ``rows`` in ``epoch``; ``segments``: which sample of its row each is (default 0)."""
         if not 0 <= epoch < self.epochs:
             raise ValueError(f"epoch {epoch} not in [0, {self.epochs})")
-        return np.asarray(rows, dtype=np.int64) + epoch * self.rows
+        ids = np.asarray(rows, dtype=np.int64) + epoch * self.rows
+        if segments is not None:
+            ids = ids + np.asarray(segments, dtype=np.int64) * self.num_ids
+        return ids
 
     def epoch_of(self, ids) -> np.ndarray:
-        return np.asarray(ids, dtype=np.int64) // max(self.rows, 1)
+        return (np.asarray(ids, dtype=np.int64) // max(self.rows, 1)) % self.epochs
 
     def row_of(self, ids) -> np.ndarray:
         return np.asarray(ids, dtype=np.int64) % max(self.rows, 1)
+
+    def segment_of(self, ids) -> np.ndarray:
+        """Which sample of its row an id names (0 for a row's first or only sample)."""
+        return np.asarray(ids, dtype=np.int64) // max(self.num_ids, 1)
 
     def order(self, epoch: int) -> np.ndarray:
         """The rows in epoch ``epoch``'s order (a permutation drawn from (seed, epoch))."""

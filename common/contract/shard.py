@@ -123,7 +123,7 @@ class Shard:
     cu_seqlens: torch.Tensor
     """int64 [N+1]: sample i is tokens cu_seqlens[i]:cu_seqlens[i+1]; cu_seqlens[0]==0, cu_seqlens[-1]==T."""
     sample_index: torch.Tensor
-    """int64 [N]: global dataset index of each sample (the data cursor for resume)."""
+    """int64 [N]: sample id of each sample (common/contract/epochs.py; the data cursor for resume)."""
     hidden: torch.Tensor
     """bfloat16 [T, K*H]: the K captured layers concatenated in meta.layer_ids order."""
     meta: ShardMeta

@@ -69,7 +69,7 @@ FLAG_OF = {
     "model": "--model", "layer_ids": "--layer-ids", "epochs": "--epochs", "shuffle_seed": "--shuffle-seed",
     "eval_samples": "--eval-samples", "rows": "dataset rows (--limit)", "max_length": "--max-length",
     "min_loss_tokens": "min supervised tokens (2 x --block-size)", "format": "--format",
-    "spec": "--dataset", "fingerprint": "dataset content (fingerprint)",
+    "train_reasoning": "--no-train-reasoning", "spec": "--dataset", "fingerprint": "dataset content (fingerprint)",
 }  # fmt: skip
 """The flag (or what) behind each field of a run record, for the line that names a difference."""
 

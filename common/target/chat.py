@@ -1,14 +1,20 @@
 """Chat conversations to tokens with the target's own chat template, the loss mask (assistant turns only),
 and the accounting of dropped rows.
 
-Why the target's template: what the drafter learns to predict must be exactly what the target generates.
-Result columns of ``tokenize_slice`` (one row per dataset row of the slice, bad rows included so they can
-be counted): ``sample_index`` int64, ``input_ids`` int32[], ``loss_mask`` bool[], ``num_loss_tokens``
-int32, ``status`` ("ok" | "short" | "bad:<reason>"). Reasons (``drop_reason`` turns a status into the
-phrase the producer prints): unparseable (a line that is not JSON), not a list / empty / turn not an object
-/ unknown role / empty content (the conversation's shape), no assistant turn, template error (the chat
-template raised), over-long (enough supervised tokens, but --max-length cuts them below the minimum);
-"short" is too few supervised tokens.
+Why the target's template, and at generation time: what the drafter learns to predict must be exactly
+what the target generates, in the context the target had when it generated it (its reasoning, its tool
+calls, the tool results, the tools listed by the template). Templates that render history unlike
+generation (the Qwen3 family strips earlier reasoning) make a row several samples
+(``generation_renderings``). Result columns of ``tokenize_slice`` (one row per sample of each dataset row
+of the slice, one per bad row so they can be counted): ``sample_index`` int64 (the dataset row),
+``segment`` int32 (which sample of its row), ``input_ids`` int32[], ``loss_mask`` bool[],
+``num_loss_tokens`` int32, ``status`` ("ok" | "short" | "bad:<reason>"). Reasons (``drop_reason`` turns a
+status into the phrase the producer prints): unparseable (a line that is not JSON), the conversation's
+shape (not a list, empty, turn not an object, unknown role, content not text, a tool call without a
+function name, tools not JSON, a row of the other format), no assistant turn / only empty assistant
+turns, template error (the chat template raised), over-long (enough supervised tokens, but --max-length
+cuts them below the minimum); "short" is too few supervised tokens. docs/producer.md says how each chat
+shape becomes tokens.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from datasets import Features, Sequence, Value
 
-from dflash.common.target.data import _RAW, DataConfig, DataError, conversation_column
+from dflash.common.target.data import _COLUMN, _RAW, DataConfig, DataError, conversation_column
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +42,21 @@ _ROLE = {
     "assistant": "assistant",
     "gpt": "assistant",
     "chatgpt": "assistant",
+    "tool": "tool",
+    "observation": "tool",  # ShareGPT tool result
+    "function_call": "assistant",  # ShareGPT tool call: the value is {"name", "arguments"} JSON
 }
+_FORMAT_NAME = {"messages": "an OpenAI", "conversations": "a ShareGPT"}
 
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-_TOKENIZE_VERSION = 2  # bump when tokenize output changes, to invalidate datasets' map cache
+_TOKENIZE_VERSION = 3  # bump when tokenize output changes, to invalidate datasets' map cache
+
+
+class BadRow(ValueError):
+    """A row that cannot be trained; the message is the drop reason."""
 
 
 def _text(content: Any) -> str | None:
@@ -55,25 +69,116 @@ def _text(content: Any) -> str | None:
     return None
 
 
-def normalize_conversation(raw: Any) -> tuple[list[dict[str, str]] | None, str]:
-    """[{role, content}] from an OpenAI or ShareGPT turn list, or (None, reason) for a bad row."""
+def _prune_nulls(value: Any) -> Any:
+    """Drop None-valued keys: arrow gives every struct the union of the fields of all rows, None where a
+    row had none, and a template would render those as ``null`` keys the row never had."""
+    if isinstance(value, dict):
+        return {k: _prune_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_prune_nulls(v) for v in value]
+    return value
+
+
+def _json_value(value: Any, what: str) -> Any:
+    if isinstance(value, str):  # tools and arguments are often stored as JSON text
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            raise BadRow(f"{what} not JSON") from None
+    return value
+
+
+def normalize_tools(raw: Any) -> list[dict] | None:
+    """A row's tool definitions (a list of objects, or its JSON text) for the template's ``tools=``."""
+    if raw is None:
+        return None
+    tools = _json_value(raw, "tools")
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise BadRow("tools not a list of objects")
+    return tools
+
+
+def _tool_calls(raw: Any) -> list[dict] | None:
+    """HF's shape: [{"type": "function", "function": {"name", "arguments": object}}] (a flat {name,
+    arguments} is wrapped, arguments given as JSON text are parsed; an OpenAI "id" is kept)."""
+    if raw is None or raw == []:
+        return None
+    if not isinstance(raw, list):
+        raise BadRow("tool_calls not a list")
+    calls = []
+    for call in raw:
+        fn = call.get("function", call) if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRow("tool call without a function name")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):  # JSON text (OpenAI's wire form): HF templates expect the object
+            try:
+                args = json.loads(args) if isinstance(json.loads(args), dict) else args
+            except json.JSONDecodeError:
+                pass  # not JSON: the template gets the text as it is
+        out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(call.get("id"), str):
+            out["id"] = call["id"]
+        calls.append(out)
+    return calls
+
+
+def _turn(turn: Any, train_reasoning: bool) -> dict[str, Any] | None:
+    """One turn in HF chat-template form, None for an assistant turn with nothing in it (dropped)."""
+    if not isinstance(turn, dict):
+        raise BadRow("turn not an object")
+    role = turn.get("role", turn.get("from"))
+    if not isinstance(role, str) or role not in _ROLE:  # a list/dict role is unhashable: not a crash
+        raise BadRow("unknown role")
+    raw = turn.get("content", turn.get("value"))
+    msg: dict[str, Any] = {"role": _ROLE[role]}
+    if role == "function_call":
+        msg["content"], msg["tool_calls"] = None, _tool_calls([_json_value(raw, "function_call value")])
+        return msg
+    content = _text(raw)
+    if raw is not None and content is None:
+        raise BadRow("content not text")
+    if msg["role"] != "assistant":
+        msg["content"] = content or ""
+        for key in ("name", "tool_call_id"):  # a tool result's function name / the call it answers
+            if isinstance(turn.get(key), str):
+                msg[key] = turn[key]
+        return msg
+    reasoning = turn.get("reasoning_content", turn.get("reasoning"))
+    reasoning = reasoning if isinstance(reasoning, str) and reasoning.strip() and train_reasoning else None
+    calls = _tool_calls(turn.get("tool_calls"))
+    if not (content and content.strip()) and reasoning is None and calls is None:
+        return None
+    msg["content"] = content or ""
+    if reasoning is not None:
+        msg["reasoning_content"] = reasoning
+    if calls is not None:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def normalize_conversation(
+    raw: Any, *, train_reasoning: bool = True, null_fields: bool = False
+) -> tuple[list[dict[str, Any]] | None, str]:
+    """HF chat-template messages from an OpenAI or ShareGPT turn list, or (None, reason) for a bad row.
+
+    Roles system/user/assistant/tool (and their ShareGPT names); an assistant turn keeps its
+    ``reasoning_content`` (unless ``train_reasoning`` is off) and ``tool_calls`` (content may be null);
+    an assistant turn with no content, reasoning or call is dropped, not the row. ``null_fields``: the
+    turns came from arrow (None keys are its padding, not the row's)."""
     if isinstance(raw, dict):  # raw-JSON rows: the whole row
         raw = raw.get("messages", raw.get("conversations"))
     if not isinstance(raw, list) or not raw:
         return None, "not a list" if not isinstance(raw, list) else "empty"
-    msgs: list[dict[str, str]] = []
-    for turn in raw:
-        if not isinstance(turn, dict):
-            return None, "turn not an object"
-        role = turn.get("role", turn.get("from"))
-        content = _text(turn.get("content", turn.get("value")))
-        if not isinstance(role, str) or role not in _ROLE:  # a list/dict role is unhashable: not a crash
-            return None, "unknown role"
-        if content is None or not content.strip():
-            return None, "empty content"
-        msgs.append({"role": _ROLE[role], "content": content})
+    try:
+        turns = [_turn(_prune_nulls(t) if null_fields else t, train_reasoning) for t in raw]
+    except BadRow as err:
+        return None, str(err)
+    msgs = [t for t in turns if t is not None]
     if not any(m["role"] == "assistant" for m in msgs):
-        return None, "no assistant turn"
+        return None, "only empty assistant turns" if len(msgs) < len(turns) else "no assistant turn"
     return msgs, "ok"
 
 
@@ -110,94 +215,184 @@ def _mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]
     return mask
 
 
-def assistant_spans_by_prefix(tokenizer, msgs: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
-    """Render prefix by prefix: assistant turn i spans from the end of render(msgs[:i], generation prompt)
-    to the end of render(msgs[:i+1]) minus trailing whitespace. Needs a prefix-stable template."""
-    full = tokenizer.apply_chat_template(msgs, tokenize=False)
-    spans = []
-    for i, m in enumerate(msgs):
-        if m["role"] != "assistant":
-            continue
-        head = (
-            tokenizer.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True) if i else ""
+Rendering = tuple[str, list[tuple[int, int]]]  # text, char spans of the trained assistant turns
+
+
+def _render(tokenizer, msgs: list[dict[str, Any]], tools: list[dict] | None, generation: bool = False) -> str:
+    try:
+        return tokenizer.apply_chat_template(
+            msgs, tools=tools, tokenize=False, add_generation_prompt=generation
         )
-        upto = tokenizer.apply_chat_template(msgs[: i + 1], tokenize=False)
-        if not (upto.startswith(head) and full.startswith(upto)):
-            raise ValueError("chat template renders differently as history (not prefix-stable)")
-        spans.append((len(head), len(upto.rstrip())))
-    return full, spans
+    except Exception:  # noqa: BLE001 - a template may raise for one conversation: that row's problem
+        raise BadRow("template error") from None
+
+
+def generation_renderings(
+    tokenizer, msgs: list[dict[str, Any]], tools: list[dict] | None = None
+) -> list[Rendering]:
+    """The conversation as the target sees it while generating each assistant turn, in as few renderings
+    as are exact: the fewest training samples whose tokens are the target's own context.
+
+    Assistant turn i at generation time is G_i = render(msgs[:i], generation prompt) followed by its turn
+    T_i, where render(msgs[:i+1]) = G_i + T_i (+ trailing whitespace). A rendering of msgs[:j+1] trains
+    turn i <= j exactly when it starts with G_i + T_i. Templates that render history as it was generated
+    (prefix-stable) need one rendering for the whole row; the Qwen3 family strips the reasoning of
+    assistant turns before the last user query, so such a row needs one rendering per user query whose
+    turns carry reasoning (each with the history the target saw), never one per turn: consecutive turns
+    that one rendering holds exactly share it."""
+    groups: list[Rendering] = []
+    text, spans = "", []  # the open group: the rendering of its last turn, its turns' spans
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant" or i == 0:  # a leading assistant turn: context (no prompt renders alone)
+            continue
+        head = _render(tokenizer, msgs[:i], tools, generation=True)
+        upto = _render(tokenizer, msgs[: i + 1], tools)
+        if not upto.startswith(head):
+            raise BadRow("template renders an assistant turn unlike its generation prompt")
+        end = len(upto.rstrip())
+        if spans and not upto.startswith(text[: spans[-1][1]]):
+            groups.append((text, spans))  # the open group's turns render differently from here on
+            spans = []
+        text = upto
+        spans.append((len(head), end))
+    if not spans:
+        raise BadRow("only a leading assistant turn")
+    groups.append((text, spans))
+    return groups
+
+
+def assistant_spans_by_prefix(tokenizer, msgs: list[dict[str, Any]]) -> Rendering:
+    """One rendering of the whole row with its assistant spans; ValueError when the template renders some
+    turn differently as history (generation_renderings splits such a row)."""
+    groups = generation_renderings(tokenizer, msgs)
+    if len(groups) > 1:
+        raise ValueError("chat template renders differently as history (not prefix-stable)")
+    return groups[0]
+
+
+Sample = tuple[list[int], list[bool]]
 
 
 def tokenize_conversations(
-    tokenizer, convs: list[list[dict[str, str]]]
-) -> list[tuple[list[int], list[bool]] | str]:
-    """(input_ids, loss_mask) per conversation, or an error reason string for conversations the template
-    rejects. Uses {% generation %} masks when the template has them, prefix rendering otherwise."""
+    tokenizer, convs: list[list[dict[str, Any]]], tools: list[list[dict] | None] | None = None
+) -> list[list[Sample] | str]:
+    """The samples (input_ids, loss_mask) of each conversation, or an error reason for conversations the
+    template rejects. A template with {% generation %} marks: one sample, its marks are the mask (the
+    template's author says what is generated). Otherwise generation_renderings: usually one sample,
+    several where the template renders history unlike generation."""
     if not convs:
         return []
+    tools = tools if tools is not None else [None] * len(convs)
     if has_generation_tags(tokenizer):
+        if len(convs) > 1 and any(t is not None for t in tools):  # tools= is one list for the whole batch
+            pairs = zip(convs, tools, strict=True)
+            return [r for c, t in pairs for r in tokenize_conversations(tokenizer, [c], [t])]
         try:
             out = tokenizer.apply_chat_template(
-                convs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+                convs, tools=tools[0], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
             )
             return [
-                (list(ids), [bool(x) for x in m])
+                [(list(ids), [bool(x) for x in m])]
                 for ids, m in zip(out["input_ids"], out["assistant_masks"], strict=True)
             ]
         except Exception:  # noqa: BLE001 - a template may raise for one conversation; isolate it below
             if len(convs) > 1:
                 return [r for c in convs for r in tokenize_conversations(tokenizer, [c])]
             return ["bad:template error"]
-    results: list[tuple[list[int], list[bool]] | str] = []
-    for msgs in convs:
+    results: list[list[Sample] | str] = []
+    for msgs, row_tools in zip(convs, tools, strict=True):
         try:
-            text, spans = assistant_spans_by_prefix(tokenizer, msgs)
-        except Exception:  # noqa: BLE001 - template errors and unstable templates are per-row problems
-            results.append("bad:template error")
+            groups = generation_renderings(tokenizer, msgs, row_tools)
+        except BadRow as err:
+            results.append(f"bad:{err}")
             continue
-        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        results.append((list(enc["input_ids"]), _mask_from_spans(enc["offset_mapping"], spans)))
+        samples = []
+        for text, spans in groups:
+            enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            samples.append((list(enc["input_ids"]), _mask_from_spans(enc["offset_mapping"], spans)))
+        results.append(samples)
     return results
 
 
 class _Tokenize:
-    """The datasets.map function (a class so it pickles for num_proc)."""
-    def __init__(self, tokenizer, column: str, max_length: int, min_loss_tokens: int, indices: np.ndarray):
+    """The datasets.map function (a class so it pickles for num_proc). One input row gives one output row
+    per sample (``segment`` 0, 1, ...), or one row of status "bad:<reason>" (segment 0)."""
+
+    def __init__(
+        self, tokenizer, column: str, max_length: int, min_loss_tokens: int, indices: np.ndarray, *,
+        train_reasoning: bool = True, fmt: str = "auto",
+    ):  # fmt: skip
         self.tokenizer, self.column = tokenizer, column
         self.max_length, self.min_loss_tokens = max_length, min_loss_tokens
         self.indices = indices  # position in the slice -> global sample index
+        self.train_reasoning, self.fmt = train_reasoning, fmt
+
+    def _row(self, batch: dict[str, list], i: int) -> tuple[Any, Any, str | None]:
+        """(turns, tools, reason it is another format's row or None) of row i of the batch."""
+        if self.column == _RAW:
+            row = _parse_raw(batch[_RAW][i])
+            if row is _UNPARSEABLE:
+                return None, None, "unparseable"
+            if not isinstance(row, dict):
+                return row, None, None
+            own = _COLUMN.get(self.fmt)
+            other = next((c for c in _COLUMN.values() if c != own), None) if own else None
+            if own and row.get(own) is None and isinstance(row.get(other), list):
+                return None, None, f"{_FORMAT_NAME[other]} row in {_FORMAT_NAME[own]}-format file"
+            return row, row.get("tools"), None
+        turns = batch[self.column][i]
+        tools = batch["tools"][i] if "tools" in batch else None
+        if turns is None:  # a file mixing formats: arrow gives each row both columns, one of them None
+            for other in (c for c in _COLUMN.values() if c != self.column and c in batch):
+                if isinstance(batch[other][i], list):
+                    return None, None, f"{_FORMAT_NAME[other]} row in {_FORMAT_NAME[self.column]}-format file"
+        return turns, tools, None
 
     def __call__(self, batch: dict[str, list], positions: list[int]) -> dict[str, list]:
-        raws = batch[self.column]
-        if self.column == _RAW:
-            raws = [_parse_raw(r) for r in raws]
-        normalized = [(None, "unparseable") if r is _UNPARSEABLE else normalize_conversation(r) for r in raws]
-        good = [i for i, (m, _) in enumerate(normalized) if m is not None]
-        toks = tokenize_conversations(self.tokenizer, [normalized[i][0] for i in good])
+        normalized: list[tuple[Any, Any, str]] = []  # (messages or None, tools, reason)
+        for i in range(len(positions)):
+            turns, raw_tools, reason = self._row(batch, i)
+            if reason is not None:
+                normalized.append((None, None, reason))
+                continue
+            msgs, reason = normalize_conversation(
+                turns, train_reasoning=self.train_reasoning, null_fields=self.column != _RAW
+            )
+            try:
+                tools = normalize_tools(_prune_nulls(raw_tools) if self.column != _RAW else raw_tools)
+            except BadRow as err:
+                msgs, reason = None, str(err)
+            normalized.append((msgs, tools, reason))
+        good = [i for i, (m, _, _) in enumerate(normalized) if m is not None]
+        toks = tokenize_conversations(
+            self.tokenizer, [normalized[i][0] for i in good], [normalized[i][1] for i in good]
+        )
         by_row: dict[int, Any] = dict(zip(good, toks, strict=True))
-        out: dict[str, list] = {
-            "sample_index": [int(self.indices[p]) for p in positions],
-            "input_ids": [],
-            "loss_mask": [],
-            "num_loss_tokens": [],
-            "status": [],
-        }
-        for i, (_, reason) in enumerate(normalized):
-            res = by_row.get(i, f"bad:{reason}")
-            if isinstance(res, str):
-                ids, mask, status = [], [], res
-            else:
-                ids, mask = res[0][: self.max_length], res[1][: self.max_length]
-                if sum(mask) >= self.min_loss_tokens:
-                    status = "ok"
-                elif sum(res[1]) >= self.min_loss_tokens:
-                    status, ids, mask = "bad:over-long", [], []  # --max-length cut its supervision
-                else:
-                    status = "short"
+        columns = ("sample_index", "segment", "input_ids", "loss_mask", "num_loss_tokens", "status")
+        out: dict[str, list] = {k: [] for k in columns}
+
+        def emit(p: int, seg: int, ids: list[int], mask: list[bool], status: str) -> None:
+            out["sample_index"].append(int(self.indices[p]))
+            out["segment"].append(seg)
             out["input_ids"].append(ids)
             out["loss_mask"].append(mask)
             out["num_loss_tokens"].append(int(sum(mask)))
             out["status"].append(status)
+
+        for i, p in enumerate(positions):
+            res = by_row.get(i, f"bad:{normalized[i][2]}")
+            if isinstance(res, str):
+                emit(p, 0, [], [], res)
+                continue
+            for seg, (full_ids, full_mask) in enumerate(res):
+                ids, mask = full_ids[: self.max_length], full_mask[: self.max_length]
+                if sum(mask) >= self.min_loss_tokens:
+                    status = "ok"
+                elif sum(full_mask) >= self.min_loss_tokens:
+                    status, ids, mask = "bad:over-long", [], []  # --max-length cut its supervision
+                else:
+                    status = "short"
+                emit(p, seg, ids, mask, status)
         return out
 
 
@@ -229,12 +424,15 @@ def tokenize_slice(ds, tokenizer, cfg: DataConfig, indices: np.ndarray):
     """Tokenize the rows `indices` of `ds` (cached by datasets; see module docstring for the columns)."""
     column = conversation_column(ds, cfg.format)
     indices = np.asarray(indices, dtype=np.int64)
-    sub = ds.select_columns([column])
+    # the row's tools, and the other format's column (to name a row of that format in this file)
+    columns = [column] + [c for c in ("tools", *_COLUMN.values()) if c != column and c in ds.column_names]
+    sub = ds.select_columns(columns)
     if not np.array_equal(indices, np.arange(len(ds))):
         sub = sub.select(indices)  # an indices mapping: no copy of the rows
     features = Features(
         {
             "sample_index": Value("int64"),
+            "segment": Value("int32"),
             "input_ids": Sequence(Value("int32")),
             "loss_mask": Sequence(Value("bool")),
             "num_loss_tokens": Value("int32"),
@@ -249,18 +447,23 @@ def tokenize_slice(ds, tokenizer, cfg: DataConfig, indices: np.ndarray):
         tokenizer.name_or_path,
         len(tokenizer),
         _tokenizer_digest(tokenizer),
-        column,
+        columns,
+        cfg.format,
         cfg.max_length,
         cfg.min_loss_tokens,
+        cfg.train_reasoning,
     )
-    fn = _Tokenize(tokenizer, column, cfg.max_length, cfg.min_loss_tokens, indices)
+    fn = _Tokenize(
+        tokenizer, column, cfg.max_length, cfg.min_loss_tokens, indices,
+        train_reasoning=cfg.train_reasoning, fmt=cfg.format,
+    )  # fmt: skip
     num_proc = cfg.num_proc if cfg.num_proc and cfg.num_proc > 1 and len(sub) >= 2 * cfg.num_proc else None
     return sub.map(
         fn,
         batched=True,
         with_indices=True,
         batch_size=256,
-        remove_columns=[column],
+        remove_columns=columns,
         features=features,
         num_proc=num_proc,
         new_fingerprint=fingerprint,
@@ -271,11 +474,12 @@ def tokenize_slice(ds, tokenizer, cfg: DataConfig, indices: np.ndarray):
 def drop_summary(
     tok_ds, raw_ds=None, column: str | None = None, *, min_loss_tokens: int | None = None
 ) -> dict:
-    """What tokenization kept and dropped: ``{"rows", "ok", "dropped", "reasons": {phrase: count},
-    "first": {phrase: "row <global index>: <first 60 chars of the raw row>"}}`` (counted with pyarrow,
-    no Python loop over rows)."""
+    """What tokenization kept and dropped: ``{"rows", "samples", "ok", "dropped", "reasons": {phrase:
+    count}, "first": {phrase: "row <global index>: <first 60 chars of the raw row>"}}`` (counted with
+    pyarrow, no Python loop over rows). ``samples`` >= ``rows`` (a row may give several samples, a bad row
+    counts as one); ``ok`` and ``dropped`` count samples."""
     if len(tok_ds) == 0 or "status" not in tok_ds.column_names:
-        return {"rows": 0, "ok": 0, "dropped": 0, "reasons": {}, "first": {}}
+        return {"rows": 0, "samples": 0, "ok": 0, "dropped": 0, "reasons": {}, "first": {}}
     status = tok_ds.with_format("arrow")["status"]
     index = tok_ds.with_format("arrow")["sample_index"]
     counts = {str(v["values"]): int(v["counts"]) for v in pc.value_counts(status).to_pylist()}
@@ -296,12 +500,22 @@ def drop_summary(
                     snippet = ""
             first[phrase] = f"row {row}{snippet}"
     ok = counts.get("ok", 0)
-    return {"rows": len(tok_ds), "ok": ok, "dropped": len(tok_ds) - ok, "reasons": reasons, "first": first}
+    rows = int(pc.count_distinct(index).as_py())
+    dropped = len(tok_ds) - ok
+    return {
+        "rows": rows,
+        "samples": len(tok_ds),
+        "ok": ok,
+        "dropped": dropped,
+        "reasons": reasons,
+        "first": first,
+    }
 
 
 def campaign_counts(tok_ds, exclude: np.ndarray | None = None) -> dict:
     """What one epoch of the tokenized slice gives: ``{"samples", "tokens", "loss_tokens"}`` of its kept
-    rows, minus the positions ``exclude`` (held out); counted with pyarrow (dflash.common.contract.epochs.Campaign)."""
+    samples, minus the positions ``exclude`` (held out); counted with pyarrow
+    (dflash.common.contract.epochs.Campaign)."""
     if len(tok_ds) == 0 or "status" not in tok_ds.column_names:
         return {"samples": 0, "tokens": 0, "loss_tokens": 0}
     table = tok_ds.with_format("arrow")[:]
@@ -320,8 +534,12 @@ def campaign_counts(tok_ds, exclude: np.ndarray | None = None) -> dict:
 
 
 def format_drops(summary: dict) -> str:
-    """``dropped 3 of 80 rows: unparseable 2 (first: row 5: '{oops'), no assistant turn 1 (first: row 3)``."""
+    """``dropped 3 of 80 rows: unparseable 2 (first: row 5: '{oops'), no assistant turn 1 (first: row 3)``;
+    ``... of 95 samples (80 rows): ...`` when rows gave several samples."""
+    rows = summary.get("rows", 0)
+    samples = summary.get("samples", rows)
+    unit = f"{rows} rows" if samples == rows else f"{samples} samples ({rows} rows)"
     if not summary.get("dropped"):
-        return f"dropped 0 of {summary.get('rows', 0)} rows"
+        return f"dropped 0 of {unit}"
     parts = [f"{r} {n} (first: {summary['first'].get(r, '?')})" for r, n in summary["reasons"].items()]
-    return f"dropped {summary['dropped']} of {summary['rows']} rows: " + ", ".join(parts)
+    return f"dropped {summary['dropped']} of {unit}: " + ", ".join(parts)

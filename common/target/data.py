@@ -45,6 +45,10 @@ class DataConfig:
     or auto"""
     max_length: int = 4096
     """truncate samples to this many tokens"""
+    train_reasoning: bool = True
+    """train the reasoning of assistant turns (their ``reasoning_content``, rendered by the target's template
+    as it generated it); off: reasoning is removed from the rows before rendering, as if the target had
+    answered without thinking (fewer tokens; with a Qwen3-family template also fewer samples per row)"""
     min_loss_tokens: int = field(default=32, metadata=flag(cli=False))
     """samples with fewer supervised tokens (after truncation) are dropped; the CLI sets 2 x --block-size"""
     limit: int | None = None
