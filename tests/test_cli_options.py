@@ -26,6 +26,7 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
         "--compile-scope": "issue 25: compile each decoder layer (default) or the whole truncated trunk",
         "--compile-shapes": "issue 25: one dynamic graph (default) or one static graph per bucket shape",
         "--no-train-reasoning": "chat data: assistant reasoning_content is trained by default; this renders rows without it",
+        "--compile-timeout-s": "the compiled trunk's warm-up is bounded: past it, the eager path with one warning line",
     },
     "dflash-plan": {"--bench": "issue 25: plan each target shape from pipeline_bench / producer_bench figures"},
     "dflash-consume": {
@@ -37,6 +38,7 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
         "--no-expandable-segments": "issue 36: the CUDA caching allocator's expandable segments (on by default)",
         "--decode-threads": "issue 36: zarr's chunk-decoding threads in the training process",
         "--profile-steps": "issue 36: torch.profiler kernel table of a few steps, written to the run dir",
+        "--spool-wait-s": "a consumer started before its producers waits for the spool (bounded), not exit 2 at once",
     },
     "dflash-eval": {
         "--temperature": "issue 27: lossless speculative rejection sampling",
