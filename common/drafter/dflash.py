@@ -47,18 +47,15 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import DynamicCache, Qwen3Config
+from transformers import cache_utils as hf_cache_utils
 from transformers import initialization as hf_init
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel
 
-try:  # transformers >= 5.17 at least: the cache layers of linear attention (Gated DeltaNet: Qwen3.5/3.6, Qwen3-Next)
-    from transformers.cache_utils import LinearAttentionCacheLayerMixin
-except ImportError:  # older transformers: a target with such layers is refused (linear_state_layers)
-    LinearAttentionCacheLayerMixin = None
-try:
-    from transformers.cache_utils import CacheLayerMixin
-except ImportError:
-    CacheLayerMixin = None
+# The cache layers of linear attention (Gated DeltaNet: Qwen3.5/3.6, Qwen3-Next), in transformers 5.17 and later;
+# None in older ones, where a target with such layers is refused (``linear_state_layers``).
+LinearAttentionCacheLayerMixin = getattr(hf_cache_utils, "LinearAttentionCacheLayerMixin", None)
+CacheLayerMixin = getattr(hf_cache_utils, "CacheLayerMixin", None)
 
 # ------------------------------------------------------------------------------------------ 1. config glue
 
