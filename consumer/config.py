@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from dflash.common.cli.flags import flag
-from dflash.common.drafter.layers import parse_layer_types
+from dflash.common.drafter.layers import check_layer_ids, parse_layer_types
 
 PRECISIONS = ("auto", "mixed", "amp", "bf16", "fp32")
 
@@ -161,6 +161,8 @@ class TrainConfig:
             raise ValueError(f"resume must be 'auto' or 'none', got {self.resume!r}")
         if self.block_size < 2:
             raise ValueError(f"block-size must be >= 2, got {self.block_size}")
+        if self.target_layer_ids is not None:
+            self.target_layer_ids = check_layer_ids(self.target_layer_ids, what="--target-layer-ids")
         layer_types = parse_layer_types(self.draft_layer_types)
         if layer_types is not None and len(layer_types) != self.num_layers:
             raise ValueError(

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dflash.common.cli.flags import flag
+from dflash.common.drafter.layers import check_layer_ids
 from dflash.common.target.data import DataConfig
 from dflash.producer.buckets import BucketConfig
 
@@ -140,6 +141,8 @@ class ProducerConfig:
             raise ValueError(f"ProducerConfig.heartbeat_s={self.heartbeat_s}: must be > 0")
         if self.epochs < 1:
             raise ValueError(f"ProducerConfig.epochs={self.epochs}: must be >= 1")
+        if self.layer_ids is not None:
+            self.layer_ids = check_layer_ids(self.layer_ids)
 
     def resolved_compile_backend(self) -> str:
         """The backend on this device: "eager" (not compiled) with --no-compile, and for auto on the CPU."""
