@@ -21,6 +21,8 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     AutoTokenizer,
+    Lfm2Config,
+    Lfm2ForCausalLM,
     Qwen3_5Config,
     Qwen3_5ForConditionalGeneration,
 )
@@ -262,3 +264,24 @@ def test_exported_spec_generate_equals_greedy_on_the_hybrid_target(hybrid, expor
         steps += stats.generation.steps
     assert _partial(steps) > 0
     print(f"hybrid spec_generate: tau {sum(n for *_, n in steps) / len(steps):.2f} over {len(steps)} steps")
+
+
+def test_dflash_eval_refuses_a_target_it_cannot_roll_back(export, tmp_path, capsys):
+    """An LFM2-style target (short-conv layers: a state, but not Gated DeltaNet's) is refused in one line:
+    dflash-eval exits 2 before decoding (``spec_generate`` raises the same ValueError from ``TargetRunner``:
+    test_cache_families_that_cannot_be_rolled_back_are_refused_in_one_line)."""
+    config = Lfm2Config(vocab_size=4096, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, layer_types=["conv", "full_attention"])  # fmt: skip
+    torch.manual_seed(0)
+    model = Lfm2ForCausalLM(config).eval()
+    model.save_pretrained(tmp_path / "lfm2")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(tiny_target_dir() / name, tmp_path / "lfm2" / name)
+    argv = ["--target", str(tmp_path / "lfm2"), "--drafter", str(export), "--dataset", str(demo_dataset_path()),
+            "--num-prompts", "1", "--device", "cpu"]  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        eval_main(argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("dflash-eval: error: ")]
+    assert exc.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
+    assert "layer 0 (conv, cache LinearAttentionLayer) keeps a state that speculative decoding cannot roll back" in lines[0]

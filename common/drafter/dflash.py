@@ -773,6 +773,13 @@ def linear_state_layers(cache: Any, config: Any) -> list[int]:
     return state
 
 
+def check_decodable(model: nn.Module) -> list[int]:
+    """``linear_state_layers`` of a fresh cache of ``model``: the layers whose state a verify restores;
+    ValueError, one line, for a target this loop cannot decode exactly. For tools, right after loading the
+    target (before any drafter or checkpoint is read); ``TargetRunner`` checks the same on every reset."""
+    return linear_state_layers(DynamicCache(config=model.config), model.config)
+
+
 @dataclass(kw_only=True)
 class _StateSnapshot:
     """The linear-attention states before a multi-token forward, and that forward's tokens (to re-advance)."""
