@@ -83,7 +83,8 @@ class TrainConfig:
     mask_token_id: int | None = None
     """token id of the draft mask (default: chosen from the tokenizer, docs/training.md)"""
     target_layer_ids: list[int] | None = None
-    """target layers the producers captured, e.g. 1,9,17,25,33 (default: K=5 from 1 to L-3)"""
+    """target layers the producers captured, sorted and distinct, e.g. 1,9,17,25,33 (default: K=5 from 1 to
+    L-3)"""
     seed: int = 0
     """random seed of the drafter init and anchor sampling (each rank offsets it by its rank)"""
     log_every: int = 10

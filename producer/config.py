@@ -77,7 +77,7 @@ class ProducerConfig:
     dtype: str = field(default="auto", metadata=flag(choices=("auto", "bfloat16", "float32")))
     """target dtype (auto: bf16 on GPU, fp32 on CPU)"""
     layer_ids: list[int] | None = None
-    """target layers to capture, e.g. 1,9,17,25,33 (default: K=5 from 1 to L-3)"""
+    """target layers to capture, sorted and distinct, e.g. 1,9,17,25,33 (default: K=5 from 1 to L-3)"""
     codec: str | None = None
     """hidden-state codec: none | zstd:<level>[:shuffle] (default: the shard format's default)"""
     budget_bytes: int = field(default=1 << 62, metadata=flag(cli=False))

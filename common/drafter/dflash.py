@@ -1,4 +1,4 @@
-"""Long by necessity (one self-contained file, ~1100 lines): the whole DFlash drafter, shipped verbatim as every export's remote code.
+"""Long by necessity (one self-contained file, ~1250 lines): the whole DFlash drafter, shipped verbatim as every export's remote code.
 
 Why one file: ``dflash-export`` copies this file into every export folder as ``dflash.py`` with
 ``auto_map {"AutoModel": "dflash.DFlashDraftModel"}`` (the public DFlash drafters' convention), so
@@ -19,7 +19,8 @@ Contents, in order:
    and its inference form (blocks over cached context keys/values);
 5. ``DraftMath``: the drafter itself (parameters named as the public model's: ``layers.{i}.…``, ``fc``,
    ``hidden_norm``, ``norm``), its training forward, its inference form and ``spec_generate``;
-6. decoding: the target with a KV cache and capture hooks (``TargetRunner``), the draft -> verify loop
+6. decoding: the target with its cache (rolled back exactly after a verify, hybrid targets included) and
+   capture hooks (``TargetRunner``), the draft -> verify loop
    (``speculative_generate``), greedy verification and lossless speculative rejection sampling;
 7. ``DFlashDraftModel``: the ``PreTrainedModel`` that ``AutoModel`` builds from an export.
 
@@ -1110,8 +1111,10 @@ def speculative_generate(
     first token (the first anchor). Each step: the drafter drafts [anchor, d_1..d_{b-1}] at positions
     anchor_pos..; the target verifies all of it in ONE forward on its cache; greedy: d_k is accepted while it
     equals the target's argmax after the tokens before it, the argmax after the last accepted one is the
-    bonus (exactly greedy decoding's tokens); sampling: ``verify_sampled``. The cache is cropped to the
-    accepted tokens, whose verify-forward features join the context; the bonus is the next anchor.
+    bonus (exactly greedy decoding's tokens); sampling: ``verify_sampled``. The cache is rolled back to the
+    accepted tokens (``TargetRunner.crop``: keys/values cropped, linear-attention states restored and
+    re-advanced, counted as a target forward), whose verify-forward features join the context; the bonus is
+    the next anchor.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
