@@ -229,13 +229,17 @@ def test_every_verify_sees_the_targets_true_distribution(hybrid, temperature):
 # ------------------------------------------------------------------------------------ the tools, end to end
 
 
-def test_dflash_eval_baseline_equals_greedy_on_the_hybrid_target(hybrid, export, tmp_path, capsys):
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])],
+)
+def test_dflash_eval_baseline_equals_greedy_on_the_hybrid_target(hybrid, export, tmp_path, capsys, device):
     """``dflash-eval --baseline`` (fp32, 8 prompts, 64 tokens): 0 prompts differ from greedy; τ > 1 with
-    blocks accepted in part."""
+    blocks accepted in part. On CUDA the linear-attention kernels are fla's / causal-conv1d's when installed."""
     out = tmp_path / "eval.json"
     argv = ["--target", str(hybrid.path), "--drafter", str(export), "--dataset", str(demo_dataset_path()),
             "--num-prompts", str(PROMPTS), "--max-new-tokens", str(NEW), "--ignore-eos", "--baseline",
-            "--device", "cpu", "--dtype", "float32", "--json", str(out)]  # fmt: skip
+            "--device", device, "--dtype", "float32", "--json", str(out)]  # fmt: skip
     assert eval_main(argv) == 0
     report = json.loads(out.read_text())
     assert report["prompts"] == PROMPTS and report["generated_tokens"] == PROMPTS * NEW
@@ -245,7 +249,7 @@ def test_dflash_eval_baseline_equals_greedy_on_the_hybrid_target(hybrid, export,
     assert report["tau"] > 1.3, report["tau"]
     assert "prompts differing from greedy  0" in capsys.readouterr().out
     with capsys.disabled():
-        print(f"\nhybrid dflash-eval: tau {report['tau']:.2f}, accept_length_hist {hist}")
+        print(f"\nhybrid dflash-eval ({device}): tau {report['tau']:.2f}, accept_length_hist {hist}")
 
 
 def test_exported_spec_generate_equals_greedy_on_the_hybrid_target(hybrid, export, tmp_path, monkeypatch):
