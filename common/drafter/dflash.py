@@ -810,16 +810,16 @@ class TargetRunner:
             raise ValueError(f"drafter target_layer_ids {bad} do not exist in a {len(layers)}-layer target")
         self._captured: dict[int, torch.Tensor] = {}
         self._capture = False
-        self._handles = [
-            feature_module(layers, norm, i).register_forward_hook(self._hook(i)) for i in sorted(set(self.layer_ids))
-        ]
         self.cache = None
         self.state_layers: list[int] = []
         self._snapshot: _StateSnapshot | None = None
+        self.reset()  # a target whose cache this loop cannot roll back is refused here, before any hook is set
+        self._handles = [
+            feature_module(layers, norm, i).register_forward_hook(self._hook(i)) for i in sorted(set(self.layer_ids))
+        ]
         self.device = next(model.parameters()).device
         # transformers >= 5.2x renamed `past_key_values` to `cache` (the old name warns, then goes away)
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-        self.reset()  # a target whose cache this loop cannot roll back is refused here, before any decoding
 
     def _hook(self, layer: int):
         def hook(module, args, output):
@@ -832,7 +832,7 @@ class TargetRunner:
         self.cache = DynamicCache(config=self.model.config)
         self.state_layers = linear_state_layers(self.cache, self.model.config)
         self._snapshot = None
-        for i, layer in enumerate(self.cache.layers):
+        for i, layer in enumerate(getattr(self.cache, "layers", None) or []):
             # lets sliding-window layers be cropped; a linear-attention layer keeps its fixed-size states (its
             # rollback is the snapshot), so its conv state does not grow with every token
             if i not in self.state_layers and hasattr(layer, "activate_past_recording"):
