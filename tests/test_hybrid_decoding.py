@@ -172,7 +172,9 @@ def test_cache_families_that_cannot_be_rolled_back_are_refused_in_one_line(hybri
     runner = TargetRunner(hybrid.target, [0])
     cfg = hybrid.target.config
     conv = SimpleNamespace(layer_types=["conv"] + list(cfg.layer_types[1:]))
-    with pytest.raises(ValueError, match=r"layer 0 \(conv, cache LinearAttentionLayer\).*cannot roll back") as err:
+    with pytest.raises(
+        ValueError, match=r"layer 0 \(conv, cache LinearAttentionLayer\).*cannot roll back"
+    ) as err:
         linear_state_layers(runner.cache, conv)
     assert "\n" not in str(err.value)
     mixed = SimpleNamespace(layers=[LinearAttentionAndFullAttentionLayer()])
@@ -231,7 +233,13 @@ def test_every_verify_sees_the_targets_true_distribution(hybrid, temperature):
 
 @pytest.mark.parametrize(
     "device",
-    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])],
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")],
+        ),
+    ],
 )
 def test_dflash_eval_baseline_equals_greedy_on_the_hybrid_target(hybrid, export, tmp_path, capsys, device):
     """``dflash-eval --baseline`` (fp32, 8 prompts, 64 tokens): 0 prompts differ from greedy; τ > 1 with
@@ -288,4 +296,7 @@ def test_dflash_eval_refuses_a_target_it_cannot_roll_back(export, tmp_path, caps
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("dflash-eval: error: ")]
     assert exc.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
-    assert "layer 0 (conv, cache LinearAttentionLayer) keeps a state that speculative decoding cannot roll back" in lines[0]
+    assert (
+        "layer 0 (conv, cache LinearAttentionLayer) keeps a state that speculative decoding cannot roll back"
+        in lines[0]
+    )
