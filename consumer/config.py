@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Literal
 
 from dflash.common.cli.flags import flag
-from dflash.common.drafter.layers import parse_layer_types
+from dflash.common.drafter.layers import check_layer_ids, parse_layer_types
 
 PRECISIONS = ("auto", "mixed", "amp", "bf16", "fp32")
 LossImpl = Literal["auto", "chunked", "liger"]
@@ -88,7 +88,8 @@ class TrainConfig:
     mask_token_id: int | None = None
     """token id of the draft mask (default: chosen from the tokenizer, docs/training.md)"""
     target_layer_ids: list[int] | None = None
-    """target layers the producers captured, e.g. 1,9,17,25,33 (default: K=5 from 1 to L-3)"""
+    """target layers the producers captured, sorted and distinct, e.g. 1,9,17,25,33 (default: K=5 from 1 to
+    L-3)"""
     seed: int = 0
     """random seed of the drafter init and anchor sampling (each rank offsets it by its rank)"""
     log_every: int = 10
@@ -178,6 +179,8 @@ class TrainConfig:
             raise ValueError(f"resume must be 'auto' or 'none', got {self.resume!r}")
         if self.block_size < 2:
             raise ValueError(f"block-size must be >= 2, got {self.block_size}")
+        if self.target_layer_ids is not None:
+            self.target_layer_ids = check_layer_ids(self.target_layer_ids, what="--target-layer-ids")
         layer_types = parse_layer_types(self.draft_layer_types)
         if layer_types is not None and len(layer_types) != self.num_layers:
             raise ValueError(

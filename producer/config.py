@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dflash.common.cli.flags import flag
+from dflash.common.drafter.layers import check_layer_ids
 from dflash.common.target.data import DataConfig
 from dflash.producer.buckets import BucketConfig
 
@@ -76,7 +77,7 @@ class ProducerConfig:
     dtype: str = field(default="auto", metadata=flag(choices=("auto", "bfloat16", "float32")))
     """target dtype (auto: bf16 on GPU, fp32 on CPU)"""
     layer_ids: list[int] | None = None
-    """target layers to capture, e.g. 1,9,17,25,33 (default: K=5 from 1 to L-3)"""
+    """target layers to capture, sorted and distinct, e.g. 1,9,17,25,33 (default: K=5 from 1 to L-3)"""
     codec: str | None = None
     """hidden-state codec: none | zstd:<level>[:shuffle] (default: the shard format's default)"""
     budget_bytes: int = field(default=1 << 62, metadata=flag(cli=False))
@@ -146,6 +147,8 @@ class ProducerConfig:
             raise ValueError(f"ProducerConfig.heartbeat_s={self.heartbeat_s}: must be > 0")
         if self.epochs < 1:
             raise ValueError(f"ProducerConfig.epochs={self.epochs}: must be >= 1")
+        if self.layer_ids is not None:
+            self.layer_ids = check_layer_ids(self.layer_ids)
 
     def resolved_compile_backend(self) -> str:
         """The backend on this device: "eager" (not compiled) with --no-compile, and for auto on the CPU."""

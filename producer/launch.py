@@ -24,7 +24,7 @@ from dflash.common.contract.shard import CodecConfig, ShardFormatError
 from dflash.common.contract.shard_reader import read_sample_index
 from dflash.common.contract.spool import Spool, SpoolError, default_budget_bytes
 from dflash.common.contract.spool_records import RunMismatchError, SpoolBusyError
-from dflash.common.drafter.layers import default_target_layer_ids
+from dflash.common.drafter.layers import check_layer_ids, default_target_layer_ids
 from dflash.common.target.chat import check_tokenizer
 from dflash.common.target.checks import check_target as check_target_files
 from dflash.common.target.data import (
@@ -104,11 +104,12 @@ def check_target(model: str, layer_ids: list[int] | None) -> list[int]:
         raise UsageError(str(err)) from None
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     num_layers = text.num_hidden_layers
-    if layer_ids is not None and (not layer_ids or min(layer_ids) < 0 or max(layer_ids) >= num_layers):
-        raise UsageError(
-            f"--layer-ids {layer_ids}: the target has {num_layers} layers (ids 0..{num_layers - 1})"
-        )
-    return list(layer_ids) if layer_ids is not None else default_target_layer_ids(num_layers)
+    if layer_ids is None:
+        return default_target_layer_ids(num_layers)
+    try:
+        return check_layer_ids(layer_ids, num_layers)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
 
 
 def leftover_samples(spool: Spool) -> np.ndarray | None:

@@ -13,9 +13,12 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from dflash.common.drafter.batch import build_draft_batch, pack_samples
 from dflash.common.drafter.config import DrafterConfig, choose_mask_token_id
-from dflash.common.drafter.layers import default_target_layer_ids
+from dflash.common.drafter.layers import check_layer_ids, default_target_layer_ids
 from dflash.common.drafter.model import DFlashDrafter, TargetHead
+from dflash.common.target.data import DataConfig
 from dflash.common.target.head import load_target_head
+from dflash.consumer.config import TrainConfig
+from dflash.producer.config import ProducerConfig
 
 # eager flex_attention on CPU (the cross-check backend) warns that it is unfused; expected here
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -53,9 +56,49 @@ def test_default_target_layer_ids_match_public_rule():
     ids = default_target_layer_ids(64, 5)
     assert ids[0] == 1 and ids[-1] == 61
     with pytest.raises(ValueError, match="num_target_layers"):
-        default_target_layer_ids(3)
+        default_target_layer_ids(0)
     with pytest.raises(ValueError, match="k must"):
         default_target_layer_ids(36, 0)
+
+
+def test_default_target_layer_ids_are_distinct_on_small_targets():
+    """Where the public rule would repeat a layer (L < K + 3), K distinct layers from 1 to L-1, from 0 when
+    L == K, and every layer when the target has fewer than K; always sorted, distinct, in range."""
+    assert default_target_layer_ids(6) == [1, 2, 3, 4, 5]  # the public rule: [1, 2, 2, 2, 3]
+    assert default_target_layer_ids(7) == [1, 2, 4, 5, 6]
+    assert default_target_layer_ids(5) == [0, 1, 2, 3, 4]
+    assert default_target_layer_ids(3) == [0, 1, 2]
+    assert default_target_layer_ids(8) == [1, 2, 3, 4, 5]  # L = K + 3: the public rule, already distinct
+    for layers in range(1, 80):
+        for k in range(1, 9):
+            ids = default_target_layer_ids(layers, k)
+            assert ids == sorted(set(ids)) and 0 <= ids[0] and ids[-1] < layers, (layers, k, ids)
+            assert len(ids) == (1 if k == 1 else min(k, layers)), (layers, k, ids)
+
+
+@pytest.mark.parametrize(
+    "ids,num_layers,match",
+    [
+        ([3, 1, 1], 8, r"--layer-ids \[3, 1, 1\]: layer ids must be sorted and distinct, e\.g\. \[1, 3\]$"),
+        ([1, 2, 2], 8, r"sorted and distinct"),
+        ([1, 8], 8, r"--layer-ids \[1, 8\]: outside 0\.\.7 \(the target has 8 layers\)$"),
+        ([-1, 2], None, r">= 0"),
+        ([], 8, r"at least one"),
+    ],
+)
+def test_layer_ids_are_checked_in_one_line(ids, num_layers, match):
+    with pytest.raises(ValueError, match=match) as err:
+        check_layer_ids(ids, num_layers)
+    assert "\n" not in str(err.value)
+    assert check_layer_ids([1, 9, 17], 36) == [1, 9, 17]
+
+
+def test_the_cli_configs_refuse_repeated_layer_ids():
+    """Producer (--layer-ids) and consumer (--target-layer-ids) configs: one line each."""
+    with pytest.raises(ValueError, match=r"--layer-ids \[3, 1, 1\]: layer ids must be sorted and distinct"):
+        ProducerConfig(producer_id="p0", model="m", spool="s", data=DataConfig(dataset="d"), layer_ids=[3, 1, 1])
+    with pytest.raises(ValueError, match=r"--target-layer-ids \[2, 2\]: layer ids must be sorted and distinct"):
+        TrainConfig(spool="s", target="t", target_layer_ids=[2, 2])
 
 
 def test_drafter_config_uses_the_producers_layer_rule():
@@ -134,7 +177,8 @@ def test_from_target_config_llama_style_and_rope_scaling():
         ({"head_dim": 15}, "even"),
         ({"block_size": 1}, "block_size"),
         ({"target_layer_ids": [1, 9]}, "outside"),
-        ({"target_layer_ids": []}, "empty"),
+        ({"target_layer_ids": []}, "at least one"),
+        ({"target_layer_ids": [3, 1]}, "sorted and distinct"),
         ({"mask_token_id": 97}, "mask_token_id"),
         ({"hidden_size": 0}, "hidden_size"),
         ({"rope_scaling": {"factor": 2.0}}, "rope_type"),

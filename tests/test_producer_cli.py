@@ -180,7 +180,8 @@ def test_parse_gpus():
         ("bad_gpus", r"--gpus 'zero'"),
         ("columns", r"no 'messages' or 'conversations' column \(columns: prompt\)"),
         ("no_template", r"has no chat template"),
-        ("layer_ids", r"--layer-ids \[1, 8\]: the target has 8 layers"),
+        ("layer_ids", r"--layer-ids \[1, 8\]: outside 0..7 \(the target has 8 layers\)"),
+        ("layer_ids_repeated", r"--layer-ids \[3, 1, 1\]: layer ids must be sorted and distinct, e.g. \[1, 3\]"),
         ("missing_model", r"cannot load target"),
         ("writer_threads", r"ProducerConfig.writer_threads=0: must be >= 1"),
     ],
@@ -203,6 +204,8 @@ def test_user_errors_are_one_line(tmp_path, target, demo_rows, capsys, case, pat
         os.remove(Path(model) / "chat_template.jinja")
     elif case == "layer_ids":
         extra = ["--layer-ids", "1,8"]
+    elif case == "layer_ids_repeated":
+        extra = ["--layer-ids", "3,1,1"]
     elif case == "missing_model":
         model = str(tmp_path / "no-model")
     elif case == "writer_threads":  # 0 is a bad value, not "the default"

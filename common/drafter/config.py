@@ -11,7 +11,13 @@ from typing import Any
 
 from transformers import Qwen3Config
 
-from dflash.common.drafter.layers import FULL, SLIDING, default_target_layer_ids, resolve_layer_types
+from dflash.common.drafter.layers import (
+    FULL,
+    SLIDING,
+    check_layer_ids,
+    default_target_layer_ids,
+    resolve_layer_types,
+)
 
 log = logging.getLogger(__name__)
 
@@ -95,11 +101,9 @@ class DrafterConfig:
             )
         if self.block_size < 2:
             raise ValueError(f"DrafterConfig.block_size must be >= 2, got {self.block_size}")
-        if not self.target_layer_ids:
-            raise ValueError("DrafterConfig.target_layer_ids must not be empty")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-        if bad:
-            raise ValueError(f"DrafterConfig.target_layer_ids {bad} outside [0, {self.num_target_layers})")
+        self.target_layer_ids = check_layer_ids(
+            self.target_layer_ids, self.num_target_layers, what="DrafterConfig.target_layer_ids"
+        )
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"DrafterConfig.mask_token_id={self.mask_token_id} outside [0, {self.vocab_size})"

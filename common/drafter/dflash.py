@@ -1,4 +1,4 @@
-"""Long by necessity (one self-contained file, ~1100 lines): the whole DFlash drafter, shipped verbatim as every export's remote code.
+"""Long by necessity (one self-contained file, ~1250 lines): the whole DFlash drafter, shipped verbatim as every export's remote code.
 
 Why one file: ``dflash-export`` copies this file into every export folder as ``dflash.py`` with
 ``auto_map {"AutoModel": "dflash.DFlashDraftModel"}`` (the public DFlash drafters' convention), so
@@ -19,7 +19,8 @@ Contents, in order:
    and its inference form (blocks over cached context keys/values);
 5. ``DraftMath``: the drafter itself (parameters named as the public model's: ``layers.{i}.…``, ``fc``,
    ``hidden_norm``, ``norm``), its training forward, its inference form and ``spec_generate``;
-6. decoding: the target with a KV cache and capture hooks (``TargetRunner``), the draft -> verify loop
+6. decoding: the target with its cache (rolled back exactly after a verify, hybrid targets included) and
+   capture hooks (``TargetRunner``), the draft -> verify loop
    (``speculative_generate``), greedy verification and lossless speculative rejection sampling;
 7. ``DFlashDraftModel``: the ``PreTrainedModel`` that ``AutoModel`` builds from an export.
 
@@ -47,9 +48,15 @@ from torch import nn
 from torch._dynamo.utils import counters
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import DynamicCache, Qwen3Config
+from transformers import cache_utils as hf_cache_utils
 from transformers import initialization as hf_init
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.qwen3.modeling_qwen3 import Qwen3PreTrainedModel
+
+# The cache layers of linear attention (Gated DeltaNet: Qwen3.5/3.6, Qwen3-Next), in transformers 5.17 and later;
+# None in older ones, where a target with such layers is refused (``linear_state_layers``).
+LinearAttentionCacheLayerMixin = getattr(hf_cache_utils, "LinearAttentionCacheLayerMixin", None)
+CacheLayerMixin = getattr(hf_cache_utils, "CacheLayerMixin", None)
 
 # ------------------------------------------------------------------------------------------ 1. config glue
 
@@ -730,9 +737,74 @@ class DraftMath:
 # ------------------------------------------------------------------------------------------- 6. decoding
 
 
+LINEAR_ATTENTION = "linear_attention"
+STATEFUL_LAYER_TYPES = ("linear_attention", "conv", "hybrid", "hybrid_sliding", "mamba", "mamba2", "ssm")
+"""Target layer types whose cache is a running state rather than per-token keys/values. Of these the loop
+handles ``linear_attention`` (Gated DeltaNet: conv + recurrent state); the others are refused."""
+
+
+def linear_state_layers(cache: Any, config: Any) -> list[int]:
+    """Indices of the cache layers that hold a linear-attention state (restored and re-advanced after a
+    verify instead of cropped: ``TargetRunner.crop``); ValueError, one line, for a layer whose state this loop
+    cannot roll back (any other cache family with non-croppable state, e.g. mamba-style, a layer mixing both,
+    or a transformers without linear-attention cache layers). Every other layer holds keys/values per token
+    and is cropped."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = list(getattr(text, "layer_types", None) or [])
+    name = type(text).__name__.removesuffix("Config").removesuffix("Text") or "target"
+    handled = (
+        "handled: full/sliding attention (keys/values cropped) and linear_attention (Gated DeltaNet: "
+        "state restored and re-advanced over the accepted tokens)"
+    )
+    if LinearAttentionCacheLayerMixin is None:
+        stateful = sorted({t for t in layer_types if t in STATEFUL_LAYER_TYPES})
+        if stateful:
+            raise ValueError(
+                f"{name} target: its {'/'.join(stateful)} layers need a transformers with linear-attention "
+                "cache layers (cache_utils.LinearAttentionLayer, 5.17 or newer) for exact speculative decoding"
+            )
+        return []
+    state = []
+    for i, layer in enumerate(getattr(cache, "layers", None) or []):
+        if not isinstance(layer, LinearAttentionCacheLayerMixin):
+            continue  # keys/values per token: cropped
+        kind = layer_types[i] if i < len(layer_types) else "?"
+        both = CacheLayerMixin is not None and isinstance(layer, CacheLayerMixin)
+        if both or kind != LINEAR_ATTENTION:
+            raise ValueError(
+                f"{name} target: layer {i} ({kind}, cache {type(layer).__name__}) keeps a state that "
+                f"speculative decoding cannot roll back yet; {handled}"
+            )
+        state.append(i)
+    return state
+
+
+def check_decodable(model: nn.Module) -> list[int]:
+    """``linear_state_layers`` of a fresh cache of ``model``: the layers whose state a verify restores;
+    ValueError, one line, for a target this loop cannot decode exactly. For tools, right after loading the
+    target (before any drafter or checkpoint is read); ``TargetRunner`` checks the same on every reset."""
+    return linear_state_layers(DynamicCache(config=model.config), model.config)
+
+
+@dataclass(kw_only=True)
+class _StateSnapshot:
+    """The linear-attention states before a multi-token forward, and that forward's tokens (to re-advance)."""
+
+    start: int
+    ids: torch.Tensor
+    layers: dict[int, list[tuple[torch.Tensor | None, torch.Tensor | None, bool]]]
+
+
 class TargetRunner:
-    """The target LM with one KV cache and hooks (``feature_module``, the capture rule) that capture the
-    drafter's K context layers for every token the target processes: prefill and verify forwards alike."""
+    """The target LM with one cache and hooks (``feature_module``, the capture rule) that capture the
+    drafter's K context layers for every token the target processes: prefill and verify forwards alike.
+
+    Rolling back after a verify (``crop``): attention layers' keys/values are cropped. A linear-attention
+    layer (Gated DeltaNet: Qwen3.5/3.6, Qwen3-Next) keeps a conv and a recurrent state that summarise every
+    token seen, which no crop can undo; the runner snapshots them (the cache layers' public ``conv_states``,
+    ``recurrent_states``, ``has_previous_state``) before every forward of more than one token, and a crop into
+    that forward restores them and re-runs the kept tokens (one extra forward of <= B tokens, no capture).
+    Every other stateful cache family is refused at ``reset`` (``linear_state_layers``)."""
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int]):
         self.model = model
@@ -743,10 +815,13 @@ class TargetRunner:
             raise ValueError(f"drafter target_layer_ids {bad} do not exist in a {len(layers)}-layer target")
         self._captured: dict[int, torch.Tensor] = {}
         self._capture = False
+        self.cache = None
+        self.state_layers: list[int] = []
+        self._snapshot: _StateSnapshot | None = None
+        self.reset()  # a target whose cache this loop cannot roll back is refused here, before any hook is set
         self._handles = [
             feature_module(layers, norm, i).register_forward_hook(self._hook(i)) for i in sorted(set(self.layer_ids))
         ]
-        self.cache = None
         self.device = next(model.parameters()).device
         # transformers >= 5.2x renamed `past_key_values` to `cache` (the old name warns, then goes away)
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -760,25 +835,61 @@ class TargetRunner:
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
-        if hasattr(self.cache, "activate_past_recording"):  # lets sliding-window layers be cropped
-            self.cache.activate_past_recording()
+        self.state_layers = linear_state_layers(self.cache, self.model.config)
+        self._snapshot = None
+        for i, layer in enumerate(getattr(self.cache, "layers", None) or []):
+            # lets sliding-window layers be cropped; a linear-attention layer keeps its fixed-size states (its
+            # rollback is the snapshot), so its conv state does not grow with every token
+            if i not in self.state_layers and hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
 
     @property
     def length(self) -> int:
         return self.cache.get_seq_length()
 
-    def crop(self, length: int) -> None:
-        """Keep the first ``length`` positions of the cache (transformers 5 crops by a negative count)."""
-        remove = self.cache.get_seq_length() - length
-        if remove > 0:
+    def crop(self, length: int) -> int:
+        """Keep the first ``length`` positions of the cache -> the target forwards this took (0, or 1 when a
+        linear-attention state was restored and re-advanced over the kept tokens of the last forward).
+
+        Without linear-attention layers: the cache's own crop (transformers 5 crops by a negative count).
+        With them, ``length`` must lie within the last forward of more than one token (a verify): ValueError
+        otherwise."""
+        remove = self.length - length
+        if remove <= 0:
+            return 0
+        if not self.state_layers:
             self.cache.crop(-remove)
+            return 0
+        snap = self._snapshot
+        if snap is None or not snap.start <= length:
+            raise ValueError(
+                f"cannot roll the target's linear-attention state back to position {length}: only into the "
+                "last forward of more than one token"
+            )
+        self._snapshot = None
+        kv_remove = self.length - snap.start
+        for i, layer in enumerate(self.cache.layers):
+            if i in snap.layers:
+                _restore_linear_state(layer, snap.layers[i])
+            else:
+                layer.crop(-kv_remove)
+        keep = snap.ids[: length - snap.start]
+        if keep.shape[0] == 0:
+            return 0
+        self.forward(keep, last_logits_only=True, capture=False)
+        return 1
 
     @torch.no_grad()
     def forward(
         self, ids: torch.Tensor, *, last_logits_only: bool = False, capture: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Run ``ids`` [n] at positions length..length+n-1 -> (logits [n or 1, V], features [n, K*H] or None)."""
+        """Run ``ids`` [n] at positions length..length+n-1 -> (logits [n or 1, V], features [n, K*H] or None).
+        With linear-attention layers a forward of n > 1 tokens first snapshots their states (``crop``)."""
         start = self.length
+        self._snapshot = None
+        if self.state_layers and ids.shape[0] > 1:
+            layers = {i: _linear_state(self.cache.layers[i]) for i in self.state_layers}
+            self._snapshot = _StateSnapshot(start=start, ids=ids.detach().clone(), layers=layers)
         positions = torch.arange(start, start + ids.shape[0], device=self.device)
         self._capture, self._captured = capture, {}
         try:
@@ -796,6 +907,31 @@ class TargetRunner:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def _linear_state(layer: Any) -> list[tuple[torch.Tensor | None, torch.Tensor | None, bool]]:
+    """Copies of a linear-attention cache layer's states, per state index: (conv, recurrent, has_previous)."""
+    out = []
+    for k in range(layer.number_of_states):
+        conv = layer.conv_states[k] if layer.is_conv_states_initialized[k] else None
+        rec = layer.recurrent_states[k] if layer.is_recurrent_states_initialized[k] else None
+        out.append((None if conv is None else conv.clone(), None if rec is None else rec.clone(),
+                    bool(layer.has_previous_state[k])))  # fmt: skip
+    return out
+
+
+def _restore_linear_state(layer: Any, saved: list[tuple[torch.Tensor | None, torch.Tensor | None, bool]]) -> None:
+    """Put a linear-attention cache layer back as ``_linear_state`` found it: in place where the shape allows
+    (the layer marks its tensors as static addresses for CUDA graphs), else by assignment."""
+    for k, (conv, rec, had) in enumerate(saved):
+        for states, value in ((layer.conv_states, conv), (layer.recurrent_states, rec)):
+            if value is None:
+                continue
+            if states[k] is not None and states[k].shape == value.shape:
+                states[k].copy_(value)
+            else:
+                states[k] = value
+        layer.has_previous_state[k] = had
 
 
 class Proposer(Protocol):
@@ -980,8 +1116,10 @@ def speculative_generate(
     first token (the first anchor). Each step: the drafter drafts [anchor, d_1..d_{b-1}] at positions
     anchor_pos..; the target verifies all of it in ONE forward on its cache; greedy: d_k is accepted while it
     equals the target's argmax after the tokens before it, the argmax after the last accepted one is the
-    bonus (exactly greedy decoding's tokens); sampling: ``verify_sampled``. The cache is cropped to the
-    accepted tokens, whose verify-forward features join the context; the bonus is the next anchor.
+    bonus (exactly greedy decoding's tokens); sampling: ``verify_sampled``. The cache is rolled back to the
+    accepted tokens (``TargetRunner.crop``: keys/values cropped, linear-attention states restored and
+    re-advanced, counted as a target forward), whose verify-forward features join the context; the bonus is
+    the next anchor.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -1018,7 +1156,7 @@ def speculative_generate(
         new, stopped = _emit(draft[:accepted].tolist() + [bonus], remaining, stop)
         gen.steps.append((b, accepted, len(new)))
         gen.tokens.extend(new)
-        target.crop(anchor_pos + accepted + 1)
+        gen.target_forwards += target.crop(anchor_pos + accepted + 1) or 0  # 1: a linear-attention replay
         if not stopped and len(gen.tokens) < max_new_tokens:
             proposer.extend(feats[: accepted + 1], anchor_pos)
     _sync(target.device)

@@ -8,27 +8,52 @@ from __future__ import annotations
 
 
 def default_target_layer_ids(num_target_layers: int, k: int = 5) -> list[int]:
-    """K target decoder layers spaced evenly from layer 1 to layer L-3 (inclusive), rounded.
+    """K distinct target decoder layers, sorted: the public DFlash rule where it gives K distinct layers.
 
-    This is the public DFlash rule (z-lab/dflash `build_target_layer_ids`, also used by SpecForge):
-    ``round(1 + i * (L - 4) / (k - 1))`` for i in 0..k-1 with Python's round-half-to-even, and the middle
-    layer ``L // 2`` when k == 1. Matching it exactly means a drafter trained here selects the same layers
-    the public inference code would derive, e.g. L=36, k=5 -> [1, 9, 17, 25, 33]; L=52 -> [1, 13, 25, 37, 49].
-    Layer i means the output of decoder layer i (HF ``hidden_states[i + 1]``). For small L the rule can
-    repeat a layer; that is kept (it is what the public code does) rather than silently changing the list.
+    The public rule (z-lab/dflash `build_target_layer_ids`, also used by SpecForge) spaces K layers evenly
+    from layer 1 to layer L-3 (inclusive): ``round(1 + i * (L - 4) / (k - 1))`` for i in 0..k-1 with Python's
+    round-half-to-even, and the middle layer ``L // 2`` when k == 1. Matching it exactly means a drafter
+    trained here selects the layers the public inference code derives, e.g. L=36, k=5 -> [1, 9, 17, 25, 33];
+    L=52 -> [1, 13, 25, 37, 49]. It gives K distinct layers once L >= K + 3 (every real target).
+    Layer i means the output of decoder layer i (HF ``hidden_states[i + 1]``).
+
+    A smaller target would get a repeated layer from the public rule (L=6: [1, 2, 2, 2, 3]): a feature
+    captured twice, which only wastes the drafter's input. Instead, K distinct layers spread evenly (rounded
+    half up) from layer 1 to the last layer L-1 when L >= K + 1 (L=6 -> [1, 2, 3, 4, 5]; L=7 ->
+    [1, 2, 4, 5, 6]); from layer 0 when L == K; and when the target has fewer than K layers, every layer
+    (fewer than K ids: the drafter's input is as wide as the list).
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
+    if num_target_layers < 1:
+        raise ValueError(f"num_target_layers must be >= 1, got {num_target_layers}")
     if k == 1:
-        if num_target_layers < 1:
-            raise ValueError(f"num_target_layers must be >= 1, got {num_target_layers}")
         return [num_target_layers // 2]
-    if num_target_layers < 4:
-        raise ValueError(
-            f"num_target_layers must be >= 4 to space {k} layers from 1 to L-3, got {num_target_layers}"
-        )
-    start, end = 1, num_target_layers - 3
-    return [int(round(start + i * (end - start) / (k - 1))) for i in range(k)]
+    if num_target_layers >= k + 3:
+        start, end = 1, num_target_layers - 3
+        return [int(round(start + i * (end - start) / (k - 1))) for i in range(k)]
+    if num_target_layers < k:
+        return list(range(num_target_layers))
+    start = 1 if num_target_layers >= k + 1 else 0
+    span = num_target_layers - 1 - start  # >= k - 1: consecutive picks differ by >= 1, so all distinct
+    return [start + (2 * i * span + k - 1) // (2 * (k - 1)) for i in range(k)]
+
+
+def check_layer_ids(layer_ids: list[int], num_layers: int | None = None, *, what: str = "--layer-ids") -> list[int]:
+    """The layer ids as ints when they are non-empty, sorted, distinct and (given ``num_layers``) in
+    [0, num_layers); else ValueError, one line naming ``what``. Sorted and distinct because the drafter's
+    input is the concatenation of the listed layers' features in this order: a repeat only duplicates a
+    feature, and one order everywhere (producer, consumer, export, public code) keeps shards comparable."""
+    ids = [int(i) for i in layer_ids]
+    if not ids:
+        raise ValueError(f"{what}: give at least one target layer")
+    if ids != sorted(set(ids)):
+        raise ValueError(f"{what} {ids}: layer ids must be sorted and distinct, e.g. {sorted(set(ids))}")
+    if min(ids) < 0:
+        raise ValueError(f"{what} {ids}: layer ids are >= 0")
+    if num_layers is not None and max(ids) >= num_layers:
+        raise ValueError(f"{what} {ids}: outside 0..{num_layers - 1} (the target has {num_layers} layers)")
+    return ids
 
 
 # ------------------------------------------------------------------------------------ draft layer types

@@ -24,6 +24,7 @@ from dflash.common.drafter.dflash import (
     DrafterProposer,
     Sampling,
     TargetRunner,
+    check_decodable,
     greedy_generate,
     plain_generate,
     speculative_generate,
@@ -200,6 +201,7 @@ def load_target(cfg: EvalConfig, device: torch.device, dtype: torch.dtype) -> tu
     """(tokenizer, target in eval mode on `device`, the held-out prompts as token ids)."""
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
     target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).to(device).eval()
+    check_decodable(target)  # a cache family whose state a verify cannot roll back: one line, exit 2
     prompts = load_prompts(cfg.dataset, tokenizer, num_prompts=cfg.num_prompts, max_prompt_tokens=cfg.max_prompt_tokens)
     return tokenizer, target, prompts
 
