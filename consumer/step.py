@@ -99,6 +99,11 @@ def make_loss(cfg: TrainConfig, device: torch.device) -> LinearCrossEntropy:
     """The step's lm_head + cross-entropy for this device (``TrainConfig.loss_impl``). liger needs CUDA and
     the liger-kernel package: anything else is one clear error here, before the model is compiled."""
     impl = cfg.resolved_loss_impl(device.type)
+    if device.type == "cuda" and impl == "chunked" and cfg.loss_impl == "auto":
+        log.warning(
+            "liger-kernel is not installed: the loss runs on the chunked torch passes (~5 %% slower a step on "
+            "an H200, docs/benchmarks.md); pip install 'dflash-spool[cuda]'"
+        )
     if impl == "liger":
         if device.type != "cuda":
             raise ValueError("loss-impl liger needs a CUDA device (its kernel is Triton): use chunked")

@@ -150,7 +150,9 @@ def test_an_in_place_row_pass_equals_the_torch_one_with_per_position_weights(wei
     got = {}
     for name, rows in (("in_place", kernel_like_rows), ("torch", torch_rows)):
         hidden.grad = None
-        loss, preds = chunked_linear_cross_entropy(hidden, weight, labels, weights, chunk_tokens=8, row_pass=rows)
+        loss, preds = chunked_linear_cross_entropy(
+            hidden, weight, labels, weights, chunk_tokens=8, row_pass=rows
+        )
         (loss * 0.3).backward()
         got[name] = (loss.detach(), preds, hidden.grad.clone())
     torch.testing.assert_close(got["in_place"][0], got["torch"][0], atol=1e-5, rtol=1e-5)
@@ -205,3 +207,30 @@ def test_liger_kernel_on_cuda_equals_the_torch_row_pass_at_32b_shapes():
     assert torch.equal(got["liger"][1], got["chunked"][1])
     torch.testing.assert_close(got["liger"][0], got["chunked"][0], rtol=1e-4, atol=0)
     torch.testing.assert_close(got["liger"][2], got["chunked"][2], rtol=2e-2, atol=2e-3)
+
+
+def test_auto_loss_is_liger_on_cuda_when_installed_else_chunked_and_says_so(monkeypatch, caplog, tmp_path):
+    """The measured-faster row pass is the CUDA default; without liger-kernel the chunked one runs, said in
+    one line; the CPU always takes chunked (liger's kernel is Triton)."""
+    import importlib.util
+    import logging
+
+    from dflash.consumer.config import TrainConfig
+    from dflash.consumer.step import make_loss
+
+    cfg = TrainConfig(spool=str(tmp_path), target=str(tmp_path))
+    real = importlib.util.find_spec
+    for installed in (True, False):
+        monkeypatch.setattr(
+            importlib.util,
+            "find_spec",
+            lambda name, *a, ok=installed: (
+                (object() if ok else None) if name == "liger_kernel" else real(name, *a)
+            ),
+        )
+        assert cfg.resolved_loss_impl("cpu") == "chunked"
+        assert cfg.resolved_loss_impl("cuda") == ("liger" if installed else "chunked")
+    with caplog.at_level(logging.WARNING):
+        make_loss(cfg, torch.device("cuda"))
+    lines = [r.getMessage() for r in caplog.records if "liger-kernel is not installed" in r.getMessage()]
+    assert len(lines) == 1 and "chunked" in lines[0]
