@@ -144,7 +144,7 @@ def _report(summary: dict, summary_json: str | None, stopped: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(
         level=args.log_level.upper(),

@@ -32,6 +32,9 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
         "--sliding-window": "issue 27: the window of the sliding draft layers",
         "--loss-impl": "issue 26: the compiled fused lm_head + cross-entropy (CUDA default) or the chunked one",
         "--data-workers": "issue 26: the data path in its own process (1) or in threads (0, auto until measured on a GPU)",
+        "--outage-saves": "a store outage is trained through for this many failed saves, then the state goes to local disk",
+        "--outage-minutes": "the same bound in minutes since the first failed save",
+        "--fallback-dir": "where the state goes when the store refuses it (the same command uploads it later)",
     },
     "dflash-eval": {
         "--temperature": "issue 27: lossless speculative rejection sampling",

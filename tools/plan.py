@@ -302,7 +302,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     if args.bench:
         return _main_bench(args)
     try:

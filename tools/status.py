@@ -328,7 +328,7 @@ def _show(args: StatusConfig, *, clear: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = from_args(StatusConfig, _parser().parse_args(argv))
+    args = from_args(StatusConfig, _parser().parse_intermixed_args(argv))
     if args.watch is not None and args.watch <= 0:
         fail(PROG, "--watch SECS must be > 0")
     try:
