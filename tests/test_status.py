@@ -117,9 +117,9 @@ def test_json_snapshot(tmp_path, capsys):
     assert {k: p["state"] for k, p in procs.items()} == {
         ("consumer", "0"): "alive",
         ("consumer", "1"): "alive",
-        ("consumer", "2"): "exited",
+        ("consumer", "2"): "failed",  # gone without an end event
         ("producer", "0"): "alive",
-        ("producer", "1"): "done",
+        ("producer", "1"): "finished",
     }  # no ledger row, no launcher row, producer 2 is of an earlier launch
     assert snap["older_producers"] == ["2"]
     assert procs[("producer", "0")]["samples"] == 3000  # the heartbeat is newer than the metrics line
@@ -304,9 +304,10 @@ def test_exited_producer_is_one_exited_row(tmp_path, capsys):
     out = capsys.readouterr().out
     rows = [ln.split() for ln in out.splitlines() if ln.startswith(("producer ", "consumer ", "ledger "))]
     assert [r[:2] for r in rows] == [["consumer", "0"], ["producer", "n0p0.2"]]
-    assert rows[1][3] == "exited" and rows[0][3] == "exited"
+    assert rows[1][3] == "failed" and rows[0][3] == "failed"  # gone without saying they ended
     assert "earlier launches: 1 producer(s) not shown (n0p0.1)" in out
-    assert "progress: 42/100 samples (42.0%)  ETA unknown (no producer running)" in out
+    assert "run: failed" in out  # every process gone, none said it ended
+    assert "progress: 42/100 samples produced; the run failed" in out
 
 
 def test_eta_unknown_until_producers_report(tmp_path, capsys):
