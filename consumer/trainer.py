@@ -380,7 +380,7 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
         trained = [] if item.padding else self.feed.commit()
         self.trained.add(trained)
         if self.ledger is not None:
-            self.ledger.write({"step": self.step, "pid": os.getpid(), "samples": trained})
+            self.ledger.write({"step": self.step, "pid": os.getpid(), "epoch": self._step_epoch, "samples": trained})
         stats.add(result, weight=item.weight, grad_norm=grad_norm, tokens=item.tokens, samples=len(trained))
 
     def _count_tokens(self, step_tokens: int) -> None:

@@ -51,6 +51,7 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
 SUBCOMMANDS_ADDED = {
     "dflash-spool gc": "issue 23: list and remove abandoned spools",
     "dflash-spool free": "issue 23: a stopped or failed run's shards freed (ops/run_all.sh)",
+    "dflash-spool audit": "the exactly-once audit of a run's sample ledgers, for users (tests had their own)",
 }
 # prog -> {option: (what it is now, why it changed)}: a deliberate change of a recorded option
 CHANGED: dict[str, dict[str, tuple[dict, str]]] = {

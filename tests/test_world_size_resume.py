@@ -16,6 +16,7 @@ from ledger_audit import read_jsonl
 from pipeline_helpers import consume_cmd, cpu_env, write_synthetic_spool
 
 from dflash.common.contract.spool import Spool
+from dflash.tools.ledger_audit import audit, exactly_once
 
 SHARDS, PER_SHARD, TOKENS = 10, 6, 96
 SAMPLES = SHARDS * PER_SHARD
@@ -88,6 +89,10 @@ def test_a_campaign_resumed_in_another_world_size_keeps_its_learning_rate_curve(
     assert sorted(final.trained.indices().tolist()) == list(range(SAMPLES))
     counts = Counter(s for p in metrics.glob("ledger-r*.jsonl") for r in read_jsonl(p) for s in r["samples"])
     assert set(counts) == set(range(SAMPLES)) and set(counts.values()) == {1}, counts
+    # the user's audit (dflash-spool audit) finds the three launches, whatever their world size
+    report = audit(metrics.parent, final_step=final.step, trained=set(final.trained.indices().tolist()))
+    assert exactly_once(report) and len(report["lives"]) == 3, report
+    assert [life["durable"] for life in report["lives"]] == [step_a, step_b, final.step]
 
     # the learning rate: one curve, no step at lr 0, each resume moves it by about one step's change
     by_step = {r["step"]: r for r in read_jsonl(metrics / "consumer-0.jsonl") if "lr" in r and "step" in r}
