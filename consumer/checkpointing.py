@@ -14,8 +14,7 @@ import time
 import torch
 import torch._dynamo  # noqa: F401  first import in the main thread: concurrent first imports from threads crash
 
-from dflash.common.checkpoints.layout import LoadedCheckpoint
-from dflash.common.checkpoints.load import load_latest_good, restore_rng_state
+from dflash.common.checkpoints.load import finished_steps, load_latest_good, restore_rng_state
 from dflash.common.checkpoints.save import capture_rng_state, save_checkpoint
 from dflash.common.checkpoints.store import CheckpointStore, CheckpointStoreError, open_store
 from dflash.common.contract.sample_set import SampleSet
@@ -58,11 +57,8 @@ class CheckpointingMixin:
             raise CheckpointStoreError(error)
 
     def _resume(self) -> None:
+        self._upload_fallback()  # a store outage's state first goes to the store: every rank loads from it
         ckpt = load_latest_good(self.store, self.cfg.run)
-        local = load_latest_good(self.fallback, self.cfg.run) if has_state(self.fallback, self.cfg.run) else None
-        if local is not None and (ckpt is None or local.step > ckpt.step):
-            self._upload_fallback(local)
-            ckpt = local
         if ckpt is None:
             log.info("no checkpoint under %s/%s: starting fresh", redact(self.cfg.checkpoint), self.cfg.run)
             return
@@ -99,11 +95,19 @@ class CheckpointingMixin:
         self._have_checkpoint = True
         log.info("resumed from step %d (%d samples already trained)", self.step, len(self.trained))
 
-    def _upload_fallback(self, local: LoadedCheckpoint) -> None:
-        """The state a store outage left on local disk goes to the store before training resumes from it
-        (rank 0 writes; every rank learns the outcome); the local copy is removed once ``latest`` names it."""
+    def _upload_fallback(self) -> None:
+        """The state a store outage left on local disk (newer than the store's latest) goes to the store
+        before training resumes (rank 0 writes; every rank learns the outcome, then loads from the store);
+        the local copy is removed once ``latest`` names it."""
         error = None
-        if self.dist.is_main:
+        local = None
+        if self.dist.is_main and has_state(self.fallback, self.cfg.run):
+            local = load_latest_good(self.fallback, self.cfg.run)
+            steps = finished_steps(self.store, self.cfg.run)
+            if local is not None and steps and steps[-1] >= local.step:  # the store caught up: stale copy
+                log.warning("%s holds step %d, the store step %d: the local copy is not used", local.url, local.step, steps[-1])  # fmt: skip
+                local = None
+        if local is not None:
             log.info("the state of step %d waits in %s (a store outage stopped the last launch): uploading it", local.step, local.url)  # fmt: skip
             try:
                 url = with_retries(lambda: save_checkpoint(
