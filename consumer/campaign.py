@@ -47,12 +47,14 @@ class WarmupCosine:
         self.total_steps = max(1, total_steps)
         self.warmup_steps = max(1, int(warmup_ratio * self.total_steps))
 
-    def follow_tokens(self, planned_tokens: int, warmup_ratio: float, step_tokens: int) -> None:
-        """Run the curve on tokens: ``planned_tokens`` in all, the first ``warmup_ratio`` of them warming up
-        (at least one step's worth), ``step_tokens`` a full step of this launch."""
+    def follow_tokens(self, planned_tokens: int, step_tokens: int) -> None:
+        """Run the curve on tokens: ``planned_tokens`` in all, ``step_tokens`` a full step of this launch.
+        The warm-up is the ``warmup_steps`` just sized (``resize``) in this launch's steps, kept in tokens
+        from the first launch on: a resume in another world size warms up over the same tokens."""
         self.planned_tokens = max(1, planned_tokens)
         self.step_tokens = max(1, step_tokens)
-        self.warmup_tokens = max(self.step_tokens, int(warmup_ratio * self.planned_tokens))
+        if not self.warmup_tokens:  # a fresh run (or a checkpoint from before the token clock)
+            self.warmup_tokens = self.warmup_steps * self.step_tokens
         self.warmup_steps = max(1, -(-self.warmup_tokens // self.step_tokens))
 
     def replan(self, step: int, planned_tokens: int, tokens_per_step: int) -> None:

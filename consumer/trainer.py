@@ -411,7 +411,7 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
         elif self.plan is not None:
             schedule.resize(self.plan.total_steps, cfg.warmup_ratio)
             planned = self.plan.campaign.tokens * self.plan.epochs.epochs
-            schedule.follow_tokens(planned, cfg.warmup_ratio, cfg.context_tokens * self.dist.world_size)
+            schedule.follow_tokens(planned, cfg.context_tokens * self.dist.world_size)
             self._replanning = True
             if self.step:  # resumed: the rest of the data from what the checkpoint trained
                 if not schedule.tokens_done:  # a checkpoint from before the count: full streams, as planned
