@@ -182,10 +182,11 @@ def _process_rows(
         if r["role"] == "producer":
             r["tok_s"] = average_tok_s(r)  # the sustained rate, never the last heartbeat's
     # consumers of a launch that is over: a rank whose last record is older than the newest life's start
+    # (it ended, died, or has said nothing since: a rank of an earlier, larger group)
     newest = max((e[1] for e in ends.values() if e[1] is not None), default=None)
     for key, r in list(rows.items()):
         last = ends.get(r["id"], (None, None, None))[2] if key[0] == "consumer" else None
-        if newest is not None and last is not None and last < newest and r["state"] in OVER:
+        if newest is not None and last is not None and last < newest and r["state"] in (*OVER, "stale"):
             del rows[key]
             older_consumers.add(r["id"])
     return sorted(rows.values(), key=_rank_key), sorted(older), sorted(older_consumers)
