@@ -162,10 +162,11 @@ class CheckpointingMixin:
         The state is copied to host memory on the compute stream and written in the background
         (``async_checkpoint.py``): training stalls only for that copy. A periodic checkpoint the store refuses
         (S3 outage longer than the retries, lost permissions, full disk) is ONE error line when its write
-        ends, and training goes on: ``latest`` still names the previous good checkpoint and the next save
-        tries again; losing a checkpoint costs at most redoing its steps after a crash, stopping would cost
-        the run. The ``final`` save (data drained, SIGTERM) waits for its write and raises on every rank if
-        it failed: exiting 0 without it would throw away the run's tail without anyone noticing.
+        ends, and training goes on within the outage bound (``store_outage.py``: then the state goes to local
+        disk and training stops): ``latest`` still names the previous good checkpoint and the next save
+        tries again. The ``final`` save (data drained, SIGTERM) waits for its write; if it failed, the state
+        goes to local disk and every rank raises ``StoreOutageError``: exiting 0 without it would throw away
+        the run's tail without anyone noticing.
         """
         if self.store is None:
             return
