@@ -401,16 +401,9 @@ def _over_run(tmp_path, consumer_end: dict | None, producer_phase: str):
     (run / "logs").mkdir(parents=True)
     (run / "run.json").write_text(json.dumps({"spool": str(tmp_path / "gone-spool")}))
     (run / "pids").write_text(f"producer {_dead_pid()}\nconsumer-0 {_dead_pid()}\n")
-    step = lambda s, t: {
-        "time": t,
-        "step": s,
-        "loss": 2.0,
-        "acc": [0.5],
-        "tau": 2.0,
-        "lr": 1e-4,
-        "total_steps": 40,
-        "eta_s": 5.0,
-    }  # noqa: E731
+    def step(s: int, t: float) -> dict:
+        return {"time": t, "step": s, "loss": 2.0, "acc": [0.5], "tau": 2.0, "lr": 1e-4, "total_steps": 40, "eta_s": 5.0}
+
     _jsonl(
         run / "metrics" / "producer-n0p0.1.jsonl", [{"time": now - 900, "samples": 10, "phase": "stopped"}]
     )
