@@ -167,18 +167,30 @@ def _train(trainer) -> dict:
     """Run the training loop; the run's end goes into the metrics (quarantine losses included)."""
     try:
         summary = trainer.train()
-        if trainer.metrics is not None:
+        if trainer.metrics is not None:  # dflash-status reads how each rank ended: finished or stopped
+            stopped = bool(getattr(trainer, "_stop_requested", False))
             trainer.metrics.write(
-                {"event": "end", "time": time.time(), **{k: v for k, v in summary.items() if k != "history"}}
-            )
+                {"event": "end", "time": time.time(), "stopped": stopped, **{k: v for k, v in summary.items() if k != "history"}}
+            )  # fmt: skip
         return summary
     except KeyboardInterrupt:
+        _say_ended(trainer, {"event": "end", "stopped": True})
         fail(PROG, "interrupted", EXIT_INTERRUPTED)
     except Exception as err:  # noqa: BLE001 - a runtime failure: one line; the traceback with DEBUG only
         log.debug("training failed", exc_info=True)
+        _say_ended(trainer, {"event": "failed", "error": f"{type(err).__name__}: {one_line(err)}"})
         fail(PROG, f"{type(err).__name__}: {one_line(err)}", EXIT_FAILURE)
     finally:
         trainer.close()
+
+
+def _say_ended(trainer, event: dict) -> None:
+    """The metrics event of an end without a summary (dflash-status shows the rank as failed or stopped)."""
+    if getattr(trainer, "metrics", None) is not None:
+        try:
+            trainer.metrics.write({**event, "time": time.time(), "step": trainer.step})
+        except OSError:
+            pass  # the run dir itself may be what failed
 
 
 def _report(summary: dict, summary_json: str | None, stopped: bool) -> int:
@@ -203,7 +215,7 @@ def _report(summary: dict, summary_json: str | None, stopped: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_intermixed_args(argv)
     rank = os.environ.get("RANK", "0")
     logging.basicConfig(
         level=args.log_level.upper(),

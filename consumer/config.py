@@ -41,6 +41,15 @@ class TrainConfig:
     """checkpoint every N steps (and at the end, and on SIGTERM)"""
     keep_last: int = 3
     """checkpoints to keep in the store (older ones are deleted)"""
+    outage_saves: int = 3
+    """stop after this many checkpoint saves in a row failed (the store down, a credential expired): the
+    state goes to --fallback-dir and the same command resumes from it once the store takes writes; at most
+    (outage-saves + 1) x save-every steps are ever in no checkpoint (docs/reliability.md)"""
+    outage_minutes: float = 30.0
+    """stop as --outage-saves does once the first of the failed saves in a row is this many minutes old"""
+    fallback_dir: str | None = None
+    """local folder for the state when the store refuses it (default: <run-dir>/fallback-checkpoint, else
+    ./dflash-fallback-checkpoint); every rank must see it"""
     max_steps: int | None = None
     """stop after N optimizer steps, counting resumed ones (default: when the spool is drained)"""
     total_steps: int | None = None
@@ -148,6 +157,7 @@ class TrainConfig:
         for name in (
             "save_every",
             "keep_last",
+            "outage_saves",
             "num_layers",
             "block_size",
             "context_tokens",
@@ -165,6 +175,8 @@ class TrainConfig:
             raise ValueError(f"max-steps must be >= 1, got {self.max_steps}")
         if self.total_steps is not None and self.total_steps < 1:
             raise ValueError(f"total-steps must be >= 1, got {self.total_steps}")
+        if not self.outage_minutes > 0:
+            raise ValueError(f"outage-minutes must be > 0, got {self.outage_minutes}")
         if self.eval_every < 0:
             raise ValueError(f"eval-every must be >= 0, got {self.eval_every}")
         if not 0.0 < self.eval_budget <= 1.0:

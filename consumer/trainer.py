@@ -27,7 +27,6 @@ import torch._dynamo  # noqa: F401  first import in the main thread: concurrent 
 import zarr
 from transformers import AutoConfig, AutoTokenizer
 
-from dflash.common.checkpoints.store import CheckpointStoreError
 from dflash.common.contract.sample_set import SampleSet
 from dflash.common.contract.spool import Spool
 from dflash.common.drafter.batch import DraftBatch, build_draft_batch, empty_packed
@@ -118,6 +117,7 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
         # checkpoint resume (every rank loads the same files)
         self.store = None
         self._fatal_save_error: str | None = None
+        self._outage_stop: str | None = None
         if cfg.checkpoint:
             self._open_store()
         self.checkpointer = AsyncCheckpointer(self.device)
@@ -244,11 +244,10 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
                 t_wait = time.perf_counter()
                 item, self._deferred = self._deferred or self.inputs.get(timeout=0.5), None
                 self.watch.waited(time.perf_counter() - t_wait)
-                if self.dist.is_main:  # a finished background save: said at once (and fatal if none exists)
-                    self._report_saves(self.checkpointer.collect())
+                self._poll_saves()  # a finished background save said at once; an outage past its bound stops
                 agreed = self._agree(item)
-                if agreed.fatal:
-                    raise CheckpointStoreError(D.broadcast_object(self._fatal_save_error, self.dist))
+                if agreed.fatal:  # the store refuses checkpoints: the state to local disk, one line, stop
+                    self._stop_to_fallback(self._fatal_save_error or self._outage_stop)
                 if agreed.stop:
                     log.warning("stop requested: saving a checkpoint at step %d", self.step)
                     break
@@ -272,6 +271,7 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
                 if self.first_step_s is None:
                     self._plan_campaign()
                     self._say_phase("compiling" if self._compiles else "training")
+                self._count_tokens(tokens)  # before the step: the scheduler sets the next step's rate from it
                 if self.profiler is not None:
                     self.profiler.before_step(self.step)
                 self.watch.begin()
@@ -279,7 +279,7 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
                 self.watch.end(self.step)
                 if self.profiler is not None:
                     self.profiler.after_step(self.step)
-                self._replan(tokens)
+                self._replan()
                 if self.first_step_s is None:
                     self.first_step_s = time.monotonic() - t_start
                     if self.store is not None and self.dist.is_main:
@@ -380,14 +380,17 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
         trained = [] if item.padding else self.feed.commit()
         self.trained.add(trained)
         if self.ledger is not None:
-            self.ledger.write({"step": self.step, "pid": os.getpid(), "samples": trained})
+            self.ledger.write({"step": self.step, "pid": os.getpid(), "epoch": self._step_epoch, "samples": trained})
         stats.add(result, weight=item.weight, grad_norm=grad_norm, tokens=item.tokens, samples=len(trained))
 
-    def _replan(self, step_tokens: int) -> None:
-        """Count the step's tokens (all ranks) and, when the data sized the schedule, keep its length right
-        (``WarmupCosine.replan``). Every rank computes the same from the same sums: the same learning rate."""
+    def _count_tokens(self, step_tokens: int) -> None:
+        """The step's tokens (all ranks) into the schedule's count: every rank adds the same sums, so every
+        rank computes the same learning rate."""
+        self.scheduler.lr_lambdas[0].tokens_done += step_tokens
+
+    def _replan(self) -> None:
+        """When the data sized the schedule, keep its estimated length right (``WarmupCosine.replan``)."""
         schedule: WarmupCosine = self.scheduler.lr_lambdas[0]
-        schedule.tokens_done += step_tokens
         if self._replanning:
             schedule.replan(
                 self.step, self.plan.campaign.tokens * self.plan.epochs.epochs,
@@ -407,11 +410,13 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
             override = f"--total-steps {cfg.total_steps}" if cfg.total_steps else f"--max-steps {cfg.max_steps}"
         elif self.plan is not None:
             schedule.resize(self.plan.total_steps, cfg.warmup_ratio)
+            planned = self.plan.campaign.tokens * self.plan.epochs.epochs
+            schedule.follow_tokens(planned, cfg.context_tokens * self.dist.world_size)
             self._replanning = True
             if self.step:  # resumed: the rest of the data from what the checkpoint trained
                 if not schedule.tokens_done:  # a checkpoint from before the count: full streams, as planned
                     schedule.tokens_done = self.step * cfg.context_tokens * self.dist.world_size
-                self._replan(0)
+                self._replan()
             for group, base in zip(self.optimizer.param_groups, self.scheduler.base_lrs, strict=True):
                 group["lr"] = base * schedule(self.scheduler.last_epoch)  # this step's factor, resized
             self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
@@ -419,7 +424,9 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
             log.warning("no campaign in spool %s (producers have not counted the data): schedule of %d steps", self.spool.root, schedule.total_steps)  # fmt: skip
             return
         if self.dist.is_main:
-            log.info(self.plan.describe(schedule.warmup_steps, override=override))
+            log.info(self.plan.describe(
+                schedule.warmup_steps, override=override, total_steps=schedule.total_steps, resumed=self.step
+            ))  # fmt: skip
         if cfg.eval_every and self.step == 0:  # the untrained drafter: the "before" of every later figure
             self._evaluate()
 
@@ -430,7 +437,7 @@ class Trainer(CheckpointingMixin, IntervalLogMixin):
         on, the lowest epoch any rank's step holds (the step's epoch), and the tokens the step trains."""
         mine = [
             item is not None, self.inputs.exhausted() and self._deferred is None and item is None,
-            self._stop_requested, self._fatal_save_error is not None,
+            self._stop_requested, self._fatal_save_error is not None or self._outage_stop is not None,
             item.batch.epoch if item is not None else -1, item.tokens if item is not None else 0,
         ]  # fmt: skip
         return StepAgreement.of(D.gather_ints(mine, self.dist), last_epoch=self._step_epoch)

@@ -52,7 +52,8 @@ for p in walk(seen[0]) if seen else ():
         "actions": [
             {"name": "/".join(a.option_strings) or a.dest, "help": a.help,
              "shown": fmt._expand_help(a) if a.help else "",
-             "quiet_default": a.default is None or a.default is False or a.default == argparse.SUPPRESS,
+             "quiet_default": a.default is None or a.default is False or a.default == argparse.SUPPRESS
+                              or isinstance(a, argparse._StoreTrueAction | argparse._StoreFalseAction),
              "is_help": isinstance(a, argparse._HelpAction)}
             for a in p._actions
         ],
@@ -98,6 +99,8 @@ def test_every_option_has_help_and_default(probes, name):
             if not a["quiet_default"] and a["name"].startswith("-"):
                 assert "default" in a["shown"], f"{parser['prog']} {a['name']}: default not shown"
             assert "default: None" not in a["shown"], f"{parser['prog']} {a['name']}: 'default: None'"
+            # a switch is off unless given: "(default: True)" on --no-compile read as "on by default"
+            assert "default: True" not in a["shown"], f"{parser['prog']} {a['name']}: 'default: True'"
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
@@ -126,10 +129,23 @@ def test_formatter_skips_noise_defaults():
     p = argparse.ArgumentParser(formatter_class=DefaultsHelpFormatter)
     p.add_argument("--n", type=int, default=3, help="count")
     p.add_argument("--flag", action="store_true", help="a flag")
+    p.add_argument("--no-thing", dest="thing", action="store_false", default=True, help="no thing")
     p.add_argument("--opt", default=None, help="optional")
     p.add_argument("--m", default=2, help="m (default: two)")
     text = " ".join(p.format_help().split())
     assert "count (default: 3)" in text
     assert "a flag (default" not in text and "optional (default" not in text
+    assert "no thing (default" not in text
     assert "m (default: two)" in text and "two) (default" not in text
     assert plain_text("``dflash-x``: does `y`.\n\nmore") == "dflash-x: does y."
+
+
+def test_positional_arguments_go_anywhere():
+    """``dflash-export STORE --run R --step N OUT``: an optional positional after the flags is taken (plain
+    ``parse_args`` said ``unrecognized arguments: OUT``)."""
+    from dflash.tools.export import cli
+
+    args = cli.build_parser().parse_intermixed_args(["s3://b/p", "--run", "r", "--step", "3", "out"])
+    assert (args.checkpoint, args.run, args.step, args.out_dir) == ("s3://b/p", "r", 3, "out")
+    with pytest.raises(SystemExit):  # main parses the same way: a missing store is its one-line error
+        cli.main(["/nonexistent-store", "--run", "r", "--step", "3", "/nonexistent-out"])

@@ -39,6 +39,9 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
         "--decode-threads": "issue 36: zarr's chunk-decoding threads in the training process",
         "--profile-steps": "issue 36: torch.profiler kernel table of a few steps, written to the run dir",
         "--spool-wait-s": "a consumer started before its producers waits for the spool (bounded), not exit 2 at once",
+        "--outage-saves": "a store outage is trained through for this many failed saves, then the state goes to local disk",
+        "--outage-minutes": "the same bound in minutes since the first failed save",
+        "--fallback-dir": "where the state goes when the store refuses it (the same command uploads it later)",
     },
     "dflash-eval": {
         "--temperature": "issue 27: lossless speculative rejection sampling",
@@ -62,6 +65,7 @@ REMOVED: dict[str, dict[str, str]] = {
 SUBCOMMANDS_ADDED = {
     "dflash-spool gc": "issue 23: list and remove abandoned spools",
     "dflash-spool free": "issue 23: a stopped or failed run's shards freed (ops/run_all.sh)",
+    "dflash-spool audit": "the exactly-once audit of a run's sample ledgers, for users (tests had their own)",
 }
 # prog -> {option: (what it is now, why it changed)}: a deliberate change of a recorded option
 CHANGED: dict[str, dict[str, tuple[dict, str]]] = {

@@ -123,3 +123,46 @@ def test_a_short_stream_lengthens_the_schedule_so_the_decay_ends_with_the_data()
     other = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([p], lr=1.0), WarmupCosine(1, 10))
     other.load_state_dict(sched.state_dict())
     assert (other.lr_lambdas[0].tokens_done, other.lr_lambdas[0].total_steps) == (1000, 11)
+
+
+def test_the_token_clock_keeps_one_curve_across_world_sizes_and_never_reaches_0_early():
+    """Sized from the data, the curve runs on tokens: the same tokens trained give the same rate whatever
+    the step size, a resume in another world size moves it by one step's change, the warm-up keeps its
+    tokens, and the plan's last step is not at 0 even when the data gives more than counted."""
+    import torch
+
+    def fresh(step_tokens: int) -> WarmupCosine:
+        f = WarmupCosine(1, 10_000)
+        f.resize(-(-10_000 // step_tokens), 0.1)
+        f.follow_tokens(10_000, step_tokens)
+        return f
+
+    two, one = fresh(200), fresh(100)  # 2 ranks x 100 tokens, 1 rank x 100 tokens
+    assert (two.warmup_tokens, two.warmup_steps, one.warmup_tokens) == (1000, 5, 1000)
+    for done in (0, 400, 1000, 5000, 9800):
+        two.tokens_done = one.tokens_done = done
+        if done >= 1000:  # past the warm-up the rate is a function of the tokens alone
+            assert two(0) == pytest.approx(one(0))
+    # train 3000 tokens on 2 ranks, checkpoint, resume on 1 rank: the rate goes on from where it was
+    f = fresh(200)
+    rates = []
+    for _ in range(15):
+        rates.append(f(0))
+        f.tokens_done += 200
+    p = torch.nn.Parameter(torch.zeros(1))
+    state = torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([p], lr=1.0), f).state_dict()
+    g = WarmupCosine(1, 10_000)
+    torch.optim.lr_scheduler.LambdaLR(torch.optim.SGD([p], lr=1.0), g).load_state_dict(state)
+    g.resize(100, 0.1)  # the 1-rank plan would warm up over 10 steps of 100: the tokens stay 1000
+    g.follow_tokens(10_000, 100)
+    assert g.warmup_tokens == 1000
+    assert g(0) == pytest.approx(f(0))  # the rate the 2-rank run would have trained its next step at
+    assert (
+        abs(g(0) - rates[-1]) <= 1.2 * abs(rates[-1] - rates[-2]) and g(0) <= rates[-1]
+    )  # one step's change
+    # the last planned step trains above 0, and more data than counted never drives the rate to 0
+    g.tokens_done = 9_900
+    assert g(0) > 0
+    last_step = g(0)
+    g.tokens_done = 12_000
+    assert g(0) == pytest.approx(last_step) and g(0) > 0

@@ -103,7 +103,10 @@ def test_two_epochs_kill9_mid_epoch_2_then_the_same_command_trains_each_row_once
     log = (run_dir / "logs" / "consumer-0.log").read_text()
     plans = PLAN_LINE.findall(log)
     assert len(plans) == 2, log[-3000:]
-    samples, n_epochs, planned, warmup = map(int, plans[-1])
+    # the first launch's line is the plan; the resumed one's is the schedule's own count (the steps taken +
+    # those the rest of the data makes), said as a resume
+    samples, n_epochs, planned, warmup = map(int, plans[0])
+    assert "; resumed at step" in [ln for ln in log.splitlines() if "campaign: " in ln][-1]
     assert (samples, n_epochs) == (len(train_rows), EPOCHS)
     tokens = EPOCHS * sum(lengths[r] for r in train_rows)
     assert planned == -(-tokens // (512 * 2)), (planned, tokens)

@@ -840,8 +840,8 @@ def test_a_store_that_refuses_writes_fails_the_run_before_its_first_step_or_at_i
 ):
     """Issue 23: (1) a store that refuses every write (403 from the start) is refused before step 1: exit 2,
     one line, nothing trained; (2) a store that refuses writes once training runs, before any checkpoint
-    exists, stops the run at the first failed save (exit 1, one line saying why) instead of training on
-    with nothing saved."""
+    exists, stops the run at the first failed save (exit 1, one line saying why and where its state went)
+    instead of training on with nothing saved."""
     bucket = f"dflash-first-{uuid.uuid4().hex[:10]}"
     _s3_admin_client.create_bucket(Bucket=bucket)
     proxy = FaultProxy(s3_endpoint, seed=7)
@@ -885,8 +885,9 @@ def test_a_store_that_refuses_writes_fails_the_run_before_its_first_step_or_at_i
         text = log.read_text()
         assert rc == 1, text[-3000:]
         last = text.strip().splitlines()[-1]
-        assert last.startswith("dflash-consume: error: CheckpointStoreError: checkpoint step 2 failed"), last
-        assert "no checkpoint of run 'first' exists yet" in last and "stopping" in last, last
+        assert last.startswith("dflash-consume: error: StoreOutageError: checkpoint step 2 failed"), last
+        assert "no checkpoint of run 'first' exists yet" in last and "stopped at step" in last, last
+        assert "fallback-checkpoint" in last and "run the same command" in last, last  # the state is kept
         steps = [r["step"] for r in read_jsonl(ledger)]
         assert max(steps) < 8, steps  # it stopped at the failure, not after training everything
         assert "Traceback" not in text

@@ -44,7 +44,7 @@ LOCAL_IMPORTS_OK = {
     "dflash.tools.eval.cli": "parses its flags before importing torch",
     "dflash.tools.export.cli": "parses its flags before importing torch",
     "dflash.tools.demo.cli": "parses its flags before importing torch, transformers and boto3",
-    "dflash.tools.spool_cli": "zarr only for `inspect`",
+    "dflash.tools.spool_cli": "zarr only for `inspect`, torch (the checkpoint's trained set) only for `audit --checkpoint`",
     "dflash.tools.status": "matplotlib only with --plots",
     "dflash.common.contract.spool": "the spool never imports zarr; shard metadata only in discard_flow",
     "dflash.common.checkpoints.store": "s3.py subclasses this module's store; boto3 only for an S3 store",

@@ -187,7 +187,9 @@ def test_bench_figures_plan_each_shape(tmp_path, capsys):
         _pipeline_json(tmp_path / "ph.json", "hybrid27b", 80_000, 22_000, scale=6 / 62),
     ]
     pb = tmp_path / "prod8.json"
-    pb.write_text(json.dumps({"preset": "8b", "depth_scale": 1.0, "results": {"producer_full": {"tok_s": 40_000}}}))
+    pb.write_text(
+        json.dumps({"preset": "8b", "depth_scale": 1.0, "results": {"producer_full": {"tok_s": 40_000}}})
+    )
     shapes = plan.read_bench_figures([*files, str(pb)])
     assert shapes["8b"] == {"producer_tok_s": 40_000, "consumer_tok_s": 26_000}
     assert shapes["hybrid27b"]["producer_tok_s"] == pytest.approx(80_000 * 6 / 62)
@@ -195,7 +197,9 @@ def test_bench_figures_plan_each_shape(tmp_path, capsys):
     by = {p["shape"]: p for p in plan.plan_shapes(shapes, base)}
     for shape, rates in shapes.items():  # each the best of the node's splits, as plan_splits computes them
         want = best_split(plan_splits(PlanConfig(num_gpus=8, **rates)))
-        assert by[shape]["best"]["producers"] == want.producers and by[shape]["node_tok_s"] == pytest.approx(want.end_to_end_tok_s)
+        assert by[shape]["best"]["producers"] == want.producers and by[shape]["node_tok_s"] == pytest.approx(
+            want.end_to_end_tok_s
+        )
     assert (by["32b"]["best"]["producers"], by["32b"]["best"]["consumers"]) == (5, 3)  # 45K: producers short
     plan.main(["--gpus", "8", "--bench", ",".join([*files, str(pb)])])
     text = capsys.readouterr().out
@@ -216,3 +220,26 @@ def test_bench_without_a_rate_is_one_line_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit):
         plan.main(["--gpus", "8", "--bench", str(tmp_path / "junk.json")])
     assert "no producer or consumer rate" in capsys.readouterr().err
+
+
+def test_a_producer_throttled_by_the_spool_budget_is_planned_at_its_unthrottled_rate(tmp_path, capsys):
+    """A producer that waited on the spool budget 75 % of the time: 400 tok/s measured, 1600 tok/s while
+    not waiting. The plan uses the latter and says the measured one was throttled."""
+    run = tmp_path / "run"
+    (run / "metrics").mkdir(parents=True)
+    recs, tokens, budget, main_wait = [], 0, 0.0, 0.0
+    for k in range(21):  # one record every 10 s: 4000 tokens, 7.5 s of it waiting on the budget
+        recs.append({"time": 1000.0 + 10 * k, "elapsed_s": 10.0 * k, "tokens": tokens, "tok_s": 400.0,
+                     "budget_wait_s": budget, "main_wait_s": main_wait})  # fmt: skip
+        tokens, budget, main_wait = tokens + 4000, budget + 15.0, main_wait + 7.5  # 2 writer threads waited
+    (run / "metrics" / "producer-n0p0.1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "metrics" / "consumer-0.jsonl").write_text(json.dumps({"time": 1.0, "tok_s": 3000.0}) + "\n")
+    m = measure_rates(run, warmup_frac=0.0)
+    assert m.producer_tok_s == pytest.approx(1600) and m.producer_total_tok_s == pytest.approx(400)
+    assert m.producer_throttled == pytest.approx(0.75)
+    plan.main(["--gpus", "8", str(run), "--warmup-frac", "0"])
+    out = capsys.readouterr().out
+    assert "the producers waited on the spool budget 75% of the time (throttled: 400 tok/s measured)" in out
+    assert "producer 1.6K tok/s" in out
+    # unthrottled, 1600 vs 3000 tok/s per GPU: 5 producers + 3 consumers, not the 7 + 1 the throttled rate gives
+    assert "best: 5 producers + 3 consumers" in out, out

@@ -117,9 +117,9 @@ def test_json_snapshot(tmp_path, capsys):
     assert {k: p["state"] for k, p in procs.items()} == {
         ("consumer", "0"): "alive",
         ("consumer", "1"): "alive",
-        ("consumer", "2"): "exited",
+        ("consumer", "2"): "failed",  # gone without an end event
         ("producer", "0"): "alive",
-        ("producer", "1"): "done",
+        ("producer", "1"): "finished",
     }  # no ledger row, no launcher row, producer 2 is of an earlier launch
     assert snap["older_producers"] == ["2"]
     assert procs[("producer", "0")]["samples"] == 3000  # the heartbeat is newer than the metrics line
@@ -304,9 +304,10 @@ def test_exited_producer_is_one_exited_row(tmp_path, capsys):
     out = capsys.readouterr().out
     rows = [ln.split() for ln in out.splitlines() if ln.startswith(("producer ", "consumer ", "ledger "))]
     assert [r[:2] for r in rows] == [["consumer", "0"], ["producer", "n0p0.2"]]
-    assert rows[1][3] == "exited" and rows[0][3] == "exited"
+    assert rows[1][3] == "failed" and rows[0][3] == "failed"  # gone without saying they ended
     assert "earlier launches: 1 producer(s) not shown (n0p0.1)" in out
-    assert "progress: 42/100 samples (42.0%)  ETA unknown (no producer running)" in out
+    assert "run: failed" in out  # every process gone, none said it ended
+    assert "progress: 42/100 samples produced; the run failed" in out
 
 
 def test_eta_unknown_until_producers_report(tmp_path, capsys):
@@ -389,3 +390,77 @@ def test_tau_plot_shows_the_held_out_decode_tau(tmp_path):
     evals = [{"event": "eval", "step": s, "decode_tau": 1.5 + 0.1 * s, "time": 1000.0 + s} for s in (0, 5)]
     _jsonl(run / "metrics" / "consumer-0.jsonl", steps + evals)
     assert "tau.png" in {p.name for p in write_plots(run)}  # drawn from the held-out points alone
+
+
+def _over_run(tmp_path, consumer_end: dict | None, producer_phase: str):
+    """A run whose spool was removed (run_all.sh does at the end): one producer of launch 2 (launch 1's
+    metrics still there), consumer rank 0 of launch 2 ending with ``consumer_end`` (None: it died without
+    a word), and rank 1 of launch 1, which stopped before launch 2 began."""
+    now = time.time()
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"spool": str(tmp_path / "gone-spool")}))
+    (run / "pids").write_text(f"producer {_dead_pid()}\nconsumer-0 {_dead_pid()}\n")
+    def step(s: int, t: float) -> dict:
+        return {"time": t, "step": s, "loss": 2.0, "acc": [0.5], "tau": 2.0, "lr": 1e-4, "total_steps": 40, "eta_s": 5.0}
+
+    _jsonl(
+        run / "metrics" / "producer-n0p0.1.jsonl", [{"time": now - 900, "samples": 10, "phase": "stopped"}]
+    )
+    _jsonl(run / "metrics" / "producer-n0p0.2.jsonl", [{"time": now - 60, "samples": 90, "total": 90, "phase": producer_phase}])  # fmt: skip
+    _jsonl(run / "metrics" / "consumer-1.jsonl", [step(10, now - 800), {"event": "end", "stopped": True, "time": now - 790}])  # fmt: skip
+    rank0 = [step(10, now - 800), {"event": "end", "stopped": True, "time": now - 790}, step(40, now - 30)]
+    _jsonl(
+        run / "metrics" / "consumer-0.jsonl",
+        rank0 + ([{**consumer_end, "time": now - 20}] if consumer_end else []),
+    )
+    return run
+
+
+@pytest.mark.parametrize(
+    ("consumer_end", "producer_phase", "want"),
+    [
+        ({"event": "end", "stopped": False}, "done", "finished"),
+        ({"event": "end", "stopped": True}, "stopped", "stopped"),
+        ({"event": "failed", "error": "StoreOutageError: ..."}, "done", "failed"),
+        (None, "done", "failed"),  # kill -9: gone without an end event
+    ],
+)
+def test_a_run_that_is_over_says_how_it_ended(tmp_path, capsys, consumer_end, producer_phase, want):
+    run = _over_run(tmp_path, consumer_end, producer_phase)
+    status.main([str(run), "--json"])
+    snap = json.loads(capsys.readouterr().out)
+    assert snap["run_state"] == want
+    rows = {(p["role"], p["id"]): p["state"] for p in snap["processes"]}
+    # launch 1's producer and consumer rank 1 are over and of an earlier launch: not listed
+    assert set(rows) == {("consumer", "0"), ("producer", "n0p0.2")}, rows
+    assert snap["older_consumers"] == ["1"] and snap["older_producers"] == ["n0p0.1"]
+    assert rows[("producer", "n0p0.2")] == ("finished" if producer_phase == "done" else "stopped")
+    assert rows[("consumer", "0")] == ("finished" if want == "finished" else want)
+    status.main([str(run)])
+    out = capsys.readouterr().out
+    assert f"run: {want}" in out and f"the run {want} at step 40" in out
+    assert "removed (the run is over" in out and "unreadable" not in out and "ETA" not in out
+
+
+def test_a_producer_waiting_on_the_budget_is_blocked_and_the_eta_is_the_trainings(tmp_path, capsys):
+    from dflash.common.contract.spool_records import BUDGET_PHASE
+
+    run = _launch_run(tmp_path, {"samples": 300, "total": 1000, "phase": BUDGET_PHASE}, alive=True)
+    now = time.time()
+    _jsonl(
+        run / "metrics" / "producer-n0p0.2.jsonl",
+        [{"time": now - 700 + k, "samples": 30 * k} for k in range(0, 10)],
+    )
+    _jsonl(run / "metrics" / "consumer-0.jsonl", [{"time": now - 10, "step": 100, "loss": 2.0, "acc": [0.5], "tau": 2.0,
+                                                  "lr": 1e-4, "total_steps": 400, "eta_s": 610.0}])  # fmt: skip
+    status.main([str(run), "--json", "--stale-s", "1000"])
+    snap = json.loads(capsys.readouterr().out)
+    assert {p["id"]: p["state"] for p in snap["processes"] if p["role"] == "producer"} == {
+        "n0p0.2": "blocked"
+    }
+    assert snap["run_state"] == "running"
+    status.main([str(run), "--stale-s", "1000"])
+    out = capsys.readouterr().out
+    # production would say ~25 s (700 samples at 30/s): the run ends when training does
+    assert "step 100/400  ETA 10m (training)" in out, out

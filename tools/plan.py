@@ -16,7 +16,10 @@ records carry ``world_size`` > 1 holds the all-reduced rate of the whole group (
 it is divided by ``world_size``; without it, each ``consumer-<rank>.jsonl`` is one rank. A measured consumer
 rank rate already includes ``eff(c0)`` of its c0-rank group, so it is divided by that to get C. In a
 coupled run the faster side is throttled (producers by spool backpressure, consumers by an empty spool),
-so its measured rate is only a lower bound — the tool says so when the two totals are close.
+so its measured rate is only a lower bound — the tool says so when the two totals are close. Producers
+say how long they waited on the spool's byte budget (``budget_wait_s``, ``main_wait_s`` in their metrics):
+their rate is taken over the time they did not wait (tokens / unblocked seconds), and the plan names the
+share of time they were throttled.
 
 Rates from benchmarks (``--bench a.json,b.json``): the ``figures`` of ``ops/bench/pipeline_bench.py`` (per
 target shape: one producer GPU's and one consumer GPU's rate alone, the producer's scaled to the shape's
@@ -46,6 +49,7 @@ log = logging.getLogger(__name__)
 PROG = "dflash-plan"
 DEFAULT_DDP_EFFICIENCY = 0.95
 THROTTLE_NOTE_RATIO = 0.85  # measured totals closer than this: one side was probably throttled
+THROTTLED_SHARE_NOTE = 0.05  # producers that waited on the spool budget this share of the time: said
 
 
 def ddp_efficiency(num_consumers: int, per_doubling: float) -> float:
@@ -140,14 +144,44 @@ def steady_rate(records: list[dict[str, Any]], *, warmup_frac: float = 0.25) -> 
     return statistics.median(vals[skip:])
 
 
+def _num(r: dict[str, Any], k: str) -> float | None:
+    v = r.get(k)
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def producer_rate(records: list[dict[str, Any]], *, warmup_frac: float = 0.25) -> tuple[float | None, float | None]:
+    """(tok/s while not waiting on the spool budget, share of the time it waited) of one producer.
+
+    Between two metrics records, the time its main loop waited on the writers (``main_wait_s``) counts as
+    throttled when the writers waited on the budget meanwhile (``budget_wait_s`` grew); the rate is the
+    tokens over the rest. Records without these counters: ``steady_rate`` and an unknown share (None)."""
+    pts = [r for r in records if "event" not in r and _num(r, "tokens") is not None and _num(r, "elapsed_s") is not None]
+    if len(pts) < 2 or not any(_num(r, "budget_wait_s") is not None for r in pts):
+        return steady_rate(records, warmup_frac=warmup_frac), None
+    pts = pts[min(len(pts) - 2, math.ceil(warmup_frac * len(pts))) :]
+    busy = waited = tokens = 0.0
+    for a, b in zip(pts, pts[1:], strict=False):
+        dt = _num(b, "elapsed_s") - _num(a, "elapsed_s")
+        if dt <= 0:
+            continue
+        blocked = 0.0
+        if (_num(b, "budget_wait_s") or 0.0) > (_num(a, "budget_wait_s") or 0.0):
+            blocked = min(dt, max(0.0, (_num(b, "main_wait_s") or 0.0) - (_num(a, "main_wait_s") or 0.0)))
+        busy, waited, tokens = busy + dt - blocked, waited + blocked, tokens + _num(b, "tokens") - _num(a, "tokens")
+    if busy <= 0 or tokens <= 0:
+        return steady_rate(records, warmup_frac=warmup_frac), None
+    return tokens / busy, waited / (busy + waited)
+
+
 @dataclass(kw_only=True)
 class MeasuredRates:
-    producer_tok_s: float | None  # per producer GPU
+    producer_tok_s: float | None  # per producer GPU, while not waiting on the spool budget
     consumer_tok_s: float | None  # per consumer GPU, normalized to a 1-GPU group
     num_producers: int
     num_consumers: int
-    producer_total_tok_s: float | None  # as measured, all processes
+    producer_total_tok_s: float | None  # as measured, all processes (throttled time included)
     consumer_total_tok_s: float | None
+    producer_throttled: float | None = None  # share of the producers' time spent waiting on the spool budget
 
 
 def measure_rates(
@@ -158,16 +192,23 @@ def measure_rates(
 ) -> MeasuredRates:
     """Per-GPU producer and consumer rates from ``run_dir/metrics/*.jsonl`` (see the module docstring)."""
     metrics = read_run_metrics(Path(run_dir) / "metrics")
-    prod: list[float] = []
+    prod: list[float] = []  # per producer, unthrottled
+    prod_measured: list[float] = []
+    throttled: list[float] = []
     cons: list[float] = []  # per consumer GPU, as measured in a group of c0
     c0, cons_total = 0, 0.0
     for stem, recs in sorted(metrics.items()):
         role = stem.partition("-")[0]
-        rate = steady_rate(recs, warmup_frac=warmup_frac) if role in ("producer", "consumer") else None
-        if rate is None:
-            continue
         if role == "producer":
-            prod.append(rate)
+            rate, share = producer_rate(recs, warmup_frac=warmup_frac)
+            if rate is not None:
+                prod.append(rate)
+                prod_measured.append(steady_rate(recs, warmup_frac=warmup_frac) or rate)
+                if share is not None:
+                    throttled.append(share)
+            continue
+        rate = steady_rate(recs, warmup_frac=warmup_frac) if role == "consumer" else None
+        if rate is None:
             continue
         ws = next((r["world_size"] for r in reversed(recs) if isinstance(r.get("world_size"), int)), 1)
         if ws > 1:  # the all-reduced rate of the whole group: this one file stands for all ranks
@@ -181,8 +222,9 @@ def measure_rates(
         consumer_tok_s=statistics.fmean(cons) / eff if cons else None,
         num_producers=len(prod),
         num_consumers=c0,
-        producer_total_tok_s=sum(prod) if prod else None,
+        producer_total_tok_s=sum(prod_measured) if prod else None,
         consumer_total_tok_s=cons_total if cons else None,
+        producer_throttled=statistics.fmean(throttled) if throttled else None,
     )
 
 
@@ -249,7 +291,14 @@ def render(cfg: PlanConfig, splits: list[Split], best: Split, measured: Measured
             f"{measured.num_consumers} consumer(s) {format_rate(measured.consumer_total_tok_s)} tok/s"
         )
         a, b = measured.producer_total_tok_s, measured.consumer_total_tok_s
-        if a and b and min(a, b) / max(a, b) >= THROTTLE_NOTE_RATIO:
+        share = measured.producer_throttled
+        if share is not None and share >= THROTTLED_SHARE_NOTE:
+            lines.append(
+                f"note: the producers waited on the spool budget {100 * share:.0f}% of the time (throttled: "
+                f"{format_rate(a)} tok/s measured); their rate below is over the time they did not wait, "
+                f"{format_rate(measured.producer_tok_s)} tok/s per GPU"
+            )
+        elif a and b and min(a, b) / max(a, b) >= THROTTLE_NOTE_RATIO:
             faster = "producer" if a > b else "consumer"
             lines.append(
                 f"note: the measured totals are close: the {faster} side was probably throttled by the other "
@@ -302,7 +351,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = _parser().parse_args(argv)
+    args = _parser().parse_intermixed_args(argv)
     if args.bench:
         return _main_bench(args)
     try:

@@ -35,6 +35,7 @@ from dflash.common.cli.flags import add_flags, flag
 from dflash.common.cli.help import DefaultsHelpFormatter
 from dflash.common.contract.spool import Spool, SpoolError
 from dflash.common.contract.spool_records import LOCK_PREFIX, describe_run
+from dflash.tools.ledger_audit import audit, exactly_once, format_report
 
 PROG = "dflash-spool"
 EXIT_USAGE = 2
@@ -367,6 +368,19 @@ class StatsArgs:
     """print Spool.stats() as JSON"""
 
 @dataclass(kw_only=True)
+class AuditArgs:
+    run_dir: str = field(metadata=flag(positional=True))
+    """the run directory (its metrics/ledger-r<rank>.jsonl)"""
+    checkpoint: str | None = None
+    """the checkpoint store, to check the final checkpoint's trained set against the ledgers (default:
+    RUN_DIR/run.json 'checkpoint'; none: twice only)"""
+    run: str | None = None
+    """the run's name in the store (default: RUN_DIR/run.json 'run')"""
+    json: bool = False
+    """print the audit as JSON"""
+
+
+@dataclass(kw_only=True)
 class InspectArgs:
     shard: str = field(metadata=flag(positional=True))
     """a shard directory (<name>.zarr)"""
@@ -404,7 +418,37 @@ COMMANDS = {
     "prepare": (PrepareArgs, "before a launch: check the spool's run, discard leftovers"),
     "free": (FreeArgs, "after a run stopped: discard its shards (RAM), keep its records"),
     "gc": (GcArgs, "remove abandoned spools (no live process, idle), e.g. those of crashed runs"),
+    "audit": (AuditArgs, "each sample trained once? the run's sample ledgers per launch and epoch (exit 1: no)"),
 }
+
+
+def run_audit(args: AuditArgs) -> tuple[str, bool]:
+    """The audit's text (or JSON) and whether every sample was trained once."""
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"run dir {run_dir}: no such folder")
+    try:
+        recorded = json.loads((run_dir / "run.json").read_text())
+    except (OSError, ValueError):
+        recorded = {}
+    store, run = args.checkpoint or recorded.get("checkpoint"), args.run or recorded.get("run")
+    final_step = trained = None
+    if store:
+        if not run:
+            raise UserError("--checkpoint needs --run (RUN_DIR/run.json names none)")
+        from dflash.common.checkpoints.load import finished_steps, read_trained_set  # torch: only here
+
+        try:
+            steps = finished_steps(store, run)
+            if steps:
+                final_step, trained = steps[-1], set(read_trained_set(store, run).indices().tolist())
+        except Exception as err:  # noqa: BLE001 - any store error is one line
+            raise UserError(f"checkpoint store {store}, run {run!r}: {err}") from None
+    try:
+        report = audit(run_dir, final_step=final_step, trained=trained)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    return (json.dumps(report, indent=2) if args.json else format_report(report)), exactly_once(report)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -433,6 +477,10 @@ def main(argv: list[str] | None = None) -> int:
             text = free(args.dir)
         elif args.cmd == "gc":
             text = gc(args.root, dry_run=args.dry_run, min_idle_s=args.min_idle_s)
+        elif args.cmd == "audit":
+            text, ok = run_audit(args)
+            print(text)
+            return 0 if ok else 1
         elif args.cmd == "stats":
             st = spool_stats(args.dir)
             text = json.dumps(st, indent=2, default=str) if args.json else format_stats(st)

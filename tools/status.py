@@ -23,6 +23,7 @@ from dflash.common.cli.exits import fail
 from dflash.common.cli.flags import add_flags, flag, from_args
 from dflash.common.cli.help import DefaultsHelpFormatter
 from dflash.common.contract.spool import Spool
+from dflash.common.contract.spool_records import BUDGET_PHASE
 from dflash.common.metrics import (
     average_tok_s,
     mean_acc,
@@ -51,6 +52,8 @@ ROLES = ("producer", "consumer")  # processes; other metrics files (ledger-r<ran
 # The trainer names its consumer id r<rank>-<pid> (unique per incarnation); its metrics file is per rank.
 _CONSUMER_ID_RE = re.compile(r"^r(\d+)-\d+$")
 ETA_WINDOW_S = 300.0  # producer sample rate = slope of `samples` over this trailing window of metrics
+OVER = ("finished", "stopped", "failed")  # a process that said how it ended (or died without saying)
+_ENDS = ("end", "failed")  # the consumer's last metrics events (consumer/cli.py)
 
 
 
@@ -83,11 +86,33 @@ def _rank_key(row: dict[str, Any]) -> tuple:
     return (row["role"], 0 if i.isdigit() else 1, int(i) if i.isdigit() else 0, i)
 
 
-def _current_producers(spool: dict[str, Any] | None) -> set[str] | None:
+def _current_producers(spool: dict[str, Any] | None, metrics: dict[str, list[dict[str, Any]]]) -> set[str] | None:
     """The producer ids of the current launch (state/producers.json), None when no launch registered any:
-    producer ids carry their launch (n0p0.<launch>), so earlier launches' files are told apart by id."""
+    producer ids carry their launch (n0p0.<launch>), so earlier launches' files are told apart by id. With
+    the spool gone (a finished run's is removed), the ids of the newest launch in the metrics."""
     reg = spool["producers_registered"] if spool and spool["exists"] else []
-    return set(map(str, reg)) or None
+    if reg:
+        return set(map(str, reg))
+    ids = [stem.partition("-")[2] for stem in metrics if stem.startswith("producer-")]
+    launches = {i: int(i.rpartition(".")[2]) for i in ids if i.rpartition(".")[2].isdigit() and "." in i}
+    if not launches:
+        return None
+    newest = max(launches.values())
+    return {i for i, n in launches.items() if n == newest}
+
+
+def _consumer_ends(recs: list[dict[str, Any]]) -> tuple[str | None, float | None, float | None]:
+    """(how its last life ended: finished / stopped / failed, None while it runs; when that life started;
+    its last record's time) from one consumer rank's metrics (lives are split by its end events)."""
+    if not recs:
+        return None, None, None
+    ended = None
+    last = recs[-1]
+    if last.get("event") in _ENDS:
+        ended = "failed" if last["event"] == "failed" else ("stopped" if last.get("stopped") else "finished")
+    ends = [i for i, r in enumerate(recs[:-1]) if r.get("event") in _ENDS]
+    start = recs[ends[-1] + 1 if ends else 0].get("time")
+    return ended, start, last.get("time")
 
 
 def _process_rows(
@@ -97,15 +122,18 @@ def _process_rows(
     *,
     now: float,
     stale_s: float,
-) -> tuple[list[dict[str, Any]], list[str]]:
+) -> tuple[list[dict[str, Any]], list[str], list[str]]:
     """One row per process of the current launch, merged from its metrics file, spool heartbeat and
     launcher pid (the counters of the newest source win), sorted by role, then numeric id; and the ids of
-    earlier launches' producers, which are left out (their files stay in state/ and metrics/)."""
+    earlier launches' producers and consumer ranks, which are left out (their files stay in state/ and
+    metrics/)."""
     rows: dict[tuple[str, str], dict[str, Any]] = {}
     sources: dict[tuple[str, str], list[tuple[float, dict[str, Any]]]] = {}
     verdict: dict[tuple[str, str], tuple[bool, bool | None]] = {}  # (heartbeat alive, pid alive)
-    current = _current_producers(spool)
+    current = _current_producers(spool, metrics)
     older: set[str] = set()
+    older_consumers: set[str] = set()
+    ends = {stem.partition("-")[2]: _consumer_ends(recs) for stem, recs in metrics.items() if stem.startswith("consumer-")}
 
     def row(key: tuple[str, str]) -> dict[str, Any] | None:
         if key[0] not in ROLES:
@@ -146,20 +174,51 @@ def _process_rows(
             r.update({k: src[k] for k in _COUNTERS if src.get(k) is not None})
         last = max((t for t, _ in sources.get(key, [])), default=None)
         r["age_s"] = now - last if last else None
+        ended = ends.get(r["id"], (None,))[0] if r["role"] == "consumer" else None
         r["state"] = _state(
-            r, verdict.get(key), done=r["role"] == "producer" and r["id"] in done, stale_s=stale_s
+            r, verdict.get(key), done=r["role"] == "producer" and r["id"] in done, stale_s=stale_s, ended=ended
         )
-        r["active"] = r["state"] in ("alive", "active")
+        r["active"] = r["state"] in ("alive", "active", "blocked")
         if r["role"] == "producer":
             r["tok_s"] = average_tok_s(r)  # the sustained rate, never the last heartbeat's
-    return sorted(rows.values(), key=_rank_key), sorted(older)
+    # consumers of a launch that is over: a rank whose last record is older than the newest life's start
+    # (it ended, died, or has said nothing since: a rank of an earlier, larger group)
+    newest = max((e[1] for e in ends.values() if e[1] is not None), default=None)
+    for key, r in list(rows.items()):
+        last = ends.get(r["id"], (None, None, None))[2] if key[0] == "consumer" else None
+        if newest is not None and last is not None and last < newest and r["state"] in (*OVER, "stale"):
+            del rows[key]
+            older_consumers.add(r["id"])
+    return sorted(rows.values(), key=_rank_key), sorted(older), sorted(older_consumers)
 
 
-def _state(r: dict[str, Any], verdict: tuple[bool, bool | None] | None, *, done: bool, stale_s: float) -> str:
-    """done | alive | exited | stale (no news, process may still run) | active (fresh, liveness unknown)."""
+def _state(
+    r: dict[str, Any],
+    verdict: tuple[bool, bool | None] | None,
+    *,
+    done: bool,
+    stale_s: float,
+    ended: str | None = None,
+) -> str:
+    """finished | stopped | failed (it said so: a DONE marker, its last phase or end event; or it is gone
+    without saying how it ended) | blocked (alive, waiting on the spool's byte budget) | alive | stale (no
+    news, the process may still run) | active (fresh, liveness unknown)."""
+    phase = r.get("phase")
+    if done or (r["role"] == "producer" and phase == "done"):
+        return "finished"
+    if ended is not None:
+        return ended
+    if r["role"] == "producer" and phase in ("stopped", "aborted"):
+        return "stopped" if phase == "stopped" else "failed"
+    state = _liveness(r, verdict, stale_s=stale_s)
+    if state == "exited":
+        return "failed"
+    return "blocked" if state == "alive" and phase == BUDGET_PHASE else state
+
+
+def _liveness(r: dict[str, Any], verdict: tuple[bool, bool | None] | None, *, stale_s: float) -> str:
+    """alive | exited | stale | active, from the spool's verdict, else the launcher's pid, else the age."""
     fresh = r["age_s"] is not None and r["age_s"] <= stale_s
-    if done:
-        return "done"
     if verdict is not None:  # the spool's verdict (pid, start time, heartbeat age), then the pid alone
         hb_alive, proc_alive = verdict
         if hb_alive:
@@ -169,6 +228,22 @@ def _state(r: dict[str, Any], verdict: tuple[bool, bool | None] | None, *, done:
     if alive is not None:
         return ("alive" if fresh else "stale") if alive else "exited"
     return "active" if fresh else "stale"
+
+
+def _run_state(procs: list[dict[str, Any]]) -> str | None:
+    """The run's state from its processes': running while any runs; else failed if any failed, stopped if
+    any stopped, finished when every process finished; stale when nothing is known to run or to be over."""
+    states = {p["state"] for p in procs}
+    if not states:
+        return None
+    if states & {"alive", "active", "blocked"}:
+        return "running"
+    if "stale" in states:  # one may still run (its pid lives, its news is old): the run is not over
+        return "stale"
+    for verdict in ("failed", "stopped"):
+        if verdict in states:
+            return verdict
+    return "finished"
 
 
 def _total_rate(procs: list[dict[str, Any]], role: str) -> float:
@@ -227,6 +302,8 @@ def _training(procs: list[dict[str, Any]], metrics: dict[str, list[dict[str, Any
             t["decode_tau_step"] = evals[-1].get("step") if evals else None
             t["acc"] = mean_acc(last.get("acc"))
             t["age_s"] = now - last["time"] if _isnum(last.get("time")) else None
+            # the training's ETA (steps left x step time, consumer/campaign.py eta_s), as of now
+            t["eta_now_s"] = max(0.0, t["eta_s"] - (t["age_s"] or 0.0)) if _isnum(t.get("eta_s")) else None
             return t
     return None
 
@@ -263,7 +340,7 @@ def collect(
     spool_root = find_spool_dir(run_dir, spool_dir)
     spool = spool_snapshot(spool_root, heartbeat_timeout_s=stale_s) if spool_root else None
     metrics = read_run_metrics(run_dir / "metrics")
-    procs, older = _process_rows(metrics, spool, read_pids(run_dir), now=now, stale_s=stale_s)
+    procs, older, older_consumers = _process_rows(metrics, spool, read_pids(run_dir), now=now, stale_s=stale_s)
     prod_tok_s, cons_tok_s = _total_rate(procs, "producer"), _total_rate(procs, "consumer")
     bottleneck = None
     if prod_tok_s > 0 and cons_tok_s > 0:
@@ -275,6 +352,8 @@ def collect(
         "time": now,
         "processes": procs,
         "older_producers": older,
+        "older_consumers": older_consumers,
+        "run_state": _run_state(procs),
         "spool": spool,
         "training": _training(procs, metrics, now),
         "rates": {"producer_tok_s": prod_tok_s, "consumer_tok_s": cons_tok_s, "bottleneck": bottleneck},
@@ -328,7 +407,7 @@ def _show(args: StatusConfig, *, clear: bool) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = from_args(StatusConfig, _parser().parse_args(argv))
+    args = from_args(StatusConfig, _parser().parse_intermixed_args(argv))
     if args.watch is not None and args.watch <= 0:
         fail(PROG, "--watch SECS must be > 0")
     try:

@@ -32,12 +32,26 @@ def _processes(snap: dict[str, Any]) -> list[str]:
     if snap.get("older_producers"):
         old = snap["older_producers"]
         out.append(f"earlier launches: {len(old)} producer(s) not shown ({', '.join(old)})")
+    if snap.get("older_consumers"):
+        old = snap["older_consumers"]
+        out.append(f"earlier launches: {len(old)} consumer rank(s) not shown ({', '.join(old)})")
     return out
 
 
-def _spool(spool: dict[str, Any] | None) -> list[str]:
+RUN_STATES = {
+    "running": "running",
+    "finished": "finished (every process finished)",
+    "stopped": "stopped (a process was stopped; the same command continues the run)",
+    "failed": "failed (a process failed or died: its log says why; the same command continues the run)",
+    "stale": "no news (no process is known to run; none said it ended)",
+}
+
+
+def _spool(spool: dict[str, Any] | None, run_state: str | None = None) -> list[str]:
     if spool is None:
         return ["spool: unknown (no run.json 'spool' and no --spool)"]
+    if not spool["exists"] and run_state in ("finished", "stopped", "failed"):
+        return [f"spool: {spool['root']} removed (the run is over; run_all.sh removes or frees it)"]
     if not spool["exists"]:
         return [f"spool: {spool['root']} (unreadable: {spool['error']})"]
     st = spool["states"]
@@ -104,6 +118,13 @@ def _progress(snap: dict[str, Any]) -> list[str]:
     if r["bottleneck"]:
         line += f"  (bottleneck: {r['bottleneck']})"
     out = [line]
+    state, t = snap.get("run_state"), snap.get("training") or {}
+    if state in ("finished", "stopped", "failed"):
+        done = f"{pr['samples']}/{pr['planned_samples']} samples produced; " if pr else ""
+        return [*out, f"progress: {done}the run {state}" + (f" at step {t['step']}" if t.get("step") else "")]
+    if t.get("eta_now_s") is not None:  # the run ends when training does: the training's ETA, not production's
+        produced = f"{pr['samples']}/{pr['planned_samples']} samples produced; " if pr else ""
+        return [*out, f"progress: {produced}step {t['step']}/{t['total_steps']}  ETA {format_duration(t['eta_now_s'])} (training)"]
     if not pr:
         return [*out, f"progress: {ETA_UNKNOWN}"]
     pct = f" ({100 * pr['fraction']:.1f}%)" if pr["fraction"] is not None else ""
@@ -123,10 +144,13 @@ def _checkpoint(c: dict[str, Any] | None) -> list[str]:
 
 def render(snap: dict[str, Any]) -> str:
     """The one-screen text view of a ``collect`` snapshot."""
-    out = [f"dflash-status  {snap['run_dir']}  {time.strftime('%H:%M:%S', time.localtime(snap['time']))}", ""]
+    out = [f"dflash-status  {snap['run_dir']}  {time.strftime('%H:%M:%S', time.localtime(snap['time']))}"]
+    if snap.get("run_state"):
+        out.append(f"run: {RUN_STATES[snap['run_state']]}")
+    out.append("")
     out += _processes(snap)
     out.append("")
-    out += _spool(snap["spool"]) + _consumers(snap) + _training(snap["training"])
+    out += _spool(snap["spool"], snap.get("run_state")) + _consumers(snap) + _training(snap["training"])
     out += _progress(snap) + _checkpoint(snap["checkpoint"])
     out += ["", f"run dir: {snap['run_dir']}", *(f"  log: {f}" for f in snap["logs"])]
     return "\n".join(out)

@@ -13,7 +13,9 @@ import argparse
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """Appends ``(default: X)`` to an option's help unless X is None/False or the help names a default."""
+    """Appends ``(default: X)`` to an option's help unless X is None/False, the option is a switch (a
+    ``--flag`` / ``--no-flag`` that takes no value: it is off unless given, whatever the field it sets
+    defaults to) or the help names a default."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         help_text = action.help or ""
@@ -22,6 +24,7 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
             default is None
             or default is False
             or default is argparse.SUPPRESS
+            or isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction)
             or "default" in help_text
             or not (action.option_strings or action.nargs in (argparse.OPTIONAL, argparse.ZERO_OR_MORE))
         ):

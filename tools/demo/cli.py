@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_flags(p, DemoConfig, defaults={"run_dir": None})
     p.add_argument("--json", default=None, help="also write the summary as JSON here")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     run_dir = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops the demo as Ctrl-C does
     try:

@@ -47,7 +47,7 @@ def check_mode(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     check_mode(parser, args)
     try:
         cfg, watch = from_args(EvalConfig, args), from_args(WatchConfig, args)

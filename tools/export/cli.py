@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
-        cfg = from_args(ExportConfig, parser.parse_args(argv))
+        cfg = from_args(ExportConfig, parser.parse_intermixed_args(argv))
     except ValueError as err:
         parser.error(str(err))  # one line, exit 2
     if cfg.check is not None:
