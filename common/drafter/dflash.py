@@ -845,7 +845,9 @@ class TargetRunner:
 
     @property
     def length(self) -> int:
-        return self.cache.get_seq_length()
+        # an int, not the cache's own counter: transformers >= 5.25's linear-attention layers count in a tensor
+        # they advance in place, so a kept reference would move with every forward
+        return int(self.cache.get_seq_length())
 
     def crop(self, length: int) -> int:
         """Keep the first ``length`` positions of the cache -> the target forwards this took (0, or 1 when a
@@ -870,7 +872,7 @@ class TargetRunner:
         kv_remove = self.length - snap.start
         for i, layer in enumerate(self.cache.layers):
             if i in snap.layers:
-                _restore_linear_state(layer, snap.layers[i])
+                _restore_linear_state(layer, snap.layers[i], snap.start)
             else:
                 layer.crop(-kv_remove)
         keep = snap.ids[: length - snap.start]
@@ -920,9 +922,15 @@ def _linear_state(layer: Any) -> list[tuple[torch.Tensor | None, torch.Tensor | 
     return out
 
 
-def _restore_linear_state(layer: Any, saved: list[tuple[torch.Tensor | None, torch.Tensor | None, bool]]) -> None:
-    """Put a linear-attention cache layer back as ``_linear_state`` found it: in place where the shape allows
-    (the layer marks its tensors as static addresses for CUDA graphs), else by assignment."""
+def _restore_linear_state(
+    layer: Any, saved: list[tuple[torch.Tensor | None, torch.Tensor | None, bool]], length: int
+) -> None:
+    """Put a linear-attention cache layer back as ``_linear_state`` found it, when the cache held ``length``
+    tokens: in place where the shape allows (the layer marks its tensors as static addresses for CUDA graphs),
+    else by assignment. transformers >= 5.25 also counts the layer's tokens (``cumulative_length_linear``)."""
+    counter = getattr(layer, "cumulative_length_linear", None)
+    if isinstance(counter, torch.Tensor):
+        counter.fill_(length)
     for k, (conv, rec, had) in enumerate(saved):
         for states, value in ((layer.conv_states, conv), (layer.recurrent_states, rec)):
             if value is None:

@@ -15,6 +15,9 @@ How transformers chooses (read in its source, docs/producer.md "Hybrid targets")
   device is not checked: on a CPU with fla installed the forward would call a Triton kernel and fail, so
   a CPU target is switched to the reference (`prepare_kernels`). 5.15/5.16 miss fla when ``fla.ops`` is
   not imported yet, which importing it first (`prefer_fast_kernels`) avoids.
+- 5.25 and later (with the ``kernels`` package, a dependency of transformers then): each such wrapper is
+  itself wrapped in a hub-kernel ``Func`` module (``_unwrap_hub_func``), and the wrapper checks the device,
+  so fla's kernels no longer run on CPU inputs; the switch stays for the versions before.
 - 5.2 to 5.14: each GDN layer holds the functions as attributes (``chunk_gated_delta_rule``,
   ``causal_conv1d_fn`` None when absent); fla is used only on CUDA.
 """
@@ -79,8 +82,19 @@ def _gdn_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
 
 
+def _unwrap_hub_func(fn: Callable | None) -> Callable | None:
+    """The function inside a hub-kernel ``Func`` module: with the ``kernels`` package installed (a dependency
+    of transformers >= 5.25), its ``use_kernel_forward_from_hub`` turns the module-level kernel function into
+    an ``nn.Module`` instance whose forward calls the function it closes over."""
+    if isinstance(fn, nn.Module):
+        inner = inspect.getclosurevars(type(fn).forward).nonlocals.get("func")
+        return inner if callable(inner) else fn
+    return fn
+
+
 def _origin(fn: Callable | None) -> str:
     """Where a kernel function comes from: its module (fla, causal_conv1d) or REFERENCE."""
+    fn = _unwrap_hub_func(fn)
     if fn is None:
         return REFERENCE
     wrapped = getattr(fn, "__wrapped__", None)
@@ -138,9 +152,10 @@ def force_reference_kernels(model: nn.Module) -> Callable[[], None]:
             done.add(mod.__name__)
             for global_name, _ in PREFILL_KERNELS.values():
                 fn = getattr(mod, global_name, None)
-                if fn is not None and hasattr(fn, "__wrapped__"):
+                inner = _unwrap_hub_func(fn)
+                if inner is not None and hasattr(inner, "__wrapped__"):
                     undo.append((mod, global_name, fn))
-                    setattr(mod, global_name, fn.__wrapped__)
+                    setattr(mod, global_name, inner.__wrapped__)
 
     def restore() -> None:
         for obj, name, value in reversed(undo):
