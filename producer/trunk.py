@@ -44,7 +44,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
-import torch._dynamo
 import torch._dynamo.config as dynamo_config
 import torch.fx.experimental._config as fx_config
 from torch import nn
@@ -52,11 +51,12 @@ from torch._dynamo.exc import TorchDynamoException
 from torch._inductor.exc import InductorError
 
 from dflash.common.cli.exits import one_line
+from dflash.common.cli.flags import check_choices
 from dflash.common.drafter.dflash import recompile_count
 from dflash.common.target.capture import LayerCapture
 from dflash.common.target.kernels import KernelReport
 from dflash.producer.buckets import BucketConfig, Bucketer
-from dflash.producer.config import ProducerConfig
+from dflash.producer.config import CompileScope, CompileShapes, ProducerConfig, TrunkCompileConfig, Worker
 
 log = logging.getLogger(__name__)
 
@@ -64,8 +64,6 @@ STATIC_BUCKETS_PER_OCTAVE = 4
 """Buckets per doubling of length in the static-shape mode (each one compiled graph)."""
 STATIC_MIN_WIDTH = 64
 """Smallest bucket width in the static-shape mode (lengths <= 64 share one shape)."""
-SCOPES = ("layers", "trunk")
-SHAPES = ("dynamic", "static")
 _COMPILE_ERRORS = (TorchDynamoException, InductorError)
 
 
@@ -75,16 +73,13 @@ class CompileSpec:
     backend function: tests)."""
 
     backend: str | Callable = "eager"
-    scope: str = "layers"
-    shapes: str = "dynamic"
+    scope: CompileScope = "layers"
+    shapes: CompileShapes = "dynamic"
     timeout_s: float | None = None
     """warm-up bound: past it, compiling is abandoned for the eager path (None: no bound)"""
 
     def __post_init__(self) -> None:
-        if self.scope not in SCOPES:
-            raise ValueError(f"compile scope {self.scope!r}: must be one of {', '.join(SCOPES)}")
-        if self.shapes not in SHAPES:
-            raise ValueError(f"compile shapes {self.shapes!r}: must be one of {', '.join(SHAPES)}")
+        check_choices(self)
 
     @property
     def enabled(self) -> bool:
@@ -95,13 +90,14 @@ class CompileSpec:
         return f"compiled ({name}, {self.scope}, {self.shapes} shapes)" if self.enabled else "eager"
 
 
-def compile_spec(cfg: ProducerConfig) -> CompileSpec:
-    """The CompileSpec of a producer config (``--no-compile``, ``--compile-backend`` auto: CPU eager)."""
+def compile_spec(options: TrunkCompileConfig, device: str) -> CompileSpec:
+    """The CompileSpec of the compile flags on ``device`` (``--no-compile``; ``--compile-backend`` auto:
+    inductor on CUDA, eager on the CPU)."""
     return CompileSpec(
-        backend=cfg.resolved_compile_backend(),
-        scope=cfg.compile_scope,
-        shapes=cfg.compile_shapes,
-        timeout_s=cfg.compile_timeout_s or None,
+        backend=options.resolved_backend("cuda" if device.startswith("cuda") else "cpu"),
+        scope=options.compile_scope,
+        shapes=options.compile_shapes,
+        timeout_s=options.compile_timeout_s or None,
     )
 
 
@@ -342,7 +338,10 @@ class Trunk:
             return self._forward(input_ids, valid)
 
     def warm_up(
-        self, shapes: list[tuple[int, int]], device: torch.device | str, mixer_inputs: Iterable[tuple[int, int]] = ()
+        self,
+        shapes: list[tuple[int, int]],
+        device: torch.device | str,
+        mixer_inputs: Iterable[tuple[int, int]] = (),
     ) -> float:
         """Compile every shape in ``shapes`` (a forward of pad tokens each), then run a linear-attention
         mixer once per shape in ``mixer_inputs`` (`mixer_shapes`: fla compiles and autotunes there, not
@@ -428,14 +427,18 @@ class Trunk:
         self.capture.close()
 
 
-def warm_trunk(cfg: ProducerConfig, capture: LayerCapture, kernels: KernelReport | None, lengths) -> Trunk:
-    """A producer's trunk: compiled per ``cfg``, every batch shape of samples of ``lengths`` compiled
-    before the first batch (the worker's start; benchmarks call it the same way)."""
-    spec = compile_spec(cfg)
+def warm_trunk(
+    cfg: ProducerConfig, worker: Worker, capture: LayerCapture, kernels: KernelReport | None, lengths
+) -> Trunk:
+    """A producer's trunk: compiled per ``cfg`` on the worker's device, every batch shape of samples of
+    ``lengths`` compiled before the first batch (the worker's start; benchmarks call it the same way)."""
+    spec = compile_spec(cfg.compile_options, worker.device)
     trunk = Trunk(capture, spec, kernels)
     buckets = trunk.bucket_config(cfg.buckets)
     shapes = warmup_shapes(buckets, spec, lengths)
-    seconds = trunk.warm_up(shapes, cfg.device, mixer_shapes(buckets, lengths) if kernels is not None else ())
+    seconds = trunk.warm_up(
+        shapes, worker.device, mixer_shapes(buckets, lengths) if kernels is not None else ()
+    )
     if trunk.compiled and shapes:
-        log.info("producer %s: compiled %d batch shape(s) in %.1f s (%s)", cfg.producer_id, len(shapes), seconds, spec.describe())  # fmt: skip
+        log.info("producer %s: compiled %d batch shape(s) in %.1f s (%s)", worker.producer_id, len(shapes), seconds, spec.describe())  # fmt: skip
     return trunk

@@ -41,7 +41,7 @@ from dflash.common.target.chat import campaign_counts, check_tokenizer, drop_sum
 from dflash.common.target.data import conversation_column, load_raw_dataset, slice_indices
 from dflash.common.target.loading import TargetInfo, load_target
 from dflash.producer.buckets import Batch, Bucketer, Sample
-from dflash.producer.config import ProducerConfig
+from dflash.producer.config import ProducerConfig, Worker
 from dflash.producer.epoch_barrier import EpochBarrier
 from dflash.producer.trunk import CompileSpec, Trunk, compile_spec, warm_trunk
 from dflash.producer.writers import Counters, _Job, _Writers, shard_of
@@ -117,24 +117,33 @@ def held_out_positions(tok_ds, epochs: Epochs) -> np.ndarray:
 
 
 def write_held_out(
-    cfg: ProducerConfig, capture: LayerCapture | Trunk, samples: Iterable[Sample], spool, pad_id: int
+    cfg: ProducerConfig,
+    worker: Worker,
+    capture: LayerCapture | Trunk,
+    samples: Iterable[Sample],
+    spool,
+    pad_id: int,
 ) -> int:
     """Forward the held-out samples and write them as eval shards into the spool's eval/ folder (no
     trainer claims them; consumers read them for the decode-order τ). Returns the samples written."""
-    device = torch.device(cfg.device)
+    device = torch.device(worker.device)
     meta_kw = dict(target_model=cfg.target_name or cfg.model, layer_ids=capture.layer_ids,
-                   hidden_size=capture.hidden_size, producer_id=cfg.producer_id)  # fmt: skip
+                   hidden_size=capture.hidden_size, producer_id=worker.producer_id)  # fmt: skip
     written = 0
     with torch.inference_mode():
         buckets = capture.bucket_config(cfg.buckets) if isinstance(capture, Trunk) else cfg.buckets
         for seq, batch in enumerate(_all_batches(samples, Bucketer(buckets))):
             shard = shard_of(batch, _forward_batch(capture, batch, device, pad_id).cpu(), meta_kw)
-            spool.publish_eval(shard_name(batch.bucket, cfg.producer_id, seq), lambda p, s=shard: write_shard(p, s))
+            spool.publish_eval(
+                shard_name(batch.bucket, worker.producer_id, seq), lambda p, s=shard: write_shard(p, s)
+            )
             written += len(batch.samples)
     return written
 
 
-def _forward_batch(capture: LayerCapture | Trunk, batch: Batch, device: torch.device, pad_id: int) -> torch.Tensor:
+def _forward_batch(
+    capture: LayerCapture | Trunk, batch: Batch, device: torch.device, pad_id: int
+) -> torch.Tensor:
     """Right-padded [rows, pad_len] forward; returns packed bf16 features [T, K*H] on `device`.
 
     Inputs are built on the host (pinned, async copy) and the valid mask stays on the host, so the
@@ -153,15 +162,23 @@ def _forward_batch(capture: LayerCapture | Trunk, batch: Batch, device: torch.de
 
 class _Heartbeat:
     """Rate-limited heartbeat: spool state file, metrics JSONL, and a callback (the CLI's progress)."""
-    def __init__(self, cfg: ProducerConfig, spool, counters: Counters, on_heartbeat: Callable | None):
-        self.cfg, self.spool, self.counters, self.on_heartbeat = cfg, spool, counters, on_heartbeat
-        self.device = torch.device(cfg.device)
+
+    def __init__(
+        self, cfg: ProducerConfig, worker: Worker, spool, counters: Counters, on_heartbeat: Callable | None
+    ):
+        self.cfg, self.worker, self.spool, self.counters, self.on_heartbeat = (
+            cfg,
+            worker,
+            spool,
+            counters,
+            on_heartbeat,
+        )
+        self.device = torch.device(worker.device)
         self.t0 = self.last_t = time.monotonic()
         self.last_tokens = 0.0
         self.metrics = None
         if cfg.run_dir:
-
-            self.metrics = MetricsLog(Path(cfg.run_dir) / "metrics" / f"producer-{cfg.producer_id}.jsonl")
+            self.metrics = MetricsLog(Path(cfg.run_dir) / "metrics" / f"producer-{worker.producer_id}.jsonl")
 
     def __call__(self, *, force: bool = False, **extra) -> None:
         now = time.monotonic()
@@ -181,28 +198,27 @@ class _Heartbeat:
             rec["gpu_mem_gb"] = torch.cuda.memory_allocated(self.device) / 1e9
             rec["gpu_max_mem_gb"] = torch.cuda.max_memory_allocated(self.device) / 1e9
         self.last_t, self.last_tokens = now, c["tokens"]
-        self.spool.heartbeat("producer", self.cfg.producer_id, rec)
+        self.spool.heartbeat("producer", self.worker.producer_id, rec)
         if self.metrics is not None:
             self.metrics.write(rec)
         if self.on_heartbeat is not None:
-            self.on_heartbeat({"id": self.cfg.producer_id, **rec})
+            self.on_heartbeat({"id": self.worker.producer_id, **rec})
 
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
 
 
-def _load_target(cfg: ProducerConfig) -> tuple[LayerCapture, TargetInfo]:
+def _load_target(cfg: ProducerConfig, worker: Worker) -> tuple[LayerCapture, TargetInfo]:
     """The target's text model (loading.py: no vision tower, kernels reported) with the capture hooks."""
-    model, info = load_target(cfg.model, dtype=cfg.torch_dtype(), device=cfg.device)
+    model, info = load_target(cfg.model, dtype=worker.torch_dtype(cfg.dtype), device=worker.device)
     num_layers = len(find_decoder(model)[1])
     if cfg.layer_ids is None:
-
         layer_ids = default_target_layer_ids(num_layers)
     else:
         layer_ids = list(cfg.layer_ids)
     capture = LayerCapture(model, layer_ids, free_unused=True)
-    if cfg.device.startswith("cuda"):
+    if worker.device.startswith("cuda"):
         torch.cuda.empty_cache()  # the freed layers and lm_head
     return capture, info
 
@@ -218,6 +234,7 @@ def _lengths(tok_ds, positions: np.ndarray) -> np.ndarray:
 
 def run_producer(
     cfg: ProducerConfig,
+    worker: Worker,
     *,
     stop: threading.Event | None = None,
     on_heartbeat: Callable[[dict], None] | None = None,
@@ -231,25 +248,25 @@ def run_producer(
     dflash-produce uses it to stop a run whose dataset yields no trainable sample.
     """
 
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
-    if cfg.device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(cfg.device))
-    spool = Spool(cfg.spool)
-    spool.clean_tmp(cfg.producer_id)
-    spool.clear_done(cfg.producer_id)
+    if worker.num_threads:
+        torch.set_num_threads(worker.num_threads)
+    if worker.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(worker.device))
+    spool = Spool(worker.spool)
+    spool.clean_tmp(worker.producer_id)
+    spool.clear_done(worker.producer_id)
     counters = Counters()
-    heartbeat = _Heartbeat(cfg, spool, counters, on_heartbeat)
+    heartbeat = _Heartbeat(cfg, worker, spool, counters, on_heartbeat)
     heartbeat(force=True, phase="tokenize")
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     check_tokenizer(tokenizer, cfg.model)
     ds = load_raw_dataset(cfg.data, quiet=True)
     num_rows = min(len(ds), cfg.data.limit) if cfg.data.limit else len(ds)
-    mine = slice_indices(num_rows, rank=cfg.rank, world=cfg.world)
+    mine = slice_indices(num_rows, rank=worker.rank, world=worker.world)
     tok_ds = tokenize_slice(ds, tokenizer, cfg.data, mine)  # the whole slice: cached across launches
     epochs = Epochs(rows=num_rows, epochs=cfg.epochs, seed=cfg.shuffle_seed, eval_samples=cfg.eval_samples)
-    skip = SampleSet.from_bytes(cfg.skip) if cfg.skip else None
+    skip = SampleSet.from_bytes(worker.skip) if worker.skip else None
     positions, ids, counts = plan_epochs(tok_ds, mine, epochs, skip)
     held_pos, held_ids = held_out_plan(tok_ds, mine, epochs)
     if len(held_ids):  # spooled once per campaign: what an earlier launch wrote stays in eval/
@@ -258,7 +275,6 @@ def run_producer(
     # total - samples - dropped = what is left to produce (counted in samples: a row may give several)
     counters.add(**counts, total=len(ids) + counts["dropped"])
     if on_tokenized is not None:
-
         summary = drop_summary(
             tok_ds, ds, conversation_column(ds, cfg.data.format), min_loss_tokens=cfg.data.min_loss_tokens
         )
@@ -271,22 +287,24 @@ def run_producer(
             return {**counters.snapshot(), "done": False, "aborted": True}
 
     heartbeat(force=True, phase="load model")
-    capture, info = _load_target(cfg)
+    capture, info = _load_target(cfg, worker)
     log.info(
         "producer %s: %d samples over %d epoch(s) (rank %d/%d, %d skipped), layers %s of %d, %s on %s; target %s; "
         "forward %s, %d writer threads",
-        cfg.producer_id, len(ids), cfg.epochs, cfg.rank, cfg.world, counts["skipped"], capture.layer_ids,
-        capture.num_layers, cfg.torch_dtype(), cfg.device, info.line(), compile_spec(cfg).describe(),
-        cfg.resolved_writer_threads(),
+        worker.producer_id, len(ids), cfg.epochs, worker.rank, worker.world, counts["skipped"], capture.layer_ids,
+        capture.num_layers, worker.torch_dtype(cfg.dtype), worker.device, info.line(), compile_spec(cfg.compile_options, worker.device).describe(),
+        worker.writer_threads,
     )  # fmt: skip
     heartbeat(force=True, phase="compile")
-    capture = warm_trunk(cfg, capture, info.kernels, _lengths(tok_ds, np.concatenate([positions, held_pos])))
+    capture = warm_trunk(
+        cfg, worker, capture, info.kernels, _lengths(tok_ds, np.concatenate([positions, held_pos]))
+    )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     try:
         if len(held_ids):
-            n = write_held_out(cfg, capture, _samples(tok_ds, held_pos, held_ids), spool, pad_id)
-            log.info("producer %s: %d held-out samples spooled for evaluation (eval/)", cfg.producer_id, n)
-        return produce(cfg, capture, _samples(tok_ds, positions, ids), pad_id=pad_id, stop=stop, counters=counters, heartbeat=heartbeat, epochs=epochs)  # fmt: skip
+            n = write_held_out(cfg, worker, capture, _samples(tok_ds, held_pos, held_ids), spool, pad_id)
+            log.info("producer %s: %d held-out samples spooled for evaluation (eval/)", worker.producer_id, n)
+        return produce(cfg, worker, capture, _samples(tok_ds, positions, ids), pad_id=pad_id, stop=stop, counters=counters, heartbeat=heartbeat, epochs=epochs)  # fmt: skip
     finally:
         capture.close()
         heartbeat.close()
@@ -294,6 +312,7 @@ def run_producer(
 
 def produce(
     cfg: ProducerConfig,
+    worker: Worker,
     capture: LayerCapture | Trunk,
     samples: Iterable[Sample],
     *,
@@ -314,24 +333,26 @@ def produce(
     trunk = capture if isinstance(capture, Trunk) else Trunk(capture, CompileSpec())
     stop = stop or threading.Event()
     counters = counters or Counters()
-    spool = Spool(cfg.spool)
-    heartbeat = heartbeat or _Heartbeat(cfg, spool, counters, on_heartbeat)
-    device = torch.device(cfg.device)
+    spool = Spool(worker.spool)
+    heartbeat = heartbeat or _Heartbeat(cfg, worker, spool, counters, on_heartbeat)
+    device = torch.device(worker.device)
     meta_kw = dict(
         target_model=cfg.target_name or cfg.model,
         layer_ids=capture.layer_ids,
         hidden_size=capture.hidden_size,
-        producer_id=cfg.producer_id,
+        producer_id=worker.producer_id,
     )
-    writer = _Writers(cfg, meta_kw, counters, stop)
+    writer = _Writers(cfg, worker, meta_kw, counters, stop)
     if device.type == "cuda":
         max_tokens = max(cfg.buckets.batch_tokens, cfg.data.max_length)
-        for _ in range(cfg.resolved_writer_threads() + 2):  # one per writer, one being filled by D2H, one queued
+        for _ in range(worker.writer_threads + 2):  # one per writer, one being filled by D2H, one queued
             writer.free.put(
                 torch.empty(max_tokens, capture.feature_size, dtype=torch.bfloat16, pin_memory=True)
             )
     bucketer = Bucketer(trunk.bucket_config(cfg.buckets))
-    barrier = EpochBarrier(spool, cfg.producer_id, stop=stop, on_wait=lambda: heartbeat(phase="epoch barrier"))
+    barrier = EpochBarrier(
+        spool, worker.producer_id, stop=stop, on_wait=lambda: heartbeat(phase="epoch barrier")
+    )
     writer.start()
     finished = False
     t_start = time.monotonic()
@@ -361,20 +382,28 @@ def produce(
         writer.close()
         if writer.error is not None or not finished:
             finished = False
-            spool.clean_tmp(cfg.producer_id)
+            spool.clean_tmp(worker.producer_id)
     if writer.error is not None:
         raise writer.error
     if finished:
-        spool.mark_done(cfg.producer_id)
+        spool.mark_done(worker.producer_id)
     produce_s = time.monotonic() - t_start
-    heartbeat(force=True, phase="done" if finished else "stopped", done=finished, produce_s=produce_s, **trunk.report())
+    heartbeat(
+        force=True,
+        phase="done" if finished else "stopped",
+        done=finished,
+        produce_s=produce_s,
+        **trunk.report(),
+    )
     result = {**counters.snapshot(), "done": finished, "padding_waste": bucketer.padding_waste,
               "produce_s": produce_s, "epoch_barrier_s": barrier.waited_s, **trunk.report()}  # fmt: skip
-    log.info("producer %s %s: %s", cfg.producer_id, "done" if finished else "stopped", result)
+    log.info("producer %s %s: %s", worker.producer_id, "done" if finished else "stopped", result)
     return result
 
 
-def _hand_off(batch: Batch, packed: torch.Tensor, writer: _Writers, stop, heartbeat, device: torch.device) -> bool:
+def _hand_off(
+    batch: Batch, packed: torch.Tensor, writer: _Writers, stop, heartbeat, device: torch.device
+) -> bool:
     """Queue one forward's features for the writer threads; False when stopping (or the writer failed).
 
     On CUDA the features are copied into a free pinned buffer with an async D2H copy and an event the
@@ -399,7 +428,11 @@ def _hand_off(batch: Batch, packed: torch.Tensor, writer: _Writers, stop, heartb
 
 
 def _campaign_batches(
-    samples: Iterable[Sample], bucketer: Bucketer, epochs: Epochs | None, writer: _Writers, barrier: EpochBarrier
+    samples: Iterable[Sample],
+    bucketer: Bucketer,
+    epochs: Epochs | None,
+    writer: _Writers,
+    barrier: EpochBarrier,
 ) -> Iterator[Batch]:
     """The batches of ``samples``; with ``epochs``, epoch by epoch: each epoch's buckets flushed at its end
     (batches tagged with it), its shards published (``writer.drain``), then the barrier (every epoch of

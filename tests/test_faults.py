@@ -237,18 +237,17 @@ def test_writer_threads_together_overshoot_the_budget_by_one_shard_at_most(tmp_p
     producer: a thread is admitted past the budget only when nothing else of its producer is in flight."""
     from dflash.common.target.data import DataConfig
     from dflash.producer.buckets import Batch, Sample
-    from dflash.producer.config import ProducerConfig
+    from dflash.producer.config import ProducerConfig, Worker
     from dflash.producer.writers import Counters, _Job, _Writers
 
     spool = Spool(tmp_path / "spool")
     budget, tokens = 1000, 1024
-    cfg = ProducerConfig(
-        producer_id="p0", model="tiny", spool=str(spool.root), data=DataConfig(dataset="unused"),
-        budget_bytes=budget, writer_threads=2,
-    )  # fmt: skip
+    cfg = ProducerConfig(model="tiny", data=DataConfig(dataset="unused"))
+    worker = Worker(producer_id="p0", spool=str(spool.root), budget_bytes=budget, writer_threads=2)
     stop = threading.Event()
     writers = _Writers(
         cfg,
+        worker,
         dict(target_model="tiny", layer_ids=LAYERS, hidden_size=HIDDEN, producer_id="p0"),
         Counters(),
         stop,
@@ -311,7 +310,9 @@ def test_producer_workers_die_with_their_parent(tmp_path, tiny_target):
         parent.wait()
         # PR_SET_PDEATHSIG kills it at once; the bound only covers a slow teardown on a loaded box (an
         # orphan blocked on the budget would live on forever, so a missing death still fails here)
-        wait_until(lambda: not process_alive(worker), timeout_s=60, what=f"worker {worker} to die with its parent")
+        wait_until(
+            lambda: not process_alive(worker), timeout_s=60, what=f"worker {worker} to die with its parent"
+        )
     finally:
         if parent.poll() is None:
             parent.kill()
@@ -671,7 +672,13 @@ def test_no_credentials_in_consumer_logs_metrics_or_checkpoint_meta(s3_scenario)
 
 # ------------------------------------------------------------------------------------- fuzzed dataset rows
 # no subnormals: a Trainer built in this process (set_flush_denormal, CPU) makes hypothesis refuse them
-_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_subnormal=False) | st.text(max_size=30)
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_subnormal=False)
+    | st.text(max_size=30)
+)
 _json = st.recursive(
     _scalars,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
@@ -858,7 +865,9 @@ def test_a_store_that_refuses_writes_fails_the_run_before_its_first_step_or_at_i
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         assert p.returncode == 2, p.stderr[-3000:]
         line = p.stderr.strip().splitlines()[-1]
-        assert line.startswith("dflash-consume: error: checkpoint store s3://") and "not writable" in line, line
+        assert line.startswith("dflash-consume: error: checkpoint store s3://") and "not writable" in line, (
+            line
+        )
         assert "Traceback" not in p.stderr and FAKE_SECRET_ACCESS_KEY not in p.stderr
         assert not read_jsonl(run_dir / "metrics" / "ledger-r0.jsonl")  # before step 1
 

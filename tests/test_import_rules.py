@@ -12,10 +12,16 @@ from collections import defaultdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"common": "dflash.common", "producer": "dflash.producer", "consumer": "dflash.consumer", "tools": "dflash.tools"}
+PACKAGES = {
+    "common": "dflash.common",
+    "producer": "dflash.producer",
+    "consumer": "dflash.consumer",
+    "tools": "dflash.tools",
+}
 LIBRARY = {
     "common.redact",
     "common.child_process",
+    "common.compile",
     "common.metrics",
     "common.cli",
     "common.contract",
@@ -28,6 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "common.redact": set(),
     "common.metrics": set(),
     "common.child_process": set(),
+    "common.compile": {"common.cli"},
     "common.cli": {"common.redact"},
     "common.contract": {"common.redact", "common.cli"},
     "common.checkpoints": {"common.redact", "common.contract"},
@@ -48,8 +55,9 @@ LOCAL_IMPORTS_OK = {
     "dflash.tools.status": "matplotlib only with --plots",
     "dflash.common.contract.spool": "the spool never imports zarr; shard metadata only in discard_flow",
     "dflash.common.checkpoints.store": "s3.py subclasses this module's store; boto3 only for an S3 store",
+    "dflash.common.compile": "the CLIs build CompileConfig before parsing: torch._dynamo only in the helper that imports it",
     "dflash.common.target.data": "DataConfig is imported by the producer's CLI before parsing",
-    "dflash.producer.config": "imported by the CLI before parsing: torch only in torch_dtype",
+    "dflash.producer.config": "imported by the CLI before parsing: torch only in Worker.torch_dtype",
     "dflash.consumer.config": "imported by the CLI before parsing: torch only in param_dtype",
     "dflash.producer.supervisor": "the worker entry runs in a spawned child: its imports are the child's",
     "dflash.consumer.interval_log": "wandb (seconds to import) only for a run that logs to it",
@@ -112,7 +120,10 @@ def test_rooms_import_only_what_the_rules_allow():
 def test_no_import_cycle_between_modules():
     """Module-level imports form no cycle (a cycle works only by the accident of import order)."""
     modules = _modules()
-    graph = {m: {t for t in _imports(tree, top_only=True) if t in modules and t != m} for m, tree in modules.items()}
+    graph = {
+        m: {t for t in _imports(tree, top_only=True) if t in modules and t != m}
+        for m, tree in modules.items()
+    }
     state: dict[str, int] = defaultdict(int)  # 0 new, 1 on the path, 2 done
     path: list[str] = []
 
@@ -150,15 +161,23 @@ def test_the_checker_reports_a_broken_arrow():
     function), a producer that imports the consumer and a library module that imports a tool are reported;
     an allowed arrow is not."""
     fake = {
-        "dflash.common.drafter.model": ast.parse("def f():\n    from dflash.consumer.trainer import Trainer\n"),
+        "dflash.common.drafter.model": ast.parse(
+            "def f():\n    from dflash.consumer.trainer import Trainer\n"
+        ),
         "dflash.producer.worker": ast.parse("import dflash.consumer.trainer\n"),
-        "dflash.common.target.head": ast.parse("from dflash.tools.status import collect\nfrom dflash.common.drafter.model import x\n"),
+        "dflash.common.target.head": ast.parse(
+            "from dflash.tools.status import collect\nfrom dflash.common.drafter.model import x\n"
+        ),
         "dflash.consumer.trainer": ast.parse(""),
         "dflash.tools.status": ast.parse(""),
     }
     broken = violations(fake)
     assert len(broken) == 3, broken
-    assert not any("drafter.model (" in b for b in broken if b.startswith("dflash.common.target.head imports dflash.common.drafter"))
+    assert not any(
+        "drafter.model (" in b
+        for b in broken
+        if b.startswith("dflash.common.target.head imports dflash.common.drafter")
+    )
 
 
 def test_the_drafter_module_is_self_contained():

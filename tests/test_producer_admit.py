@@ -9,7 +9,7 @@ import time
 
 from dflash.common.contract.spool import Spool
 from dflash.common.target.data import DataConfig
-from dflash.producer.config import ProducerConfig
+from dflash.producer.config import ProducerConfig, Worker
 from dflash.producer.writers import Counters, _Writers
 
 BUDGET = 1_000
@@ -47,10 +47,10 @@ class _RacingSpool:
 
 def test_a_shard_published_during_the_budget_check_still_counts(tmp_path):
     Spool(tmp_path / "spool")
-    cfg = ProducerConfig(producer_id="p0", model="unused", spool=str(tmp_path / "spool"),
-                         data=DataConfig(dataset="unused"), budget_bytes=BUDGET)  # fmt: skip
+    cfg = ProducerConfig(model="unused", data=DataConfig(dataset="unused"))
+    worker = Worker(producer_id="p0", spool=str(tmp_path / "spool"), budget_bytes=BUDGET)
     stop = threading.Event()
-    writers = _Writers(cfg, {}, Counters(), stop)
+    writers = _Writers(cfg, worker, {}, Counters(), stop)
     writers._inflight = SHARD  # the other writer thread's shard, admitted and being written
     spool = _RacingSpool(writers)
 

@@ -15,14 +15,15 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
-from dflash.common.cli.flags import flag
+from dflash.common.cli.flags import check_choices, flag
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("auto", "openai", "sharegpt")
+ChatFormat = Literal["auto", "openai", "sharegpt"]
 _COLUMN = {"openai": "messages", "sharegpt": "conversations"}
 _RAW = "_raw_json"  # column holding a row's JSON text when the file has mixed types (see _load_json_rows)
 _SUFFIX_BUILDER = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
@@ -40,7 +41,7 @@ class DataConfig:
     """hub name, .json/.jsonl/.parquet/.arrow file or folder, or save_to_disk folder"""
     split: str = "train"
     """dataset split (hub datasets and save_to_disk DatasetDicts)"""
-    format: str = field(default="auto", metadata=flag(choices=FORMATS))
+    format: ChatFormat = "auto"
     """conversation format: openai (messages [{role, content}]), sharegpt (conversations [{from, value}]),
     or auto"""
     max_length: int = 4096
@@ -61,8 +62,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not self.dataset:
             raise ValueError("DataConfig.dataset: must not be empty")
-        if self.format not in FORMATS:
-            raise ValueError(f"DataConfig.format={self.format!r}: must be one of {', '.join(FORMATS)}")
+        check_choices(self)
         if self.max_length < 2:
             raise ValueError(f"DataConfig.max_length={self.max_length}: must be >= 2")
         if self.min_loss_tokens < 1:
@@ -284,5 +284,3 @@ def slice_indices(
 
 
 # ---- conversations ---------------------------------------------------------------------------------
-
-
