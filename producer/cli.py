@@ -21,7 +21,7 @@ import argparse
 import logging
 import sys
 
-from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, fail, one_line
+from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, error_line, fail
 from dflash.common.cli.flags import add_flags, from_args
 from dflash.common.cli.help import DefaultsHelpFormatter
 from dflash.common.target.data import DataConfig
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
         fail(PROG, "interrupted", EXIT_INTERRUPTED)
     except Exception as err:  # noqa: BLE001 - a runtime failure: one line, the traceback with DEBUG only
         log.debug("traceback", exc_info=True)
-        fail(PROG, f"{type(err).__name__}: {one_line(err)}", EXIT_FAILURE)
+        fail(PROG, error_line(err), EXIT_FAILURE)
     sys.exit(code)
 
 

@@ -23,7 +23,7 @@ from multiprocessing.connection import Connection, wait
 from tqdm import tqdm
 
 from dflash.common.child_process import anonymous_library_locks, die_with_parent
-from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, one_line
+from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, error_line, one_line
 from dflash.common.compile import import_dynamo_in_main_thread
 from dflash.common.metrics import format_bytes, format_duration, format_rate
 from dflash.common.target.chat import format_drops
@@ -108,11 +108,11 @@ def _worker_entry(cfg: ProducerConfig, worker: Worker, conn, log_level: str, par
         channel.send("stopped", worker.producer_id, {"done": False})
         sys.exit(EXIT_INTERRUPTED)
     except (DataError, ValueError, OSError) as err:
-        channel.send("error", worker.producer_id, f"{type(err).__name__}: {one_line(err)}", EXIT_USAGE)
+        channel.send("error", worker.producer_id, error_line(err), EXIT_USAGE)
         wlog.error("producer %s failed: %s", worker.producer_id, one_line(err), exc_info=debug)
         sys.exit(EXIT_USAGE)
     except BaseException as err:
-        channel.send("error", worker.producer_id, f"{type(err).__name__}: {one_line(err)}", EXIT_FAILURE)
+        channel.send("error", worker.producer_id, error_line(err), EXIT_FAILURE)
         wlog.error("producer %s failed: %s", worker.producer_id, one_line(err), exc_info=debug)
         sys.exit(EXIT_FAILURE)
     kind = "aborted" if result.get("aborted") else "done" if result["done"] else "stopped"

@@ -50,7 +50,7 @@ from torch import nn
 from torch._dynamo.exc import TorchDynamoException
 from torch._inductor.exc import InductorError
 
-from dflash.common.cli.exits import one_line
+from dflash.common.cli.exits import error_line
 from dflash.common.cli.flags import check_choices
 from dflash.common.drafter.dflash import recompile_count
 from dflash.common.target.capture import LayerCapture
@@ -212,7 +212,7 @@ def _why(err: BaseException) -> str:
     """One line naming a compile failure's cause (dynamo wraps a backend's error in BackendCompilerFailed)."""
     inner = getattr(err, "inner_exception", None)
     err = inner if isinstance(inner, BaseException) else err
-    return f"{type(err).__name__}: {one_line(err)}"
+    return error_line(err)
 
 
 def _linear_mixers(layer: nn.Module) -> list[nn.Module]:

@@ -31,27 +31,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash.common.cli.exits import EXIT_USAGE, fail
 from dflash.common.cli.flags import add_flags, flag
 from dflash.common.cli.help import DefaultsHelpFormatter
 from dflash.common.contract.spool import Spool, SpoolError
 from dflash.common.contract.spool_records import LOCK_PREFIX, describe_run
+from dflash.common.metrics import format_bytes
 from dflash.tools.ledger_audit import audit, exactly_once, format_report
 
 PROG = "dflash-spool"
-EXIT_USAGE = 2
 _DTYPE_BYTES = {"bool": 1, "uint8": 1, "int8": 1, "uint16": 2, "int16": 2, "bfloat16": 2, "float16": 2}
 _DTYPE_BYTES |= {"uint32": 4, "int32": 4, "float32": 4, "uint64": 8, "int64": 8, "float64": 8}
 
 
 class UserError(Exception):
     """Printed as one line ``dflash-spool: error: ...``; exit status 2."""
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def fmt_num(x: float) -> str:
@@ -89,16 +83,16 @@ def format_stats(st: dict[str, Any]) -> str:
     head = ["state", "shards", "bytes"] + [f"b{b}" for b in buckets] + (["other"] if has_other else [])
     rows = [head]
     for state, row in states.items():
-        cells = [state, str(row["shards"]), fmt_bytes(row["bytes"])]
+        cells = [state, str(row["shards"]), format_bytes(row["bytes"])]
         for b in buckets + (["other"] if has_other else []):
             cell = row["buckets"].get(b)
-            cells.append(f"{cell['shards']} / {fmt_bytes(cell['bytes'])}" if cell else "-")
+            cells.append(f"{cell['shards']} / {format_bytes(cell['bytes'])}" if cell else "-")
         rows.append(cells)
     prod = st["producers"]
     done = "drained" if st.get("drained") else ("producers done" if st["producers_done"] else "producing")
     out = [
         f"spool {st['root']}",
-        f"total {fmt_bytes(st['total_bytes'])} in tmp+ready+claimed; "
+        f"total {format_bytes(st['total_bytes'])} in tmp+ready+claimed; "
         f"producers {len(prod['done'])}/{len(prod['registered'])} done ({done})",
         "",
         *_table(rows, right=set(range(1, len(head)))),
@@ -107,7 +101,7 @@ def format_stats(st: dict[str, Any]) -> str:
         out.append("(bucket cells: shards / bytes)")
     if st["claimed_by"]:
         claims = ", ".join(
-            f"{c}: {v['shards']} ({fmt_bytes(v['bytes'])})" for c, v in sorted(st["claimed_by"].items())
+            f"{c}: {v['shards']} ({format_bytes(v['bytes'])})" for c, v in sorted(st["claimed_by"].items())
         )
         out += ["", f"claimed by  {claims}"]
     if st["processes"]:
@@ -188,7 +182,7 @@ def format_inspect(info: dict[str, Any]) -> str:
         f"shard {info['path']}",
         *(f"  {k}: {json.dumps(v) if isinstance(v, list | dict) else v}" for k, v in meta.items()),
         f"samples {info['num_samples']}, tokens {info['num_tokens']}, codec {info['codec']}",
-        f"bytes on disk {fmt_bytes(info['disk_bytes'])}, raw {fmt_bytes(info['raw_bytes'])}, "
+        f"bytes on disk {format_bytes(info['disk_bytes'])}, raw {format_bytes(info['raw_bytes'])}, "
         f"compression ratio {f'{ratio:.2f}x' if ratio else '?'}",
         "",
     ]
@@ -197,7 +191,7 @@ def format_inspect(info: dict[str, Any]) -> str:
         r = a["raw_bytes"] / a["disk_bytes"] if a["disk_bytes"] else None
         rows.append(
             [name, "x".join(map(str, a["shape"])), a["dtype"], "x".join(map(str, a["chunks"])),
-             fmt_bytes(a["raw_bytes"]), fmt_bytes(a["disk_bytes"]), f"{r:.2f}x" if r else "-"]
+             format_bytes(a["raw_bytes"]), format_bytes(a["disk_bytes"]), f"{r:.2f}x" if r else "-"]
         )  # fmt: skip
     out += _table(rows, right={4, 5, 6})
     return "\n".join(out)
@@ -233,7 +227,6 @@ def prepare(root: str, run: str, *, fresh: bool) -> str:
                 if not e.name.startswith(LOCK_PREFIX):
                     p = Path(e.path)
                     if p.is_dir() and not p.is_symlink():
-
                         shutil.rmtree(p)
                     else:
                         p.unlink()
@@ -278,7 +271,7 @@ def free(root: str) -> str:
     except OSError as e:
         raise UserError(f"cannot free spool {root}: {e.strerror or e}") from None
     return (
-        f"spool {spool.root}: freed {gone['shards']} shard(s) ({gone['samples']} samples, {fmt_bytes(freed)}); "
+        f"spool {spool.root}: freed {gone['shards']} shard(s) ({gone['samples']} samples, {format_bytes(freed)}); "
         "the next launch re-produces what the checkpoint has not trained"
     )
 
@@ -340,16 +333,18 @@ def gc(root: str, *, dry_run: bool, min_idle_s: float) -> str:
             continue  # not a spool
         size = _tree_bytes(d)
         if why is None:
-            lines.append(f"kept          {d}  {fmt_bytes(size)}  (in use or active in the last {_age(min_idle_s)})")
+            lines.append(
+                f"kept          {d}  {format_bytes(size)}  (in use or active in the last {_age(min_idle_s)})"
+            )
             continue
         if not dry_run:
             shutil.rmtree(d, ignore_errors=True)
         gone, size_gone = gone + 1, size_gone + size
-        lines.append(f"{'would remove' if dry_run else 'removed':<13} {d}  {fmt_bytes(size)}  ({why})")
+        lines.append(f"{'would remove' if dry_run else 'removed':<13} {d}  {format_bytes(size)}  ({why})")
     if not lines:
         return f"no spools under {root}"
     verb = "would free" if dry_run else "freed"
-    return "\n".join([*lines, f"{gone} abandoned spool(s), {verb} {fmt_bytes(size_gone)}"])
+    return "\n".join([*lines, f"{gone} abandoned spool(s), {verb} {format_bytes(size_gone)}"])
 
 
 # ---- entry point ----
@@ -357,7 +352,7 @@ def gc(root: str, *, dry_run: bool, min_idle_s: float) -> str:
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line (argparse prints the usage too), exit 2
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+        fail(self.prog, message, EXIT_USAGE)
 
 
 @dataclass(kw_only=True)
@@ -366,6 +361,7 @@ class StatsArgs:
     """the spool directory (e.g. /dev/shm/dflash/<run>)"""
     json: bool = False
     """print Spool.stats() as JSON"""
+
 
 @dataclass(kw_only=True)
 class AuditArgs:
@@ -386,6 +382,7 @@ class InspectArgs:
     """a shard directory (<name>.zarr)"""
     json: bool = False
     """print the result as JSON"""
+
 
 @dataclass(kw_only=True)
 class GcArgs:
@@ -412,13 +409,17 @@ class PrepareArgs:
     fresh: bool = False
     """discard everything, whatever run it belonged to"""
 
+
 COMMANDS = {
     "stats": (StatsArgs, "shards/bytes per state and bucket, processes, rates"),
     "inspect": (InspectArgs, "metadata, counts, codec and compression of one shard"),
     "prepare": (PrepareArgs, "before a launch: check the spool's run, discard leftovers"),
     "free": (FreeArgs, "after a run stopped: discard its shards (RAM), keep its records"),
     "gc": (GcArgs, "remove abandoned spools (no live process, idle), e.g. those of crashed runs"),
-    "audit": (AuditArgs, "each sample trained once? the run's sample ledgers per launch and epoch (exit 1: no)"),
+    "audit": (
+        AuditArgs,
+        "each sample trained once? the run's sample ledgers per launch and epoch (exit 1: no)",
+    ),
 }
 
 
@@ -488,8 +489,7 @@ def main(argv: list[str] | None = None) -> int:
             info = shard_info(args.shard)
             text = json.dumps(info, indent=2, default=str) if args.json else format_inspect(info)
     except UserError as e:
-        print(f"{PROG}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        fail(PROG, e, EXIT_USAGE)
     try:
         print(text)
         sys.stdout.flush()

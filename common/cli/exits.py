@@ -28,6 +28,12 @@ def one_line(message: object) -> str:
     return " ".join(redact(first).split())
 
 
+def error_line(err: BaseException) -> str:
+    """``<ExceptionType>: <one line>``: a runtime failure as a user reads it (the type says what broke)."""
+    text = one_line(err) if str(err).strip() else ""
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
 def fail(prog: str, message: object, code: int = EXIT_USAGE) -> NoReturn:
     """Print ``<prog>: error: <one line>`` on stderr and exit with ``code``."""
     print(f"{prog}: error: {one_line(message)}", file=sys.stderr, flush=True)

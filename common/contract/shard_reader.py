@@ -17,6 +17,7 @@ import torch
 import zarr
 from zarr.storage import LocalStore
 
+from dflash.common.cli.exits import error_line
 from dflash.common.contract.shard import (
     _ARRAYS,
     _REQUIRED_ATTRS,
@@ -41,12 +42,7 @@ def _open_group(path: Path) -> zarr.Group:
     except (MemoryError, KeyboardInterrupt):
         raise
     except Exception as e:
-        raise ShardFormatError(f"{path}: not a readable zarr v3 group ({_one_line(e)})") from e
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+        raise ShardFormatError(f"{path}: not a readable zarr v3 group ({error_line(e)})") from e
 
 
 def _check_attrs(path: Path, attrs: dict[str, Any], *, check_version: bool) -> None:
@@ -75,7 +71,7 @@ def _damaged_bytes_are_format_errors(path: Path, what: str) -> Iterator[None]:
     except (ShardFormatError, MemoryError, KeyboardInterrupt):
         raise
     except Exception as e:
-        raise ShardFormatError(f"{path}: {what} ({_one_line(e)})") from e
+        raise ShardFormatError(f"{path}: {what} ({error_line(e)})") from e
 
 
 def read_shard(path: str | Path) -> Shard:
@@ -163,7 +159,7 @@ def read_sample_index(path: str | Path) -> np.ndarray:
     except Exception as e:
         if not path.exists():
             raise FileNotFoundError(f"{path}: no such shard") from e
-        raise ShardFormatError(f"{path}: unreadable sample_index ({_one_line(e)})") from e
+        raise ShardFormatError(f"{path}: unreadable sample_index ({error_line(e)})") from e
 
 
 def read_shard_meta(path: str | Path) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from typing import Literal
 
 import numpy as np
 
+from dflash.common.cli.exits import error_line
 from dflash.common.cli.flags import check_choices, flag
 
 log = logging.getLogger(__name__)
@@ -74,11 +75,6 @@ class DataConfig:
 
 
 # ---- loading ---------------------------------------------------------------------------------------
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"
 
 
 def _local_files(path: Path) -> tuple[str, list[str]]:
@@ -178,7 +174,7 @@ def _load_json_fallback(spec: str, files: list[str], err: BaseException, *, quie
             spec, bad, total, examples[0],
         )  # fmt: skip
     elif not quiet:
-        log.info("dataset %s: rows have mixed types (%s); reading rows one by one", spec, _first_line(err))
+        log.info("dataset %s: rows have mixed types (%s); reading rows one by one", spec, error_line(err))
     try:
         return _load_json_rows(files)
     except json.JSONDecodeError as jerr:
@@ -236,7 +232,7 @@ def load_raw_dataset(cfg: DataConfig, *, quiet: bool = False):
                 )
         except Exception as err:  # noqa: BLE001 - arrow raises several types for schema conflicts
             if builder != "json":
-                raise DataError(f"cannot read dataset {spec}: {_first_line(err)}") from err
+                raise DataError(f"cannot read dataset {spec}: {error_line(err)}") from err
             return _load_json_fallback(spec, files, err, quiet=quiet)
     if spec.startswith(("/", ".", "~")) or Path(spec).suffix in _SUFFIX_BUILDER:
         raise DataError(f"dataset path {spec} does not exist")
@@ -244,7 +240,7 @@ def load_raw_dataset(cfg: DataConfig, *, quiet: bool = False):
         return datasets.load_dataset(spec, split=cfg.split, cache_dir=cfg.cache_dir)
     except Exception as err:  # noqa: BLE001 - hub errors come in many types; the user needs one line
         raise DataError(
-            f"cannot load dataset {spec!r} (not a local path; hub load failed: {_first_line(err)})"
+            f"cannot load dataset {spec!r} (not a local path; hub load failed: {error_line(err)})"
         ) from err
 
 

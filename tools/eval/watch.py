@@ -52,7 +52,7 @@ from dflash.common.checkpoints.store import (
     StoreKeyNotFoundError,
     open_store,
 )
-from dflash.common.cli.exits import fail
+from dflash.common.cli.exits import fail, one_line
 from dflash.common.drafter.hf_format import ExportError
 from dflash.common.metrics import MetricsLog
 from dflash.common.redact import redact
@@ -71,9 +71,11 @@ EVAL_LOG = "metrics/eval.jsonl"
 class WatchStopped(Exception):
     """SIGINT/SIGTERM arrived (raised from the signal handler, so it also cuts a sleep short)."""
 
+
 @dataclass(kw_only=True)
 class Watch:
     """What every pass needs: the store, the loaded target and prompts, the flags and the eval log."""
+
     cfg: EvalConfig
     watch: WatchConfig
     store: CheckpointStore
@@ -88,6 +90,7 @@ class Watch:
     warned: set[str] = field(default_factory=set)
     in_flight: int | None = None
     """The step being evaluated (a stop then exits 130: that evaluation is lost)."""
+
 
 # ------------------------------------------------------------------------------------------------ records
 
@@ -257,6 +260,7 @@ def watch_pass(w: Watch) -> int:
 @contextmanager
 def _stop_on_signals() -> Iterator[None]:
     """SIGINT/SIGTERM raise WatchStopped in the main thread (also ending a sleep); handlers restored after."""
+
     def stop(signum: int, _frame: Any) -> None:
         raise WatchStopped(signal.Signals(signum).name)
 
@@ -337,7 +341,7 @@ def run_watch(cfg: EvalConfig, watch: WatchConfig) -> int:
             log.debug("watch failed", exc_info=True)
             step = f" evaluating step {w.in_flight}" if w.in_flight is not None else ""
             print(
-                f"{PROG}: failed{step}: {redact(str(err)).splitlines()[0] if str(err) else type(err).__name__}",
+                f"{PROG}: failed{step}: {one_line(err)}",
                 file=sys.stderr,
             )
             return 1
