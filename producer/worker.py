@@ -44,7 +44,7 @@ from dflash.producer.buckets import Batch, Bucketer, Sample
 from dflash.producer.config import ProducerConfig, Worker
 from dflash.producer.epoch_barrier import EpochBarrier
 from dflash.producer.trunk import CompileSpec, Trunk, compile_spec, warm_trunk
-from dflash.producer.writers import Counters, _Job, _Writers, shard_of
+from dflash.producer.writers import Counters, ShardWriters, WriteJob, shard_of
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +133,7 @@ def write_held_out(
     with torch.inference_mode():
         buckets = capture.bucket_config(cfg.buckets) if isinstance(capture, Trunk) else cfg.buckets
         for seq, batch in enumerate(_all_batches(samples, Bucketer(buckets))):
-            shard = shard_of(batch, _forward_batch(capture, batch, device, pad_id).cpu(), meta_kw)
+            shard = shard_of(batch, forward_batch(capture, batch, device, pad_id).cpu(), meta_kw)
             spool.publish_eval(
                 shard_name(batch.bucket, worker.producer_id, seq), lambda p, s=shard: write_shard(p, s)
             )
@@ -141,7 +141,7 @@ def write_held_out(
     return written
 
 
-def _forward_batch(
+def forward_batch(
     capture: LayerCapture | Trunk, batch: Batch, device: torch.device, pad_id: int
 ) -> torch.Tensor:
     """Right-padded [rows, pad_len] forward; returns packed bf16 features [T, K*H] on `device`.
@@ -342,7 +342,7 @@ def produce(
         hidden_size=capture.hidden_size,
         producer_id=worker.producer_id,
     )
-    writer = _Writers(cfg, worker, meta_kw, counters, stop)
+    writer = ShardWriters(cfg, worker, meta_kw, counters, stop)
     if device.type == "cuda":
         max_tokens = max(cfg.buckets.batch_tokens, cfg.data.max_length)
         for _ in range(worker.writer_threads + 2):  # one per writer, one being filled by D2H, one queued
@@ -362,7 +362,7 @@ def produce(
                 if stop.is_set():
                     break
                 t_launch = time.monotonic()
-                packed = _forward_batch(trunk, batch, device, pad_id)
+                packed = forward_batch(trunk, batch, device, pad_id)
                 num_tokens = packed.shape[0]
                 t_wait = time.monotonic()
                 if not _hand_off(batch, packed, writer, stop, heartbeat, device):
@@ -402,7 +402,7 @@ def produce(
 
 
 def _hand_off(
-    batch: Batch, packed: torch.Tensor, writer: _Writers, stop, heartbeat, device: torch.device
+    batch: Batch, packed: torch.Tensor, writer: ShardWriters, stop, heartbeat, device: torch.device
 ) -> bool:
     """Queue one forward's features for the writer threads; False when stopping (or the writer failed).
 
@@ -417,9 +417,9 @@ def _hand_off(
         host.copy_(packed, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        job = _Job(batch=batch, hidden=host, event=event, buffer=buf, seq=writer.next_seq())
+        job = WriteJob(batch=batch, hidden=host, event=event, buffer=buf, seq=writer.next_seq())
     else:
-        job = _Job(batch=batch, hidden=packed, event=None, buffer=None, seq=writer.next_seq())
+        job = WriteJob(batch=batch, hidden=packed, event=None, buffer=None, seq=writer.next_seq())
     if not _blocking(writer, stop, heartbeat, lambda t: writer.jobs.put(job, timeout=t) or True):
         if job.buffer is not None:
             writer.free.put(job.buffer)
@@ -431,7 +431,7 @@ def _campaign_batches(
     samples: Iterable[Sample],
     bucketer: Bucketer,
     epochs: Epochs | None,
-    writer: _Writers,
+    writer: ShardWriters,
     barrier: EpochBarrier,
 ) -> Iterator[Batch]:
     """The batches of ``samples``; with ``epochs``, epoch by epoch: each epoch's buckets flushed at its end
@@ -468,7 +468,9 @@ def _all_batches(samples: Iterable[Sample], bucketer: Bucketer) -> Iterator[Batc
     yield from bucketer.flush()
 
 
-def _blocking(writer: _Writers, stop: threading.Event, heartbeat: _Heartbeat, op: Callable[[float], object]):
+def _blocking(
+    writer: ShardWriters, stop: threading.Event, heartbeat: _Heartbeat, op: Callable[[float], object]
+):
     """Retry a queue op with a timeout (get a free buffer / put a job) while the writer is behind,
     keeping the heartbeat alive; None when stopping or the writer failed."""
     while True:

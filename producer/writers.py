@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Job:
+class WriteJob:
     """One forward batch on its way to the writer thread."""
 
     batch: Batch
@@ -70,7 +70,7 @@ def shard_of(batch: Batch, hidden: torch.Tensor, meta_kw: dict):
     )
 
 
-class _Writers:
+class ShardWriters:
     """`worker.writer_threads` threads that encode and publish shards; they never run model code.
 
     Several threads because one zarr+zstd writer encodes ~1 GB/s of bf16 on an H200 host (measured,
@@ -84,7 +84,7 @@ class _Writers:
     ):
         self.cfg, self.worker, self.meta_kw, self.counters, self.stop = cfg, worker, meta_kw, counters, stop
         self.codec = CodecConfig.parse(cfg.codec) if cfg.codec else None
-        self.jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=2)
+        self.jobs: queue.Queue[WriteJob | None] = queue.Queue(maxsize=2)
         self.free: queue.Queue[torch.Tensor] = queue.Queue()
         self.error: BaseException | None = None
         self.seq = Spool(worker.spool).next_seq(worker.producer_id)
@@ -168,7 +168,7 @@ class _Writers:
                 self._inflight += reserved
             return True
 
-    def _write(self, spool, job: _Job) -> None:
+    def _write(self, spool, job: WriteJob) -> None:
 
         if job.event is not None:
             t0 = time.monotonic()

@@ -426,14 +426,14 @@ def test_a_leading_assistant_turn_is_context_not_trained(qtok):
 
 def test_raw_rows_name_the_other_format_when_the_format_is_given(qtok):
     """Rows read one by one (a file arrow cannot type) carry no file format; --format names the odd one."""
-    from dflash.common.target.data import _RAW
+    from dflash.common.target.data import RAW_JSON_COLUMN
 
     sharegpt = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": _say("x")}]}
     openai = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _say("x")}]}
-    batch = {_RAW: [json.dumps(sharegpt), json.dumps(openai), "{oops"]}
-    strict = _Tokenize(qtok, _RAW, 4096, 1, np.arange(3), fmt="openai")(batch, [0, 1, 2])
+    batch = {RAW_JSON_COLUMN: [json.dumps(sharegpt), json.dumps(openai), "{oops"]}
+    strict = _Tokenize(qtok, RAW_JSON_COLUMN, 4096, 1, np.arange(3), fmt="openai")(batch, [0, 1, 2])
     assert strict["status"] == ["bad:a ShareGPT row in an OpenAI-format file", "ok", "bad:unparseable"]
-    assert _Tokenize(qtok, _RAW, 4096, 1, np.arange(3))(batch, [0, 1, 2])["status"] == [
+    assert _Tokenize(qtok, RAW_JSON_COLUMN, 4096, 1, np.arange(3))(batch, [0, 1, 2])["status"] == [
         "ok",
         "ok",
         "bad:unparseable",

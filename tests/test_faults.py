@@ -238,14 +238,14 @@ def test_writer_threads_together_overshoot_the_budget_by_one_shard_at_most(tmp_p
     from dflash.common.target.data import DataConfig
     from dflash.producer.buckets import Batch, Sample
     from dflash.producer.config import ProducerConfig, Worker
-    from dflash.producer.writers import Counters, _Job, _Writers
+    from dflash.producer.writers import Counters, ShardWriters, WriteJob
 
     spool = Spool(tmp_path / "spool")
     budget, tokens = 1000, 1024
     cfg = ProducerConfig(model="tiny", data=DataConfig(dataset="unused"))
     worker = Worker(producer_id="p0", spool=str(spool.root), budget_bytes=budget, writer_threads=2)
     stop = threading.Event()
-    writers = _Writers(
+    writers = ShardWriters(
         cfg,
         worker,
         dict(target_model="tiny", layer_ids=LAYERS, hidden_size=HIDDEN, producer_id="p0"),
@@ -253,10 +253,10 @@ def test_writer_threads_together_overshoot_the_budget_by_one_shard_at_most(tmp_p
         stop,
     )
 
-    def job(i: int) -> _Job:
+    def job(i: int) -> WriteJob:
         sample = Sample(sample_index=i, input_ids=np.zeros(tokens, np.int32), loss_mask=np.ones(tokens, bool))
         hidden = torch.randn(tokens, len(LAYERS) * HIDDEN).to(torch.bfloat16)
-        return _Job(batch=Batch(bucket=tokens, pad_len=tokens, samples=[sample]), hidden=hidden, event=None,
+        return WriteJob(batch=Batch(bucket=tokens, pad_len=tokens, samples=[sample]), hidden=hidden, event=None,
                     buffer=None, seq=writers.next_seq())  # fmt: skip
 
     for i in range(2):  # queued before the threads start: both pick one up at once
@@ -758,13 +758,13 @@ def test_fuzzed_rows_never_crash_tokenization_and_bad_rows_are_counted(tiny_toke
 
     from dflash.common.contract.epochs import Epochs
     from dflash.common.target.chat import _Tokenize
-    from dflash.common.target.data import _RAW
+    from dflash.common.target.data import RAW_JSON_COLUMN
     from dflash.producer.worker import _samples, plan_epochs
 
     max_length, min_loss = 64, 8
     indices = np.arange(len(rows), dtype=np.int64) + 1000
-    fn = _Tokenize(tiny_tokenizer, _RAW, max_length, min_loss, indices)
-    out = fn({_RAW: [json.dumps(r) for r in rows]}, list(range(len(rows))))
+    fn = _Tokenize(tiny_tokenizer, RAW_JSON_COLUMN, max_length, min_loss, indices)
+    out = fn({RAW_JSON_COLUMN: [json.dumps(r) for r in rows]}, list(range(len(rows))))
     assert out["sample_index"] == indices.tolist()
     assert all(len(out[k]) == len(rows) for k in out)
     for ids, mask, n_loss, status in zip(

@@ -17,9 +17,9 @@ from dflash.common.contract.spool_scan import SpoolScan
 log = logging.getLogger(__name__)
 STATES = SpoolScan.STATES  # ("tmp", "ready", "claimed", "quarantine")
 
+
 class StatusError(ValueError):
     """A user error (bad run dir, unreadable run.json): printed as one line, exit status 2."""
-
 
 
 def spool_snapshot(root: str | Path, *, heartbeat_timeout_s: float = 120.0) -> dict[str, Any]:
@@ -129,5 +129,9 @@ def pid_alive(pid: int | None, host: str | None) -> bool | None:
     return True
 
 
-def _isnum(x: Any) -> bool:
+def is_number(x: Any) -> bool:
+    """A real int or float (a JSON record's bool is not a count)."""
     return isinstance(x, int | float) and not isinstance(x, bool)
+
+
+_isnum = is_number  # the name tools/status.py still imports; it goes once status.py imports is_number

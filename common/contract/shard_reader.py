@@ -19,9 +19,9 @@ from zarr.storage import LocalStore
 
 from dflash.common.cli.exits import error_line
 from dflash.common.contract.shard import (
-    _ARRAYS,
-    _REQUIRED_ATTRS,
     HIDDEN_DTYPE,
+    REQUIRED_ATTRS,
+    SHARD_ARRAYS,
     SHARD_FORMAT,
     SHARD_VERSION,
     Shard,
@@ -56,7 +56,7 @@ def _check_attrs(path: Path, attrs: dict[str, Any], *, check_version: bool) -> N
         raise ShardFormatError(
             f"{path}: shard version {version!r} is not supported (this reader reads version {SHARD_VERSION})"
         )
-    missing = [k for k in _REQUIRED_ATTRS if k not in attrs]
+    missing = [k for k in REQUIRED_ATTRS if k not in attrs]
     if missing:
         raise ShardFormatError(f"{path}: missing attribute(s) {', '.join(missing)}")
     if attrs["hidden_dtype"] != HIDDEN_DTYPE:
@@ -102,7 +102,7 @@ def read_shard(path: str | Path) -> Shard:
                 f"{path}: num_layers={attrs['num_layers']} but layer_ids has {meta.num_layers} entries"
             )
         data: dict[str, np.ndarray] = {}
-        for name, (accepted, _, ndim) in _ARRAYS.items():
+        for name, (accepted, _, ndim) in SHARD_ARRAYS.items():
             data[name] = _read_array(path, group, name, accepted, ndim)
 
     try:

@@ -16,14 +16,14 @@ from zarr.storage import LocalStore
 
 from dflash.common.contract.codecs import CodecConfig, default_codec
 from dflash.common.contract.shard import (
-    _ARRAYS,
     DEFAULT_CHUNK_BYTES,
     HIDDEN_DTYPE,
+    SHARD_ARRAYS,
     SHARD_FORMAT,
     SHARD_VERSION,
     Shard,
-    _shard_problem,
     hidden_chunk_rows,
+    shard_problem,
 )
 from dflash.common.contract.shard_reader import shard_nbytes
 
@@ -51,7 +51,7 @@ def write_shard(
         raise ValueError(f"chunk_bytes={chunk_bytes}: must be > 0")
     if path.exists():
         raise FileExistsError(f"{path}: shard path already exists")
-    problem = _shard_problem(shard)
+    problem = shard_problem(shard)
     if problem:
         raise ValueError(f"write_shard({path}): {problem}")
 
@@ -108,7 +108,7 @@ def _write_group(
         arr = group.create_array(
             name,
             shape=data.shape,
-            dtype=_ARRAYS[name][1],
+            dtype=SHARD_ARRAYS[name][1],
             chunks=(max(1, data.shape[0]),),
             compressors=[ZstdCodec(level=1), Crc32cCodec()],
             config=array_config,

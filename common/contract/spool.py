@@ -33,8 +33,8 @@ from dflash.common.contract.liveness import (
     heartbeat_alive,
 )
 from dflash.common.contract.names import (
-    _check_id,
-    _is_shard_name,
+    check_id,
+    is_shard_name,
     parse_shard_name,
     shard_epoch,
     shard_sort_key,
@@ -43,9 +43,9 @@ from dflash.common.contract.spool_records import (
     RUN_FILE,
     SpoolError,
     SpoolRecords,
-    _atomic_write_text,
+    atomic_write_text,
 )
-from dflash.common.contract.spool_scan import SpoolScan, _entry_nbytes
+from dflash.common.contract.spool_scan import SpoolScan, entry_nbytes
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,7 @@ def _remove(path: Path) -> None:
 class Spool(SpoolRecords, SpoolScan):
     """A spool directory. One object per process and role (consumers: one per consumer id); it may be
     shared by that process's threads (its caches are hints guarded by a lock)."""
+
     def __init__(self, root: str | Path, *, create: bool = True):
         self.root = Path(root).absolute()
         self.tmp_dir = self.root / "tmp"
@@ -96,7 +97,14 @@ class Spool(SpoolRecords, SpoolScan):
         self._rates: dict[tuple[str, str], dict] = {}
         self._started = time.time()
         if create:
-            for d in (self.tmp_dir, self.ready_dir, self.claimed_dir, self.quarantine_dir, self.state_dir, self.acked_dir):
+            for d in (
+                self.tmp_dir,
+                self.ready_dir,
+                self.claimed_dir,
+                self.quarantine_dir,
+                self.state_dir,
+                self.acked_dir,
+            ):
                 self._makedirs(d)
         elif not self.root.is_dir():
             raise SpoolError(f"no spool directory at {self.root}")
@@ -179,7 +187,7 @@ class Spool(SpoolRecords, SpoolScan):
             raise SpoolError(f"shard {name} is already live in the spool (reused producer seq?)")
         inode = os.lstat(tmp_path).st_ino
         os.rename(tmp_path, dest)
-        size = _entry_nbytes(str(dest)) if nbytes is None else int(nbytes)
+        size = entry_nbytes(str(dest)) if nbytes is None else int(nbytes)
         with self._lock:
             self._size_cache[(name, inode)] = size
         return dest
@@ -208,7 +216,7 @@ class Spool(SpoolRecords, SpoolScan):
     def clean_tmp(self, producer_id: str) -> int:
         """Remove this producer's tmp/ leftovers (a previous life killed mid-write). Call once on start;
         never while another live process uses the same producer id."""
-        _check_id("producer_id", producer_id)
+        check_id("producer_id", producer_id)
         n = 0
         for name in self._scan_names(self.tmp_dir):
             if parse_shard_name(name)[1] == producer_id:
@@ -248,7 +256,6 @@ class Spool(SpoolRecords, SpoolScan):
             log.info("spool back under budget after %.1f s", time.monotonic() - t0)
         return True
 
-
     @property
     def eval_dir(self) -> Path:
         """eval/: held-out shards, written once per campaign, read (never claimed) by consumers."""
@@ -277,7 +284,6 @@ class Spool(SpoolRecords, SpoolScan):
         parts = [read_sample_index(p) for p in self.eval_shards()]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
-
     def is_drained(self) -> bool:
         """No shard will ever arrive again: producers done (checked first: they publish before DONE)
         and no shard left in tmp/, ready/ or claimed/ (claims of dead consumers count until
@@ -303,14 +309,16 @@ class Spool(SpoolRecords, SpoolScan):
             or (isinstance(bucket, int) and not isinstance(bucket, bool) and bucket >= 0)
         ):
             raise ValueError(f"bucket must be None, an int >= 0, 'fullest' or 'random', got {bucket!r}")
-        mine = self.claimed_dir / _check_id("consumer_id", consumer_id)
+        mine = self.claimed_dir / check_id("consumer_id", consumer_id)
         with self._lock:
             if consumer_id not in self._adopted:
                 self._adopt(consumer_id)
         names = sorted(self._scan_names(self.ready_dir), key=shard_sort_key)
         if bucket is not None and not isinstance(bucket, str):
             names = [n for n in names if parse_shard_name(n)[0] == bucket]
-        if names:  # epochs in order: only the lowest epoch ready is claimable (docs/training.md, "A campaign")
+        if (
+            names
+        ):  # epochs in order: only the lowest epoch ready is claimable (docs/training.md, "A campaign")
             lowest = shard_epoch(names[0])
             names = [n for n in names if shard_epoch(n) == lowest]
         if bucket == "fullest":
@@ -351,7 +359,7 @@ class Spool(SpoolRecords, SpoolScan):
 
     def _claimed_path_parts(self, path: Path) -> tuple[Path, str]:
         path = Path(path)
-        if path.parent.parent != self.claimed_dir or not _is_shard_name(path.name):
+        if path.parent.parent != self.claimed_dir or not is_shard_name(path.name):
             raise ValueError(f"not a claimed shard path of this spool: {path}")
         return path.parent, path.name
 
@@ -406,7 +414,7 @@ class Spool(SpoolRecords, SpoolScan):
         # The .why first: a crash in between leaves the shard where it was (recovered, retried), never an
         # unexplained shard in quarantine/.
         why_path = dest.with_name(dest.name + ".why")
-        _atomic_write_text(why_path, f"{stamp} {reason}\n")
+        atomic_write_text(why_path, f"{stamp} {reason}\n")
         try:
             os.rename(path, dest)
         except FileNotFoundError:
@@ -445,7 +453,7 @@ class Spool(SpoolRecords, SpoolScan):
         For a process that knows the owner is dead (the trainer, after its data worker died: the worker
         claims under the trainer's id), so the shards need not wait for the heartbeat timeout. What the
         dead owner left half-acked in acked/ was trained: it is deleted, never returned."""
-        n = self._return_to_ready(self.claimed_dir / _check_id("consumer_id", consumer_id), remove_dir=False)
+        n = self._return_to_ready(self.claimed_dir / check_id("consumer_id", consumer_id), remove_dir=False)
         self._finish_acks_of(consumer_id)
         self._adopted.discard(consumer_id)  # the next claim under this id adopts (and checks) again
         return n
@@ -469,7 +477,7 @@ class Spool(SpoolRecords, SpoolScan):
         for name in entries:
             if name.startswith(ACK_PREFIX):
                 _remove(owner_dir / name)  # an ack interrupted mid-delete: finish it
-            elif _is_shard_name(name):
+            elif is_shard_name(name):
                 try:
                     os.rename(owner_dir / name, self.ready_dir / name)
                     n += 1

@@ -30,7 +30,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from datasets import Features, Sequence, Value
 
-from dflash.common.target.data import _COLUMN, _RAW, DataConfig, DataError, conversation_column
+from dflash.common.target.data import (
+    FORMAT_COLUMN,
+    RAW_JSON_COLUMN,
+    DataConfig,
+    DataError,
+    conversation_column,
+)
 
 log = logging.getLogger(__name__)
 
@@ -329,21 +335,21 @@ class _Tokenize:
 
     def _row(self, batch: dict[str, list], i: int) -> tuple[Any, Any, str | None]:
         """(turns, tools, reason it is another format's row or None) of row i of the batch."""
-        if self.column == _RAW:
-            row = _parse_raw(batch[_RAW][i])
+        if self.column == RAW_JSON_COLUMN:
+            row = _parse_raw(batch[RAW_JSON_COLUMN][i])
             if row is _UNPARSEABLE:
                 return None, None, "unparseable"
             if not isinstance(row, dict):
                 return row, None, None
-            own = _COLUMN.get(self.fmt)
-            other = next((c for c in _COLUMN.values() if c != own), None) if own else None
+            own = FORMAT_COLUMN.get(self.fmt)
+            other = next((c for c in FORMAT_COLUMN.values() if c != own), None) if own else None
             if own and row.get(own) is None and isinstance(row.get(other), list):
                 return None, None, f"{_FORMAT_NAME[other]} row in {_FORMAT_NAME[own]}-format file"
             return row, row.get("tools"), None
         turns = batch[self.column][i]
         tools = batch["tools"][i] if "tools" in batch else None
         if turns is None:  # a file mixing formats: arrow gives each row both columns, one of them None
-            for other in (c for c in _COLUMN.values() if c != self.column and c in batch):
+            for other in (c for c in FORMAT_COLUMN.values() if c != self.column and c in batch):
                 if isinstance(batch[other][i], list):
                     return None, None, f"{_FORMAT_NAME[other]} row in {_FORMAT_NAME[self.column]}-format file"
         return turns, tools, None
@@ -356,10 +362,12 @@ class _Tokenize:
                 normalized.append((None, None, reason))
                 continue
             msgs, reason = normalize_conversation(
-                turns, train_reasoning=self.train_reasoning, null_fields=self.column != _RAW
+                turns, train_reasoning=self.train_reasoning, null_fields=self.column != RAW_JSON_COLUMN
             )
             try:
-                tools = normalize_tools(_prune_nulls(raw_tools) if self.column != _RAW else raw_tools)
+                tools = normalize_tools(
+                    _prune_nulls(raw_tools) if self.column != RAW_JSON_COLUMN else raw_tools
+                )
             except BadRow as err:
                 msgs, reason = None, str(err)
             normalized.append((msgs, tools, reason))
@@ -425,7 +433,9 @@ def tokenize_slice(ds, tokenizer, cfg: DataConfig, indices: np.ndarray):
     column = conversation_column(ds, cfg.format)
     indices = np.asarray(indices, dtype=np.int64)
     # the row's tools, and the other format's column (to name a row of that format in this file)
-    columns = [column] + [c for c in ("tools", *_COLUMN.values()) if c != column and c in ds.column_names]
+    columns = [column] + [
+        c for c in ("tools", *FORMAT_COLUMN.values()) if c != column and c in ds.column_names
+    ]
     sub = ds.select_columns(columns)
     if not np.array_equal(indices, np.arange(len(ds))):
         sub = sub.select(indices)  # an indices mapping: no copy of the rows

@@ -25,8 +25,10 @@ from dflash.common.cli.flags import check_choices, flag
 log = logging.getLogger(__name__)
 
 ChatFormat = Literal["auto", "openai", "sharegpt"]
-_COLUMN = {"openai": "messages", "sharegpt": "conversations"}
-_RAW = "_raw_json"  # column holding a row's JSON text when the file has mixed types (see _load_json_rows)
+FORMAT_COLUMN = {"openai": "messages", "sharegpt": "conversations"}
+RAW_JSON_COLUMN = (
+    "_raw_json"  # column holding a row's JSON text when the file has mixed types (see _load_json_rows)
+)
 _SUFFIX_BUILDER = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
 
@@ -112,7 +114,7 @@ def _load_json_rows(files: list[str]):
                 if not isinstance(data, list):
                     raise DataError(f"dataset file {f}: expected a JSON array of rows")
                 rows.extend(json.dumps(r) for r in data)
-    return Dataset.from_dict({_RAW: rows})
+    return Dataset.from_dict({RAW_JSON_COLUMN: rows})
 
 
 def _is_blank_file(f: str) -> bool:
@@ -247,9 +249,9 @@ def load_raw_dataset(cfg: DataConfig, *, quiet: bool = False):
 def conversation_column(ds, fmt: str) -> str:
     """The column holding conversations, by `fmt` or detected; DataError naming the columns otherwise."""
     cols = list(ds.column_names)
-    if _RAW in cols:
-        return _RAW
-    wanted = [_COLUMN[fmt]] if fmt != "auto" else [_COLUMN["openai"], _COLUMN["sharegpt"]]
+    if RAW_JSON_COLUMN in cols:
+        return RAW_JSON_COLUMN
+    wanted = [FORMAT_COLUMN[fmt]] if fmt != "auto" else [FORMAT_COLUMN["openai"], FORMAT_COLUMN["sharegpt"]]
     for col in wanted:
         if col in cols:
             return col

@@ -50,7 +50,7 @@ from dflash.producer.buckets import BucketConfig, Bucketer, Sample  # noqa: E402
 from dflash.producer.config import ProducerConfig, TrunkCompileConfig, Worker, writer_threads_for  # noqa: E402
 from dflash.producer.launch import cores_per_gpu  # noqa: E402
 from dflash.producer.trunk import static_buckets, warm_trunk  # noqa: E402
-from dflash.producer.worker import _forward_batch, produce  # noqa: E402
+from dflash.producer.worker import forward_batch, produce  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def bench_forward(trunk, batches, device) -> dict:
     def run():
         with torch.inference_mode():
             for b in batches:
-                _forward_batch(trunk, b, device, 0)
+                forward_batch(trunk, b, device, 0)
 
     return _timed(device, sum(b.num_tokens for b in batches), run)
 

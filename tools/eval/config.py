@@ -15,6 +15,10 @@ SAMPLING_SETTINGS = ("temperature", "top_p", "draft_sampling", "seed")
 """Also change τ, but only when sampling: a greedy record keeps the settings it always had."""
 
 
+PROG = "dflash-eval"
+"""The program name every error line of this tool starts with."""
+
+
 @dataclass(kw_only=True)
 class EvalConfig:
     """One evaluation: the target, the drafter and the decoding settings."""

@@ -40,7 +40,7 @@ from dflash.common.checkpoints.layout import (
     EVALS_DIR,
     MODEL_FILE,
     CheckpointCorruptError,
-    _check_run,
+    check_run,
     read_best_name,
     step_dir_name,
 )
@@ -58,8 +58,7 @@ from dflash.common.metrics import MetricsLog
 from dflash.common.redact import redact
 from dflash.common.target.attach import build_drafter
 from dflash.common.target.data import DataError
-from dflash.tools.eval.cli import PROG
-from dflash.tools.eval.config import EvalConfig, WatchConfig
+from dflash.tools.eval.config import PROG, EvalConfig, WatchConfig
 from dflash.tools.eval.run import check_same_target, evaluate_with, load_target, resolve_device, setup_logging
 from dflash.tools.export.run import checkpoint_drafter_config
 
@@ -276,7 +275,7 @@ def open_watch(cfg: EvalConfig, watch: WatchConfig) -> Watch:
     """Check the store, load the target and prompts once (user errors raise)."""
     device, dtype = resolve_device(cfg)
     store = open_store(watch.watch)
-    _check_run(watch.run)
+    check_run(watch.run)
     store.check()  # no credentials, unreachable endpoint, missing bucket: exit 2 before loading the target
     tokenizer, target, prompts = load_target(cfg, device, dtype)
     eval_log = MetricsLog(Path(watch.run_dir) / EVAL_LOG) if watch.run_dir else None

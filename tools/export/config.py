@@ -11,11 +11,17 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")
 """--dtype choices: the keys of dflash.tools.export.run.DTYPES (a test keeps the two equal)."""
 
 
+PROG = "dflash-export"
+"""The program name every error line of this tool starts with."""
+
+
 @dataclass(kw_only=True)
 class ExportConfig:
     """One export: which checkpoint, where to, in which dtype (or, with --check, one folder to validate)."""
 
-    checkpoint: str | None = field(default=None, metadata=flag(positional=True, metavar="CHECKPOINT", nargs="?"))
+    checkpoint: str | None = field(
+        default=None, metadata=flag(positional=True, metavar="CHECKPOINT", nargs="?")
+    )
     """checkpoint url (see below)"""
     out_dir: str | None = field(default=None, metadata=flag(positional=True, metavar="OUT_DIR", nargs="?"))
     """folder to write (config.json, model.safetensors, dflash.py, the target's tokenizer files)"""
