@@ -27,7 +27,7 @@ from dflash.common.target.chat import (
     tokenize_slice,
 )
 from dflash.common.target.data import DataConfig, load_raw_dataset, slice_indices
-from dflash.producer.worker import held_out_plan, plan_epochs
+from dflash.producer.slice_plan import held_out_plan, plan_epochs
 from dflash.tools.demo.assets import tiny_target_dir
 
 TEMPLATE = (Path(__file__).parent / "data" / "qwen3_rules.jinja").read_text()

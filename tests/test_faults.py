@@ -759,7 +759,7 @@ def test_fuzzed_rows_never_crash_tokenization_and_bad_rows_are_counted(tiny_toke
     from dflash.common.contract.epochs import Epochs
     from dflash.common.target.chat import _Tokenize
     from dflash.common.target.data import RAW_JSON_COLUMN
-    from dflash.producer.worker import _samples, plan_epochs
+    from dflash.producer.slice_plan import plan_epochs, samples_at
 
     max_length, min_loss = 64, 8
     indices = np.arange(len(rows), dtype=np.int64) + 1000
@@ -780,7 +780,7 @@ def test_fuzzed_rows_never_crash_tokenization_and_bad_rows_are_counted(tiny_toke
     tok_ds = datasets.Dataset.from_dict(out)
     plan = Epochs(rows=1000 + len(rows))
     positions, ids, c = plan_epochs(tok_ds, indices, plan, None)
-    kept = [s.sample_index for s in _samples(tok_ds, positions, ids)]
+    kept = [s.sample_index for s in samples_at(tok_ds, positions, ids)]
     status = Counter("bad" if s.startswith("bad:") else s for s in out["status"])
     assert sorted(kept) == [i for i, s in zip(out["sample_index"], out["status"], strict=True) if s == "ok"]
     assert (c["bad"], c["short"], c["dropped"]) == (

@@ -1,4 +1,4 @@
-"""The spool budget's admission of a producer's shards (producer.worker.ShardWriters._admit), driven through
+"""The spool budget's admission of a producer's shards (producer.writers.ShardWriters._admit), driven through
 one interleaving that a busy box produced: another writer thread's shard is published between this
 thread's budget scan and its read of what is in flight. Deterministic: the interleaving is injected."""
 

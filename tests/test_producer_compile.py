@@ -20,6 +20,7 @@ from dflash.common.target.data import DataConfig
 from dflash.common.target.kernels import linear_attention_kernels
 from dflash.producer.buckets import BucketConfig, Bucketer, Sample, batches
 from dflash.producer.config import ProducerConfig, TrunkCompileConfig, Worker
+from dflash.producer.loop import produce
 from dflash.producer.trunk import (
     CompileSpec,
     Trunk,
@@ -29,7 +30,6 @@ from dflash.producer.trunk import (
     warm_trunk,
     warmup_shapes,
 )
-from dflash.producer.worker import produce
 
 _TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
              num_key_value_heads=1, head_dim=16)  # fmt: skip

@@ -29,7 +29,7 @@ def test_bf16_capture_equals_hidden_states_on_cuda():
 def test_produce_on_cuda_stores_each_samples_states(tmp_path):
     from dflash.common.contract.shard_reader import read_shard
     from dflash.producer.config import ProducerConfig, Worker
-    from dflash.producer.worker import produce
+    from dflash.producer.loop import produce
 
     model = build_tiny_target(dtype=torch.bfloat16).cuda()
     rng = np.random.default_rng(0)

@@ -299,7 +299,7 @@ class Spool(SpoolRecords, SpoolScan):
         """Lease one ready shard by renaming it into claimed/<consumer_id>/; exactly one consumer wins a
         race, losers try the next name. Only shards of the lowest epoch ready are candidates (epochs are
         trained in order; producers publish epoch k+1 only once all of epoch k is published: their epoch
-        barrier, producer/worker.py). bucket: None = any (lowest name first), an int = only that
+        barrier, producer/loop.py). bucket: None = any (lowest name first), an int = only that
         bucket, "fullest" = the bucket with the most ready shards, "random" = any, uniformly (consumers
         that pack fixed-size steps use it: training order then mixes lengths instead of running through
         the buckets shortest first). None when nothing matches."""

@@ -8,7 +8,7 @@ lengths, random ids, unless a variant needs other batches):
 - ``hf_hidden_states`` (``--naive``): ``output_hidden_states`` gathered and copied synchronously;
 - ``forward``: the shipped producer's own forward alone (the compiled trunk cut after its last captured
   layer, inputs copied in, features gathered; no D2H, no shards): what the spool must never slow down;
-- ``producer_<variant>``: ``dflash.producer.worker.produce`` (compiled trunk warmed first, pinned D2H,
+- ``producer_<variant>``: ``dflash.producer.loop.produce`` (compiled trunk warmed first, pinned D2H,
   writer threads encoding zarr+zstd shards into a spool on /dev/shm, deleted by a drain thread that plays
   the consumers), one row per ``--variants`` entry (VARIANTS below).
 
@@ -49,8 +49,8 @@ from dflash.common.target.kernels import force_reference_kernels, linear_attenti
 from dflash.producer.buckets import BucketConfig, Bucketer, Sample  # noqa: E402
 from dflash.producer.config import ProducerConfig, TrunkCompileConfig, Worker, writer_threads_for  # noqa: E402
 from dflash.producer.launch import cores_per_gpu  # noqa: E402
+from dflash.producer.loop import forward_batch, produce  # noqa: E402
 from dflash.producer.trunk import static_buckets, warm_trunk  # noqa: E402
-from dflash.producer.worker import forward_batch, produce  # noqa: E402
 
 log = logging.getLogger(__name__)
 
