@@ -94,7 +94,12 @@ def _per_rank_plot(
     for rank, recs in consumers.items():
         xs, ys = _series(recs, "step", ykey)
         if xs:
-            ax.plot(xs, ys, lw=1.2, label=f"rank {rank} (in-loop)" if events else f"rank {rank}" if label else None)
+            ax.plot(
+                xs,
+                ys,
+                lw=1.2,
+                label=f"rank {rank} (in-loop)" if events else f"rank {rank}" if label else None,
+            )
             drawn = True
     if events is not None:
         name, key, what = events
