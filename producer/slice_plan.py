@@ -16,8 +16,9 @@ import pyarrow.compute as pc
 
 from dflash.common.contract.epochs import Epochs
 from dflash.common.contract.sample_set import SampleSet
-from dflash.common.target.chat import campaign_counts, drop_summary, tokenize_slice
+from dflash.common.target.chat import tokenize_slice
 from dflash.common.target.data import DataConfig, conversation_column, load_raw_dataset, slice_indices
+from dflash.common.target.drops import campaign_counts, drop_summary
 from dflash.producer.buckets import Sample
 from dflash.producer.config import ProducerConfig, Worker
 

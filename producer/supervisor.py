@@ -26,7 +26,7 @@ from dflash.common.child_process import anonymous_library_locks, die_with_parent
 from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, error_line, one_line
 from dflash.common.compile import import_dynamo_in_main_thread
 from dflash.common.metrics import format_bytes, format_duration, format_rate
-from dflash.common.target.chat import format_drops
+from dflash.common.target.drops import format_drops
 from dflash.producer.config import PROG, LaunchConfig, ProducerConfig, Worker
 from dflash.producer.launch import Launch
 

@@ -121,7 +121,8 @@ def test_template_failures_are_a_reason_of_their_own(tiny_tokenizer):
     """A chat template that raises for a row: that row is dropped as "template error", the others pass."""
     import datasets
 
-    from dflash.common.target.chat import _Tokenize, drop_summary
+    from dflash.common.target.chat import _Tokenize
+    from dflash.common.target.drops import drop_summary
 
     class Fussy:  # the real tokenizer, but its template refuses one conversation
         def __init__(self, tok):

@@ -17,16 +17,10 @@ from transformers import AutoTokenizer
 
 from dflash.common.contract.epochs import Epochs
 from dflash.common.contract.sample_set import SampleSet
-from dflash.common.target.chat import (
-    _Tokenize,
-    drop_summary,
-    format_drops,
-    generation_renderings,
-    normalize_conversation,
-    tokenize_conversations,
-    tokenize_slice,
-)
+from dflash.common.target.chat import _Tokenize, generation_renderings, tokenize_conversations, tokenize_slice
+from dflash.common.target.conversation import normalize_conversation
 from dflash.common.target.data import DataConfig, load_raw_dataset, slice_indices
+from dflash.common.target.drops import drop_summary, format_drops
 from dflash.producer.slice_plan import held_out_plan, plan_epochs
 from dflash.tools.demo.assets import tiny_target_dir
 
