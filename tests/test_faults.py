@@ -845,7 +845,7 @@ def _s3_env(proxy: FaultProxy) -> dict:
 def test_a_store_that_refuses_writes_fails_the_run_before_its_first_step_or_at_its_first_save(
     s3_endpoint, _s3_admin_client, tiny_target, tmp_path
 ):
-    """Issue 23: (1) a store that refuses every write (403 from the start) is refused before step 1: exit 2,
+    """(1) A store that refuses every write (403 from the start) is refused before step 1: exit 2,
     one line, nothing trained; (2) a store that refuses writes once training runs, before any checkpoint
     exists, stops the run at the first failed save (exit 1, one line saying why and where its state went)
     instead of training on with nothing saved."""
@@ -906,7 +906,7 @@ def test_a_store_that_refuses_writes_fails_the_run_before_its_first_step_or_at_i
 
 @pytest.mark.slow
 def test_a_checkpoint_folder_nothing_can_be_written_into_is_refused_before_step_1(tiny_target, tmp_path):
-    """Issue 23: a local --checkpoint folder the run's checkpoints cannot be written into is refused before
+    """A local --checkpoint folder the run's checkpoints cannot be written into is refused before
     the first step (exit 2, one line naming the folder and the cause). The folder exists; the run's place
     in it is taken by a file, which stops every write as a read-only mount does (and does so for root too,
     whom a 0555 mode does not stop)."""

@@ -180,7 +180,7 @@ def test_the_checker_reports_a_broken_arrow():
 
 
 def test_the_drafter_module_is_self_contained():
-    """common/drafter/dflash.py is copied into every export as its remote code (issue 27): it imports the
+    """common/drafter/dflash.py is copied into every export as its remote code: it imports the
     standard library, torch and transformers only (no dflash module, no relative import, nothing else a
     serving box may lack), at any depth."""
     import sys

@@ -149,19 +149,13 @@ def _num(r: dict[str, Any], k: str) -> float | None:
     return float(v) if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) else None
 
 
-def producer_rate(
-    records: list[dict[str, Any]], *, warmup_frac: float = 0.25
-) -> tuple[float | None, float | None]:
+def producer_rate(records: list[dict[str, Any]], *, warmup_frac: float = 0.25) -> tuple[float | None, float | None]:
     """(tok/s while not waiting on the spool budget, share of the time it waited) of one producer.
 
     Between two metrics records, the time its main loop waited on the writers (``main_wait_s``) counts as
     throttled when the writers waited on the budget meanwhile (``budget_wait_s`` grew); the rate is the
     tokens over the rest. Records without these counters: ``steady_rate`` and an unknown share (None)."""
-    pts = [
-        r
-        for r in records
-        if "event" not in r and _num(r, "tokens") is not None and _num(r, "elapsed_s") is not None
-    ]
+    pts = [r for r in records if "event" not in r and _num(r, "tokens") is not None and _num(r, "elapsed_s") is not None]
     if len(pts) < 2 or not any(_num(r, "budget_wait_s") is not None for r in pts):
         return steady_rate(records, warmup_frac=warmup_frac), None
     pts = pts[min(len(pts) - 2, math.ceil(warmup_frac * len(pts))) :]
@@ -173,11 +167,7 @@ def producer_rate(
         blocked = 0.0
         if (_num(b, "budget_wait_s") or 0.0) > (_num(a, "budget_wait_s") or 0.0):
             blocked = min(dt, max(0.0, (_num(b, "main_wait_s") or 0.0) - (_num(a, "main_wait_s") or 0.0)))
-        busy, waited, tokens = (
-            busy + dt - blocked,
-            waited + blocked,
-            tokens + _num(b, "tokens") - _num(a, "tokens"),
-        )
+        busy, waited, tokens = busy + dt - blocked, waited + blocked, tokens + _num(b, "tokens") - _num(a, "tokens")
     if busy <= 0 or tokens <= 0:
         return steady_rate(records, warmup_frac=warmup_frac), None
     return tokens / busy, waited / (busy + waited)
@@ -249,29 +239,19 @@ def read_bench_figures(paths: list[str]) -> dict[str, dict[str, float]]:
         try:
             res = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(
-                f"--bench {path}: cannot read a benchmark JSON ({type(err).__name__}: {err})"
-            ) from None
+            raise ValueError(f"--bench {path}: cannot read a benchmark JSON ({type(err).__name__}: {err})") from None
         found = False
         for fig in res.get("figures", []) if isinstance(res, dict) else []:  # pipeline_bench
             prod = fig.get("producer_tok_s_full_depth") or fig.get("producer_tok_s")
-            rates = {
-                k: float(v)
-                for k, v in (("producer_tok_s", prod), ("consumer_tok_s", fig.get("consumer_tok_s")))
-                if v
-            }
+            rates = {k: float(v) for k, v in (("producer_tok_s", prod), ("consumer_tok_s", fig.get("consumer_tok_s"))) if v}
             shapes.setdefault(str(fig.get("shape")), {}).update(rates)
             found = found or bool(rates)
         full = (res.get("results") or {}).get("producer_full") if isinstance(res, dict) else None
         if full and full.get("tok_s"):  # producer_bench: its shipped producer, scaled to full depth
-            shapes.setdefault(str(res.get("preset")), {})["producer_tok_s"] = float(full["tok_s"]) * float(
-                res.get("depth_scale", 1)
-            )
+            shapes.setdefault(str(res.get("preset")), {})["producer_tok_s"] = float(full["tok_s"]) * float(res.get("depth_scale", 1))
             found = True
         if not found:
-            raise ValueError(
-                f"--bench {path}: no producer or consumer rate in it (not a pipeline_bench/producer_bench JSON)"
-            )
+            raise ValueError(f"--bench {path}: no producer or consumer rate in it (not a pipeline_bench/producer_bench JSON)")
     return shapes
 
 
@@ -284,13 +264,9 @@ def plan_shapes(shapes: dict[str, dict[str, float]], base: PlanConfig) -> list[d
         if missing:
             raise ValueError(f"shape {shape}: no {' or '.join(missing)} in the --bench files (run pipeline_bench's "
                              f"phases for it, or give --{missing[0].replace('_', '-')})")  # fmt: skip
-        cfg = PlanConfig(
-            num_gpus=base.num_gpus, nodes=base.nodes, ddp_efficiency=base.ddp_efficiency, **rates
-        )
+        cfg = PlanConfig(num_gpus=base.num_gpus, nodes=base.nodes, ddp_efficiency=base.ddp_efficiency, **rates)
         best = best_split(plan_splits(cfg))
-        out.append(
-            {"shape": shape, **rates, "best": asdict(best), "node_tok_s": best.end_to_end_tok_s / cfg.nodes}
-        )
+        out.append({"shape": shape, **rates, "best": asdict(best), "node_tok_s": best.end_to_end_tok_s / cfg.nodes})
     return out
 
 
@@ -428,11 +404,7 @@ def _main_bench(args) -> None:
         plans = plan_shapes(shapes, base)
     except ValueError as e:
         fail(PROG, e)
-    print(
-        json.dumps({"config": asdict(base), "plans": plans}, indent=2)
-        if args.json
-        else render_shapes(plans, base)
-    )
+    print(json.dumps({"config": asdict(base), "plans": plans}, indent=2) if args.json else render_shapes(plans, base))
 
 
 if __name__ == "__main__":

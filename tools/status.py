@@ -56,6 +56,7 @@ OVER = ("finished", "stopped", "failed")  # a process that said how it ended (or
 _ENDS = ("end", "failed")  # the consumer's last metrics events (consumer/cli.py)
 
 
+
 # ---- spool -------------------------------------------------------------------------------------------
 
 
@@ -85,9 +86,7 @@ def _rank_key(row: dict[str, Any]) -> tuple:
     return (row["role"], 0 if i.isdigit() else 1, int(i) if i.isdigit() else 0, i)
 
 
-def _current_producers(
-    spool: dict[str, Any] | None, metrics: dict[str, list[dict[str, Any]]]
-) -> set[str] | None:
+def _current_producers(spool: dict[str, Any] | None, metrics: dict[str, list[dict[str, Any]]]) -> set[str] | None:
     """The producer ids of the current launch (state/producers.json), None when no launch registered any:
     producer ids carry their launch (n0p0.<launch>), so earlier launches' files are told apart by id. With
     the spool gone (a finished run's is removed), the ids of the newest launch in the metrics."""
@@ -134,11 +133,7 @@ def _process_rows(
     current = _current_producers(spool, metrics)
     older: set[str] = set()
     older_consumers: set[str] = set()
-    ends = {
-        stem.partition("-")[2]: _consumer_ends(recs)
-        for stem, recs in metrics.items()
-        if stem.startswith("consumer-")
-    }
+    ends = {stem.partition("-")[2]: _consumer_ends(recs) for stem, recs in metrics.items() if stem.startswith("consumer-")}
 
     def row(key: tuple[str, str]) -> dict[str, Any] | None:
         if key[0] not in ROLES:
@@ -181,11 +176,7 @@ def _process_rows(
         r["age_s"] = now - last if last else None
         ended = ends.get(r["id"], (None,))[0] if r["role"] == "consumer" else None
         r["state"] = _state(
-            r,
-            verdict.get(key),
-            done=r["role"] == "producer" and r["id"] in done,
-            stale_s=stale_s,
-            ended=ended,
+            r, verdict.get(key), done=r["role"] == "producer" and r["id"] in done, stale_s=stale_s, ended=ended
         )
         r["active"] = r["state"] in ("alive", "active", "blocked")
         if r["role"] == "producer":
@@ -304,21 +295,7 @@ def _training(procs: list[dict[str, Any]], metrics: dict[str, list[dict[str, Any
             last = steps[-1]
             t = {
                 "rank": c["id"],
-                **{
-                    k: last.get(k)
-                    for k in (
-                        "step",
-                        "loss",
-                        "tau",
-                        "lr",
-                        "grad_norm",
-                        "fill",
-                        "total_steps",
-                        "epoch",
-                        "epochs",
-                        "eta_s",
-                    )
-                },  # fmt: skip
+                **{k: last.get(k) for k in ("step", "loss", "tau", "lr", "grad_norm", "fill", "total_steps", "epoch", "epochs", "eta_s")},  # fmt: skip
             }
             evals = [r for r in metrics.get(f"consumer-{c['id']}", []) if r.get("event") == "eval"]
             t["decode_tau"] = evals[-1].get("decode_tau") if evals else None
@@ -363,9 +340,7 @@ def collect(
     spool_root = find_spool_dir(run_dir, spool_dir)
     spool = spool_snapshot(spool_root, heartbeat_timeout_s=stale_s) if spool_root else None
     metrics = read_run_metrics(run_dir / "metrics")
-    procs, older, older_consumers = _process_rows(
-        metrics, spool, read_pids(run_dir), now=now, stale_s=stale_s
-    )
+    procs, older, older_consumers = _process_rows(metrics, spool, read_pids(run_dir), now=now, stale_s=stale_s)
     prod_tok_s, cons_tok_s = _total_rate(procs, "producer"), _total_rate(procs, "consumer")
     bottleneck = None
     if prod_tok_s > 0 and cons_tok_s > 0:

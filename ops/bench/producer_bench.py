@@ -13,7 +13,7 @@ lengths, random ids, unless a variant needs other batches):
   the consumers), one row per ``--variants`` entry (VARIANTS below).
 
 The JSON/markdown carry every figure, GPU memory over time per path, compile seconds, recompiles after
-warm-up, and the acceptance checks of issue 25 with their thresholds (ACCEPT). Presets (ops/bench/
+warm-up, and the producer's acceptance checks with their thresholds (ACCEPT). Presets (ops/bench/
 targets.py): ``8b`` (default), ``32b``, ``hybrid27b`` (8-layer slice; rates also scaled to 64 layers).
 
     python ops/bench/producer_bench.py --preset 8b --variants eager,full,static,trunk --out $OUT   # GPU
@@ -68,7 +68,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "threads6": ("6 writer threads", {"writer_threads": 6}),
     "none": ("codec none (no compression)", {"codec": "none"}),
 }
-# issue 25's acceptance: (check, threshold, what); the ratio names are keys of the result's "ratios"
+# the producer's acceptance: (check, threshold, what); the ratio names are keys of the result's "ratios"
 ACCEPT = {
     "8b": [("full_vs_bare", 1.3, "producer >= 1.3x the bare eager full forward")],
     "32b": [("full_vs_bare", 1.2, "producer >= 1.2x the bare eager full forward")],
