@@ -25,10 +25,11 @@ from dflash.common.contract.spool import Spool
 from dflash.common.contract.spool_records import BUDGET_PHASE
 from dflash.common.target.capture import LayerCapture
 from dflash.producer.buckets import Batch, Bucketer, Sample
+from dflash.producer.compile_plan import CompileSpec
 from dflash.producer.config import ProducerConfig, Worker
 from dflash.producer.epoch_barrier import EpochBarrier
 from dflash.producer.heartbeat import Heartbeat
-from dflash.producer.trunk import CompileSpec, Trunk
+from dflash.producer.trunk import Trunk
 from dflash.producer.writers import Counters, ShardWriters, WriteJob, shard_of
 
 log = logging.getLogger(__name__)

@@ -29,11 +29,12 @@ from dflash.common.drafter.layers import default_target_layer_ids
 from dflash.common.target.capture import LayerCapture, find_decoder
 from dflash.common.target.chat import check_tokenizer
 from dflash.common.target.loading import TargetInfo, load_target
+from dflash.producer.compile_plan import compile_spec
 from dflash.producer.config import ProducerConfig, Worker
 from dflash.producer.heartbeat import Heartbeat
 from dflash.producer.loop import produce, write_held_out
 from dflash.producer.slice_plan import lengths_at, plan_slice, samples_at, tokenized_summary
-from dflash.producer.trunk import compile_spec, warm_trunk
+from dflash.producer.trunk import warm_trunk
 from dflash.producer.writers import Counters
 
 log = logging.getLogger(__name__)

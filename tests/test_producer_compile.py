@@ -19,17 +19,10 @@ from dflash.common.target.capture import LayerCapture
 from dflash.common.target.data import DataConfig
 from dflash.common.target.kernels import linear_attention_kernels
 from dflash.producer.buckets import BucketConfig, Bucketer, Sample, batches
+from dflash.producer.compile_plan import CompileSpec, mixer_shapes, static_buckets, warmup_shapes
 from dflash.producer.config import ProducerConfig, TrunkCompileConfig, Worker
 from dflash.producer.loop import produce
-from dflash.producer.trunk import (
-    CompileSpec,
-    Trunk,
-    _TappedTrunk,
-    mixer_shapes,
-    static_buckets,
-    warm_trunk,
-    warmup_shapes,
-)
+from dflash.producer.trunk import Trunk, _TappedTrunk, warm_trunk
 
 _TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
              num_key_value_heads=1, head_dim=16)  # fmt: skip

@@ -69,7 +69,8 @@ def test_produce_on_cuda_stores_each_samples_states(tmp_path):
 @pytest.mark.parametrize("scope,shapes", [("layers", "dynamic"), ("layers", "static"), ("trunk", "dynamic")])
 def test_compiled_trunk_on_cuda_matches_eager(scope, shapes):
     """inductor on the GPU: captures within bf16 tolerance of the eager capture, 0 recompiles after warm-up."""
-    from dflash.producer.trunk import CompileSpec, Trunk
+    from dflash.producer.compile_plan import CompileSpec
+    from dflash.producer.trunk import Trunk
 
     torch._dynamo.reset()  # each parametrization compiles its own graphs
     layer_ids = [1, 2, 3, 4, 5]

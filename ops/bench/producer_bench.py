@@ -47,10 +47,11 @@ from dflash.common.target.capture import LayerCapture  # noqa: E402
 from dflash.common.target.data import DataConfig  # noqa: E402
 from dflash.common.target.kernels import force_reference_kernels, linear_attention_kernels  # noqa: E402
 from dflash.producer.buckets import BucketConfig, Bucketer, Sample  # noqa: E402
+from dflash.producer.compile_plan import static_buckets  # noqa: E402
 from dflash.producer.config import ProducerConfig, TrunkCompileConfig, Worker, writer_threads_for  # noqa: E402
 from dflash.producer.launch import cores_per_gpu  # noqa: E402
 from dflash.producer.loop import forward_batch, produce  # noqa: E402
-from dflash.producer.trunk import static_buckets, warm_trunk  # noqa: E402
+from dflash.producer.trunk import warm_trunk  # noqa: E402
 
 log = logging.getLogger(__name__)
 
