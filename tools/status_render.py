@@ -6,8 +6,7 @@ import time
 from typing import Any
 
 from dflash.common.contract.spool_scan import SpoolScan
-from dflash.common.metrics import format_bytes, format_duration, format_rate
-from dflash.tools.status_sources import is_number
+from dflash.common.metrics import format_bytes, format_duration, format_rate, is_number
 
 STATES = SpoolScan.STATES  # ("tmp", "ready", "claimed", "quarantine")
 ETA_UNKNOWN = "ETA unknown: producers have not reported their dataset size yet"

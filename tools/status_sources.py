@@ -13,6 +13,7 @@ from typing import Any
 from dflash.common.contract.liveness import HOST, heartbeat_alive
 from dflash.common.contract.spool import Spool, SpoolError
 from dflash.common.contract.spool_scan import SpoolScan
+from dflash.common.metrics import is_number
 
 log = logging.getLogger(__name__)
 STATES = SpoolScan.STATES  # ("tmp", "ready", "claimed", "quarantine")
@@ -129,9 +130,4 @@ def pid_alive(pid: int | None, host: str | None) -> bool | None:
     return True
 
 
-def is_number(x: Any) -> bool:
-    """A real int or float (a JSON record's bool is not a count)."""
-    return isinstance(x, int | float) and not isinstance(x, bool)
-
-
-_isnum = is_number  # the name tools/status.py still imports; it goes once status.py imports is_number
+_isnum = is_number  # the name tools/status.py still imports; it goes once status.py imports common.metrics.is_number

@@ -189,7 +189,20 @@ def save_checkpoint(
     _clear_unfinished(store, run, name)
     started = time.monotonic()
     files = _upload_files(store, step_dir, tensors, optimizer_state, scheduler_state, rng_state, trained)
-    meta = {
+    meta = _meta(run, step, trained, config, files)
+    store.put_bytes(f"{step_dir}/{META_FILE}", json.dumps(meta, indent=2, sort_keys=True).encode())
+    store.put_bytes(f"{run}/{LATEST_FILE}", (name + "\n").encode())
+    total = sum(f["bytes"] for f in files.values())
+    took = time.monotonic() - started
+    log.info("saved checkpoint %s (%.1f MB in %.1fs)", store.url_for(step_dir), total / 1e6, took)
+    _prune(store, run, step, keep_last)
+    return store.url_for(step_dir)
+
+
+def _meta(run: str, step: int, trained: SampleSet, config: dict, files: dict) -> dict:
+    """The checkpoint's meta.json: what it is, where and when it was made, the run's (redacted) config
+    and each file's size and checksum (a loader verifies them)."""
+    return {
         "format": FORMAT,
         "version": VERSION,
         "run": run,
@@ -203,17 +216,6 @@ def save_checkpoint(
         "config": redact_config(config),
         "files": files,
     }
-    store.put_bytes(f"{step_dir}/{META_FILE}", json.dumps(meta, indent=2, sort_keys=True).encode())
-    store.put_bytes(f"{run}/{LATEST_FILE}", (name + "\n").encode())
-    total = sum(f["bytes"] for f in files.values())
-    log.info(
-        "saved checkpoint %s (%.1f MB in %.1fs)",
-        store.url_for(step_dir),
-        total / 1e6,
-        time.monotonic() - started,
-    )
-    _prune(store, run, step, keep_last)
-    return store.url_for(step_dir)
 
 
 def _clear_unfinished(store: CheckpointStore, run: str, name: str) -> None:
