@@ -1143,6 +1143,28 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
+def _draft(
+    proposer: Proposer, anchor: int, anchor_pos: int, b: int, sampling: Sampling | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One block's draft [b-1] on the CPU, and its probabilities when drafts are sampled (None: greedy)."""
+    if sampling is not None and sampling.draft == "sample":
+        draft_probs = warp_probs(proposer.draft_logits(anchor, anchor_pos, b), sampling)
+        return _draw(draft_probs, sampling.generator).cpu(), draft_probs
+    return proposer.propose(anchor, anchor_pos, b).to(torch.long).cpu(), None
+
+
+def _accept(
+    logits: torch.Tensor, draft: torch.Tensor, draft_probs: torch.Tensor | None, sampling: Sampling | None
+) -> tuple[int, int]:
+    """(draft tokens accepted, the bonus token) of one verify forward: rejection sampling when sampling
+    (``verify_sampled``), else d_k accepted while it equals the target's argmax after the tokens before it."""
+    if sampling is not None:
+        return verify_sampled(logits, draft, draft_probs, sampling)
+    greedy = logits.argmax(-1).cpu()  # greedy[k]: the target's token after [anchor, draft][:k+1]
+    accepted = int(torch.cumprod((draft == greedy[:-1]).long(), 0).sum())
+    return accepted, int(greedy[accepted])
+
+
 def speculative_generate(
     target: TargetRunner,
     proposer: Proposer,
@@ -1181,21 +1203,10 @@ def speculative_generate(
         anchor_pos = target.length
         remaining = max_new_tokens - len(gen.tokens)
         b = min(block, remaining + 1)
-        draft_probs = None
-        if sampled and sampling.draft == "sample":
-            draft_probs = warp_probs(proposer.draft_logits(gen.tokens[-1], anchor_pos, b), sampling)
-            draft = _draw(draft_probs, sampling.generator).cpu()
-        else:
-            draft = proposer.propose(gen.tokens[-1], anchor_pos, b).to(torch.long).cpu()
-        ids = torch.cat([torch.tensor([gen.tokens[-1]]), draft])
-        logits, feats = target.forward(ids)
+        draft, draft_probs = _draft(proposer, gen.tokens[-1], anchor_pos, b, sampling if sampled else None)
+        logits, feats = target.forward(torch.cat([torch.tensor([gen.tokens[-1]]), draft]))
         gen.target_forwards += 1
-        if sampled:
-            accepted, bonus = verify_sampled(logits, draft, draft_probs, sampling)
-        else:
-            greedy = logits.argmax(-1).cpu()  # greedy[k]: the target's token after ids[:k+1]
-            accepted = int(torch.cumprod((draft == greedy[:-1]).long(), 0).sum())
-            bonus = int(greedy[accepted])
+        accepted, bonus = _accept(logits, draft, draft_probs, sampling if sampled else None)
         new, stopped = emit_tokens(draft[:accepted].tolist() + [bonus], remaining, stop)
         gen.steps.append((b, accepted, len(new)))
         gen.tokens.extend(new)
