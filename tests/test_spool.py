@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.common.contract import liveness, spool_scan
+from dflash.common.contract import liveness, spool_files, spool_scan
 from dflash.common.contract import spool as spool_mod
 from dflash.common.contract.liveness import heartbeat_alive
 from dflash.common.contract.names import parse_shard_name, shard_name
@@ -217,7 +217,7 @@ def test_ack_interrupted_mid_delete_is_never_a_shard(tmp_path):
     put_dummy(sp, 0, "p0", 0, [1], pad=10)
     c = sp.claim("dead")
     # what a crash between the trash rename and the end of rmtree leaves behind
-    trash = c.parent / f"{spool_mod.ACK_PREFIX}{c.name}-deadbeef"
+    trash = c.parent / f"{spool_files.ACK_PREFIX}{c.name}-deadbeef"
     os.rename(c, trash)
     (trash / "pad.bin").unlink()
     sp.register_producers(["p0"])
