@@ -22,8 +22,7 @@ import logging
 import sys
 
 from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, error_line, fail
-from dflash.common.cli.flags import add_flags, from_args
-from dflash.common.cli.help import DefaultsHelpFormatter
+from dflash.common.cli.flags import command_parser, from_args
 from dflash.common.target.data import DataConfig
 from dflash.producer.buckets import BucketConfig
 from dflash.producer.config import (
@@ -39,17 +38,11 @@ log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG,
-        description="Run a frozen target over a chat dataset and spool K layers' hidden states.",
-        formatter_class=DefaultsHelpFormatter,
-    )
-    add_flags(p, LaunchConfig)
-    add_flags(p, DataConfig)
-    add_flags(p, BucketConfig)
-    add_flags(p, ProducerConfig)
-    add_flags(p, TrunkCompileConfig)
-    return p
+    return command_parser(
+        PROG,
+        "Run a frozen target over a chat dataset and spool K layers' hidden states.",
+        LaunchConfig, DataConfig, BucketConfig, ProducerConfig, TrunkCompileConfig,
+    )  # fmt: skip
 
 
 def config_of(args: argparse.Namespace) -> ProduceConfig:

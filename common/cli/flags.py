@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-__all__ = ["Flag", "add_flags", "check_choices", "flag", "from_args", "int_list"]
+from dflash.common.cli.help import DefaultsHelpFormatter
+
+__all__ = ["Flag", "add_flags", "check_choices", "command_parser", "flag", "from_args", "int_list"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,6 +211,18 @@ def add_flags(
         else:
             kw["default"] = default
         parser.add_argument(name, **kw)
+
+
+def command_parser(prog: str, description: str, *configs: type) -> argparse.ArgumentParser:
+    """A console script's parser: the shared help style (``DefaultsHelpFormatter``) and one flag per field
+    of each config dataclass, in order. A command whose flags need more (``defaults=``, a subcommand)
+    builds on the returned parser with ``add_flags``."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=DefaultsHelpFormatter
+    )
+    for cls in configs:
+        add_flags(parser, cls)
+    return parser
 
 
 def from_args(cls: type, args: argparse.Namespace, **fixed: Any) -> Any:

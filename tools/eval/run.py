@@ -20,6 +20,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash.common.cli.exits import fail
+from dflash.common.cli.logs import log_to_console
 from dflash.common.drafter.dflash import (
     DrafterProposer,
     Sampling,
@@ -257,15 +258,9 @@ def check_same_target(cfg: EvalConfig, target: nn.Module, drafter_config) -> Non
     log.warning("%s; evaluating anyway (--force): acceptance will be low", text)
 
 
-def setup_logging() -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s eval %(levelname)s %(message)s", datefmt="%H:%M:%S"
-    )
-
-
 def run(cfg: EvalConfig) -> int:
     """``dflash-eval --drafter DIR``: decode, print the table (and JSON); exit 2 on a user error."""
-    setup_logging()
+    log_to_console("eval")
     try:
         device, dtype = resolve_device(cfg)
         check_target(cfg.target, what="--target")

@@ -53,13 +53,14 @@ from dflash.common.checkpoints.store import (
     open_store,
 )
 from dflash.common.cli.exits import fail, one_line
+from dflash.common.cli.logs import log_to_console
 from dflash.common.drafter.hf_format import ExportError
 from dflash.common.metrics import MetricsLog
 from dflash.common.redact import redact
 from dflash.common.target.attach import build_drafter
 from dflash.common.target.data import DataError
 from dflash.tools.eval.config import PROG, EvalConfig, WatchConfig
-from dflash.tools.eval.run import check_same_target, evaluate_with, load_target, resolve_device, setup_logging
+from dflash.tools.eval.run import check_same_target, evaluate_with, load_target, resolve_device
 from dflash.tools.export.run import checkpoint_drafter_config
 
 log = logging.getLogger(__name__)
@@ -325,7 +326,7 @@ def watch_loop(w: Watch) -> int:
 def run_watch(cfg: EvalConfig, watch: WatchConfig) -> int:
     """``dflash-eval --watch``: exit 2 on a user error (one line), 1 on a failed evaluation (one line),
     else watch_loop's code. SIGINT/SIGTERM are WatchStopped from here on."""
-    setup_logging()
+    log_to_console("eval")
     with _stop_on_signals():
         try:
             w = open_watch(cfg, watch)

@@ -19,6 +19,7 @@ from dflash.common.checkpoints.layout import STEP_DIR, CheckpointError
 from dflash.common.checkpoints.load import load_checkpoint_weights
 from dflash.common.checkpoints.store import CheckpointStoreError
 from dflash.common.cli.exits import EXIT_USAGE, fail
+from dflash.common.cli.logs import log_to_console
 from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.hf_format import TOKENIZER_FILES, ExportError, export_drafter
 from dflash.common.drafter.serving_check import check_folder
@@ -100,15 +101,9 @@ def export_checkpoint(
     )  # fmt: skip
 
 
-def _setup_logging() -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s export %(levelname)s %(message)s", datefmt="%H:%M:%S"
-    )
-
-
 def run(cfg: ExportConfig) -> int:
     """Export, print the folder; exit 2 with one line on a user or input error."""
-    _setup_logging()
+    log_to_console("export")
     try:
         store_url, run_name, step = parse_checkpoint_url(cfg.checkpoint, run=cfg.run, step=cfg.step)
         out = export_checkpoint(
