@@ -127,8 +127,13 @@ def read_run_metrics(metrics_dir: str | Path) -> dict[str, list[dict[str, Any]]]
 # ---- human units -----------------------------------------------------------------------------------
 
 
+def is_number(x: Any) -> bool:
+    """A real int or float of a metrics record (a JSON bool is not a count)."""
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
 def _finite(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+    return is_number(x) and math.isfinite(x)
 
 
 def format_rate(x: float | None) -> str:

@@ -17,7 +17,7 @@ tokens, so their hidden states equal the unpadded forward's (see capture.py).
 bucket's own shape instead: length = the bucket's upper bound, rows = `rows_per_batch(bucket)` (the extra
 rows are all padding), so each bucket is exactly one tensor shape and a statically compiled graph per
 bucket never recompiles. That costs padding (a whole bucket width per row, and padding rows in the last,
-partial batches), so the static mode uses coarser buckets (`trunk.static_buckets`).
+partial batches), so the static mode uses coarser buckets (`compile_plan.static_buckets`).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ finished; 2 for a user or input error (bad flag, missing GPU, a dataset with no 
 another run or in use by a live launch), one line; 1 for a runtime failure, one line naming the failed
 worker(s) (traceback only with --log-level DEBUG); 130 when stopped by SIGINT/SIGTERM (no DONE markers).
 
-The flags are the fields of LaunchConfig, DataConfig, BucketConfig and ProducerConfig
-(producer/config.py). The launch (transformers, datasets, the spool) is imported only after the flags
+The flags are the fields of LaunchConfig, DataConfig, BucketConfig, ProducerConfig and TrunkCompileConfig
+(producer/config.py); they are parsed into one ``ProduceConfig``, the only thing the launch reads. The launch (transformers, datasets, the spool) is imported only after the flags
 parsed: ``--help`` and a bad flag answer at once.
 """
 
@@ -21,46 +21,63 @@ import argparse
 import logging
 import sys
 
-from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, fail, one_line
-from dflash.common.cli.flags import add_flags, from_args
-from dflash.common.cli.help import DefaultsHelpFormatter
+from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, error_line, fail
+from dflash.common.cli.flags import command_parser, from_args
 from dflash.common.target.data import DataConfig
 from dflash.producer.buckets import BucketConfig
-from dflash.producer.config import PROG, LaunchConfig, ProducerConfig, UsageError
+from dflash.producer.config import (
+    PROG,
+    LaunchConfig,
+    ProduceConfig,
+    ProducerConfig,
+    TrunkCompileConfig,
+    UsageError,
+)
 
 log = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG,
-        description="Run a frozen target over a chat dataset and spool K layers' hidden states.",
-        formatter_class=DefaultsHelpFormatter,
+    return command_parser(
+        PROG,
+        "Run a frozen target over a chat dataset and spool K layers' hidden states.",
+        LaunchConfig, DataConfig, BucketConfig, ProducerConfig, TrunkCompileConfig,
+    )  # fmt: skip
+
+
+def config_of(args: argparse.Namespace) -> ProduceConfig:
+    """The launch's one config from the parsed flags; ValueError (one line) on a bad value."""
+    launch = from_args(LaunchConfig, args)
+    producer = from_args(
+        ProducerConfig,
+        args,
+        data=from_args(DataConfig, args, min_loss_tokens=2 * launch.block_size),
+        buckets=from_args(BucketConfig, args),
+        compile_options=from_args(TrunkCompileConfig, args),
     )
-    add_flags(p, LaunchConfig)
-    add_flags(p, DataConfig)
-    add_flags(p, BucketConfig)
-    add_flags(p, ProducerConfig)
-    return p
+    return ProduceConfig(launch=launch, producer=producer)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_intermixed_args(argv)
-    launch = from_args(LaunchConfig, args)
-    logging.basicConfig(level=launch.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        cfg = config_of(args)
+    except ValueError as err:
+        fail(PROG, err, EXIT_USAGE)
+    logging.basicConfig(level=cfg.launch.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         from dflash.producer.launch import prepare
         from dflash.producer.supervisor import supervise
 
-        prepared = prepare(launch, args)
-        code = supervise(prepared, launch)
+        prepared = prepare(cfg)
+        code = supervise(prepared, cfg.launch)
     except UsageError as err:
         fail(PROG, err)
     except KeyboardInterrupt:
         fail(PROG, "interrupted", EXIT_INTERRUPTED)
     except Exception as err:  # noqa: BLE001 - a runtime failure: one line, the traceback with DEBUG only
         log.debug("traceback", exc_info=True)
-        fail(PROG, f"{type(err).__name__}: {one_line(err)}", EXIT_FAILURE)
+        fail(PROG, error_line(err), EXIT_FAILURE)
     sys.exit(code)
 
 

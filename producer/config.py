@@ -1,13 +1,19 @@
-"""The producer's configuration: the launch's flags (``LaunchConfig``) and each worker's config
-(``ProducerConfig``); together with DataConfig and BucketConfig they are the single source of
-``dflash-produce``'s flags (dflash.common.cli.flags). Standard library only: the CLI imports this before
-parsing."""
+"""The producer's configuration and each worker's place in its launch.
+
+``ProduceConfig`` is everything ``dflash-produce`` was told: the launch (``LaunchConfig``) and what every
+producer does (``ProducerConfig``, composed of DataConfig, BucketConfig and TrunkCompileConfig). Their
+fields are the single source of the CLI's flags and defaults (dflash.common.cli.flags). A ``Worker`` is the
+runtime state the launch decides per process (id, rank, device, spool, budget, what to skip), kept apart
+from the flags. Standard library only: the CLI imports this before parsing."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from typing import Literal
 
-from dflash.common.cli.flags import flag
+from dflash.common.cli.flags import check_choices, flag
+from dflash.common.compile import CompileConfig
 from dflash.common.drafter.layers import check_layer_ids
 from dflash.common.target.data import DataConfig
 from dflash.producer.buckets import BucketConfig
@@ -18,16 +24,6 @@ PROG = "dflash-produce"
 
 class UsageError(ValueError):
     """A bad flag value or input (reported as one line, exit 2)."""
-
-
-@dataclass(kw_only=True)
-class Worker:
-    """One producer process of this launch: its id in the spool, global rank and device."""
-
-    producer_id: str
-    rank: int
-    device: str
-    cuda_index: int | None = None
 
 
 @dataclass(kw_only=True)
@@ -55,35 +51,66 @@ class LaunchConfig:
     log_level: str = "INFO"
     """logging level (DEBUG adds tracebacks to errors)"""
 
+    def __post_init__(self) -> None:
+        if self.num_nodes < 1 or not 0 <= self.node_rank < self.num_nodes:
+            raise ValueError(f"--node-rank {self.node_rank}: must be in [0, --num-nodes {self.num_nodes})")
+        if self.spool is None and self.run is None:
+            raise ValueError("give --spool DIR or --run NAME (spool then defaults to /dev/shm/dflash/<run>)")
+
+    @property
+    def spool_dir(self) -> str:
+        return self.spool or f"/dev/shm/dflash/{self.run}"
+
+    @property
+    def run_name(self) -> str:
+        return self.run or os.path.basename(os.path.normpath(self.spool_dir))
+
+
+CompileScope = Literal["layers", "trunk"]
+CompileShapes = Literal["dynamic", "static"]
+
+
+@dataclass(kw_only=True)
+class TrunkCompileConfig(CompileConfig):
+    """How the producer compiles the target trunk: the shared switches plus the trunk's own."""
+
+    compile_scope: CompileScope = "layers"
+    """layers: each decoder layer compiled, one graph per layer kind (fast to compile, fine with fla's
+    graph breaks); trunk: the whole truncated trunk as one graph"""
+    compile_shapes: CompileShapes = "dynamic"
+    """dynamic: one graph with symbolic rows and length (buckets keep their ~1 % padding); static: one
+    graph per bucket shape, batches padded to their bucket's full shape on a coarser grid"""
+    compile_timeout_s: float = 240.0
+    """seconds the compiled trunk may take to warm up (every batch shape compiled); past it, compiling is
+    abandoned for the eager path with one warning line (0: no bound). Measured warm-ups on an H200: 44-82 s
+    (docs/producer.md)"""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.compile_timeout_s < 0:
+            raise ValueError(
+                f"TrunkCompileConfig.compile_timeout_s={self.compile_timeout_s}: must be >= 0 (0: no bound)"
+            )
+
 
 @dataclass(kw_only=True)
 class ProducerConfig:
-    """Everything one producer process needs (the CLI builds one per GPU)."""
+    """What every producer of a launch does: the target, its data, batching and compiling, the campaign.
 
-    producer_id: str = field(metadata=flag(cli=False))
-    """Unique in the spool; appears in shard names ([A-Za-z0-9_.], no '-')."""
+    Only choices live here (flags, and a few knobs for library callers); where one producer stands in
+    the launch (its id, rank, device, the spool, what to skip) is its :class:`Worker`."""
+
     model: str
     """target model path or hub id"""
-    spool: str = field(metadata=flag(cli=False))
-    """Spool directory."""
     data: DataConfig = field(metadata=flag(cli=False))
     buckets: BucketConfig = field(default_factory=BucketConfig, metadata=flag(cli=False))
-    rank: int = field(default=0, metadata=flag(cli=False))
-    """Global producer rank (node_rank * producers_per_node + local index)."""
-    world: int = field(default=1, metadata=flag(cli=False))
-    """Producers over all nodes; this one takes sample indices i with i % world == rank."""
-    device: str = field(default="cpu", metadata=flag(cli=False))
-    """cpu | cuda | cuda:N."""
-    dtype: str = field(default="auto", metadata=flag(choices=("auto", "bfloat16", "float32")))
+    compile_options: TrunkCompileConfig = field(default_factory=TrunkCompileConfig, metadata=flag(cli=False))
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """target dtype (auto: bf16 on GPU, fp32 on CPU)"""
     layer_ids: list[int] | None = None
     """target layers to capture, sorted and distinct, e.g. 1,9,17,25,33 (default: K=5 from 1 to L-3)"""
     codec: str | None = None
     """hidden-state codec: none | zstd:<level>[:shuffle] (default: the shard format's default)"""
-    budget_bytes: int = field(default=1 << 62, metadata=flag(cli=False))
-    """Spool budget: block before writing while the spool holds more bytes than this."""
-    skip: bytes | None = field(default=None, metadata=flag(cli=False))
-    """SampleSet.to_bytes() of already trained sample ids (from the latest checkpoint)."""
     epochs: int = 1
     """passes over the dataset; recorded in the spool's run record, so consumers and later launches agree"""
     shuffle_seed: int = 0
@@ -93,81 +120,83 @@ class ProducerConfig:
     the spool's eval/ once, and consumers report the decode-order acceptance length on them"""
     run_dir: str | None = None
     """write metrics/producer-<id>.jsonl here (default: no metrics files)"""
+    writer_threads: int | None = None
+    """shard writer threads per producer (default: from the cores per GPU, see writer_threads_for; one
+    writer encodes ~1 GB/s of bf16)"""
     target_name: str | None = field(default=None, metadata=flag(cli=False))
     """Model id recorded in shard metadata (default: `model`)."""
     heartbeat_s: float = field(default=5.0, metadata=flag(cli=False))
     """Seconds between heartbeats (spool state, metrics, the CLI's progress)."""
-    writer_threads: int | None = None
-    """shard writer threads per producer (default: from the cores per GPU, see writer_threads_for; one
-    writer encodes ~1 GB/s of bf16)"""
-    compile: bool = field(default=True, metadata=flag(negate=True, help="run the target eagerly (debug, or to compare)"))
-    """torch.compile the target trunk (cut after the last captured layer), warmed once per process"""
-    compile_backend: str = field(default="auto", metadata=flag(choices=("auto", "inductor", "aot_eager", "eager")))
-    """torch.compile backend: auto = inductor on CUDA, eager on the CPU (a CPU producer is not worth the
-    C++ build); aot_eager traces like inductor without code generation (tests)"""
-    compile_scope: str = field(default="layers", metadata=flag(choices=("layers", "trunk")))
-    """layers: each decoder layer compiled, one graph per layer kind (fast to compile, fine with fla's
-    graph breaks); trunk: the whole truncated trunk as one graph"""
-    compile_shapes: str = field(default="dynamic", metadata=flag(choices=("dynamic", "static")))
-    """dynamic: one graph with symbolic rows and length (buckets keep their ~1 % padding); static: one
-    graph per bucket shape, batches padded to their bucket's full shape on a coarser grid"""
-    compile_timeout_s: float = 240.0
-    """seconds the compiled trunk may take to warm up (every batch shape compiled); past it, compiling is
-    abandoned for the eager path with one warning line (0: no bound). Measured warm-ups on an H200: 44-82 s
-    (docs/producer.md)"""
     chunk_bytes: int = field(default=8 << 20, metadata=flag(cli=False))
     """Bytes per `hidden` chunk in the shards written (larger chunks: less per-chunk overhead)."""
-    num_threads: int | None = field(default=None, metadata=flag(cli=False))
-    """torch CPU threads (CPU producers share the machine)."""
 
     def __post_init__(self) -> None:
-        if not self.producer_id or "-" in self.producer_id:
-            raise ValueError(
-                f"ProducerConfig.producer_id={self.producer_id!r}: must be non-empty without '-'"
-            )
-        if not 0 <= self.rank < self.world:
-            raise ValueError(f"ProducerConfig.rank={self.rank}: must be in [0, world={self.world})")
-        if self.dtype not in ("auto", "bfloat16", "float32"):
-            raise ValueError(f"ProducerConfig.dtype={self.dtype!r}: must be auto, bfloat16 or float32")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"ProducerConfig.device={self.device!r}: must be cpu or cuda[:N]")
-        if self.budget_bytes <= 0:
-            raise ValueError(f"ProducerConfig.budget_bytes={self.budget_bytes}: must be > 0")
+        check_choices(self)
         if self.writer_threads is not None and self.writer_threads < 1:
             raise ValueError(f"ProducerConfig.writer_threads={self.writer_threads}: must be >= 1")
-        for name, allowed in (("compile_backend", ("auto", "inductor", "aot_eager", "eager")),
-                              ("compile_scope", ("layers", "trunk")), ("compile_shapes", ("dynamic", "static"))):  # fmt: skip
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"ProducerConfig.{name}={getattr(self, name)!r}: must be one of {', '.join(allowed)}")
-        if self.compile_timeout_s < 0:
-            raise ValueError(f"ProducerConfig.compile_timeout_s={self.compile_timeout_s}: must be >= 0 (0: no bound)")
         if self.chunk_bytes < 1:
             raise ValueError(f"ProducerConfig.chunk_bytes={self.chunk_bytes}: must be >= 1")
         if self.heartbeat_s <= 0:
             raise ValueError(f"ProducerConfig.heartbeat_s={self.heartbeat_s}: must be > 0")
         if self.epochs < 1:
-            raise ValueError(f"ProducerConfig.epochs={self.epochs}: must be >= 1")
+            raise ValueError(f"--epochs {self.epochs}: must be >= 1")
         if self.layer_ids is not None:
             self.layer_ids = check_layer_ids(self.layer_ids)
 
-    def resolved_compile_backend(self) -> str:
-        """The backend on this device: "eager" (not compiled) with --no-compile, and for auto on the CPU."""
-        if not self.compile:
-            return "eager"
-        if self.compile_backend == "auto":
-            return "inductor" if self.device.startswith("cuda") else "eager"
-        return self.compile_backend
 
-    def resolved_writer_threads(self) -> int:
-        return self.writer_threads if self.writer_threads is not None else writer_threads_for(None)
+@dataclass(kw_only=True)
+class ProduceConfig:
+    """Everything ``dflash-produce`` was told: built once from the flags, the only thing the launch reads."""
 
-    def torch_dtype(self):
-        """The target's torch dtype (torch is imported here, not at the top: the CLI parses flags first)."""
-        import torch  # not at the top: the CLI imports this config before parsing its flags
+    launch: LaunchConfig
+    producer: ProducerConfig
 
-        if self.dtype == "auto":
+
+@dataclass(kw_only=True)
+class Worker:
+    """Where one producer process stands in its launch (runtime state the launch decides, not flags)."""
+
+    producer_id: str
+    """Unique in the spool; appears in shard names ([A-Za-z0-9_.], no '-')."""
+    rank: int = 0
+    """Global producer rank (node_rank * producers_per_node + local index)."""
+    device: str = "cpu"
+    """cpu | cuda | cuda:N (a spawned worker sees its one GPU as cuda:0)."""
+    cuda_index: int | None = None
+    """The GPU index as the launch sees it (None for a CPU worker)."""
+    spool: str = ""
+    """Spool directory."""
+    world: int = 1
+    """Producers over all nodes; this one takes sample indices i with i % world == rank."""
+    budget_bytes: int = 1 << 62
+    """Spool budget: block before writing while the spool holds more bytes than this."""
+    skip: bytes | None = None
+    """SampleSet.to_bytes() of already trained sample ids (from the latest checkpoint)."""
+    num_threads: int | None = None
+    """torch CPU threads (CPU producers share the machine)."""
+    writer_threads: int = 2
+    """Shard writer threads (ProducerConfig.writer_threads, or sized from this worker's cores)."""
+
+    def __post_init__(self) -> None:
+        if not self.producer_id or "-" in self.producer_id:
+            raise ValueError(f"Worker.producer_id={self.producer_id!r}: must be non-empty without '-'")
+        if not 0 <= self.rank < self.world:
+            raise ValueError(f"Worker.rank={self.rank}: must be in [0, world={self.world})")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"Worker.device={self.device!r}: must be cpu or cuda[:N]")
+        if self.budget_bytes <= 0:
+            raise ValueError(f"Worker.budget_bytes={self.budget_bytes}: must be > 0")
+        if self.writer_threads < 1:
+            raise ValueError(f"Worker.writer_threads={self.writer_threads}: must be >= 1")
+
+    def torch_dtype(self, dtype: str):
+        """The target's torch dtype for ``dtype`` (ProducerConfig.dtype) on this device: auto = bf16 on
+        CUDA, fp32 on the CPU (torch imported here: the CLI imports this module before parsing)."""
+        import torch
+
+        if dtype == "auto":
             return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
-        return getattr(torch, self.dtype)
+        return getattr(torch, dtype)
 
 
 WRITER_CORES = 4

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from dflash.common.checkpoints.load import read_trained_set
-from dflash.common.cli.flags import from_args
 from dflash.common.contract.liveness import SpoolLock
 from dflash.common.contract.sample_set import SampleSet
 from dflash.common.contract.shard import CodecConfig, ShardFormatError
@@ -28,14 +27,19 @@ from dflash.common.drafter.layers import check_layer_ids, default_target_layer_i
 from dflash.common.target.chat import check_tokenizer
 from dflash.common.target.checks import check_target as check_target_files
 from dflash.common.target.data import (
-    DataConfig,
     DataError,
     conversation_column,
     dataset_fingerprint,
     load_raw_dataset,
 )
-from dflash.producer.buckets import BucketConfig
-from dflash.producer.config import LaunchConfig, ProducerConfig, UsageError, Worker, writer_threads_for
+from dflash.producer.config import (
+    LaunchConfig,
+    ProduceConfig,
+    ProducerConfig,
+    UsageError,
+    Worker,
+    writer_threads_for,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +72,8 @@ def workers_of(launch: LaunchConfig, launch_no: int | None = None) -> list[Worke
     for p, (dev, idx) in enumerate(devices):
         rank = launch.node_rank * per_node + p
         pid = f"n{launch.node_rank}p{p}" + (f".{launch_no}" if launch_no is not None else "")
-        out.append(Worker(producer_id=pid, rank=rank, device=dev if dev == "cpu" else "cuda:0", cuda_index=idx))  # fmt: skip
+        device = dev if dev == "cpu" else "cuda:0"  # a spawned worker sees only its own GPU
+        out.append(Worker(producer_id=pid, rank=rank, world=per_node * launch.num_nodes, device=device, cuda_index=idx))  # fmt: skip
     return out
 
 
@@ -135,12 +140,12 @@ def cores_per_gpu(workers: list[Worker]) -> int:
 
 @dataclass
 class Launch:
-    """A prepared launch: the spool (locked to it), its workers and their configs."""
+    """A prepared launch: the spool (locked to it), its workers and the config they all run."""
+
     spool: Spool
     lock: SpoolLock
     workers: list[Worker]
-    configs: list[ProducerConfig]
-    data: DataConfig
+    config: ProducerConfig
     num_rows: int
 
 
@@ -154,7 +159,9 @@ def _bind_spool(spool_dir: str, identity: dict, node_rank: int) -> tuple[Spool, 
         lock = spool.acquire_lock(f"producer-n{node_rank}", f"dflash-produce of run {run!r}")
         return spool, lock, spool.next_launch()
     except (RunMismatchError, SpoolBusyError) as err:  # they name the spool and both launches
-        raise UsageError(f"{err}; this is run {run!r}" if isinstance(err, SpoolBusyError) else str(err)) from None
+        raise UsageError(
+            f"{err}; this is run {run!r}" if isinstance(err, SpoolBusyError) else str(err)
+        ) from None
     except (SpoolError, OSError) as err:
         raise UsageError(f"spool {spool_dir}: {err}") from None
 
@@ -177,7 +184,9 @@ def _skip_set(spool: Spool, checkpoint: str | None, run: str, node_rank: int) ->
         except Exception as err:  # noqa: BLE001 - store errors come in many types; the user needs one line
             raise UsageError(f"cannot read trained samples from {checkpoint} run {run}: {err}") from None
         if skip is not None:
-            log.info("skipping %d samples already trained (checkpoint %s, run %s)", len(skip), checkpoint, run)
+            log.info(
+                "skipping %d samples already trained (checkpoint %s, run %s)", len(skip), checkpoint, run
+            )
     if leftover is not None and len(leftover):
         skip = skip if skip is not None else SampleSet(epoch=0)
         before = len(skip)
@@ -186,25 +195,16 @@ def _skip_set(spool: Spool, checkpoint: str | None, run: str, node_rank: int) ->
     return skip
 
 
-def prepare(launch: LaunchConfig, args) -> Launch:
-    """Check everything, bind and lock the spool, and build each worker's config. Raises UsageError."""
-    if launch.num_nodes < 1 or not 0 <= launch.node_rank < launch.num_nodes:
-        raise UsageError(f"--node-rank {launch.node_rank}: must be in [0, --num-nodes {launch.num_nodes})")
-    if args.epochs < 1:
-        raise UsageError(f"--epochs {args.epochs}: must be >= 1")
-    if launch.spool is None and launch.run is None:
-        raise UsageError("give --spool DIR or --run NAME (spool then defaults to /dev/shm/dflash/<run>)")
-    spool_dir = launch.spool or f"/dev/shm/dflash/{launch.run}"
-    run = launch.run or os.path.basename(os.path.normpath(spool_dir))
+def prepare(cfg: ProduceConfig) -> Launch:
+    """Check everything, bind and lock the spool, and place each worker. Raises UsageError."""
+    launch, producer, data = cfg.launch, cfg.producer, cfg.producer.data
     check_gpus(workers_of(launch), launch.gpus)  # before anything loads
     try:
-        data = from_args(DataConfig, args, min_loss_tokens=2 * launch.block_size)
-        buckets = from_args(BucketConfig, args)
-        if args.codec:
-            CodecConfig.parse(args.codec)
+        if producer.codec:
+            CodecConfig.parse(producer.codec)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    layer_ids = check_target(args.model, args.layer_ids)
+    layer_ids = check_target(producer.model, producer.layer_ids)
     try:
         ds = load_raw_dataset(data)
         conversation_column(ds, data.format)
@@ -212,35 +212,51 @@ def prepare(launch: LaunchConfig, args) -> Launch:
     except DataError as err:
         raise UsageError(str(err)) from None
     num_rows = min(len(ds), data.limit) if data.limit else len(ds)
-    if not 0 <= args.eval_samples < num_rows:
-        raise UsageError(f"--eval-samples {args.eval_samples}: must be in [0, {num_rows}) for dataset {data.dataset} ({num_rows} rows)")  # fmt: skip
-    plan = {"epochs": args.epochs, "shuffle_seed": args.shuffle_seed, "eval_samples": args.eval_samples, "rows": num_rows,
-            "max_length": data.max_length, "min_loss_tokens": data.min_loss_tokens, "format": data.format,
-            "train_reasoning": data.train_reasoning}  # fmt: skip
-    model = os.path.abspath(args.model) if os.path.exists(args.model) else args.model
-    identity = {"run": run, "model": model, "layer_ids": layer_ids, "dataset": fingerprint, "plan": plan}
-    spool, lock, launch_no = _bind_spool(spool_dir, identity, launch.node_rank)
-    workers = workers_of(launch, launch_no)
-    budget = int(launch.budget_gb * 1e9) if launch.budget_gb else default_budget_bytes(spool.root)
-    skip = _skip_set(spool, launch.checkpoint, run, launch.node_rank)
-    world = len(workers) * launch.num_nodes
-    cpu_threads = max(1, (os.cpu_count() or 1) // len(workers))
-    writers = args.writer_threads if args.writer_threads is not None else writer_threads_for(cores_per_gpu(workers))
-    try:
-        configs = [
-            from_args(
-                ProducerConfig, args, producer_id=w.producer_id, spool=str(spool.root), data=data,
-                buckets=buckets, rank=w.rank, world=world, device=w.device, budget_bytes=budget,
-                skip=skip.to_bytes() if skip is not None else None,
-                num_threads=cpu_threads if w.device == "cpu" else None, writer_threads=writers,
-            )  # fmt: skip
-            for w in workers
-        ]
-    except ValueError as err:
-        raise UsageError(str(err)) from None
+    if not 0 <= producer.eval_samples < num_rows:
+        raise UsageError(f"--eval-samples {producer.eval_samples}: must be in [0, {num_rows}) for dataset {data.dataset} ({num_rows} rows)")  # fmt: skip
+    run = launch.run_name
+    model = os.path.abspath(producer.model) if os.path.exists(producer.model) else producer.model
+    identity = {"run": run, "model": model, "layer_ids": layer_ids, "dataset": fingerprint,
+                "plan": _campaign_plan(producer, num_rows)}  # fmt: skip
+    spool, lock, launch_no = _bind_spool(launch.spool_dir, identity, launch.node_rank)
+    workers = _place_workers(cfg, spool, launch_no)
     spool.register_producers([w.producer_id for w in workers])
     log.info(
         "%d producer(s) %s over %d rows x %d epoch(s) (world %d), spool %s, budget %.1f GB",
-        len(workers), [w.producer_id for w in workers], num_rows, args.epochs, world, spool.root, budget / 1e9,
+        len(workers), [w.producer_id for w in workers], num_rows, producer.epochs, workers[0].world, spool.root,
+        workers[0].budget_bytes / 1e9,
     )  # fmt: skip
-    return Launch(spool=spool, lock=lock, workers=workers, configs=configs, data=data, num_rows=num_rows)
+    return Launch(spool=spool, lock=lock, workers=workers, config=producer, num_rows=num_rows)
+
+
+def _campaign_plan(producer: ProducerConfig, num_rows: int) -> dict:
+    """The campaign as the spool's run record keeps it: later launches and consumers must agree on it."""
+    data = producer.data
+    return {"epochs": producer.epochs, "shuffle_seed": producer.shuffle_seed, "eval_samples": producer.eval_samples,
+            "rows": num_rows, "max_length": data.max_length, "min_loss_tokens": data.min_loss_tokens,
+            "format": data.format, "train_reasoning": data.train_reasoning}  # fmt: skip
+
+
+def _place_workers(cfg: ProduceConfig, spool: Spool, launch_no: int) -> list[Worker]:
+    """This launch's workers with their place in it: spool, world, budget, skip set, threads."""
+    launch, producer = cfg.launch, cfg.producer
+    placed = workers_of(launch, launch_no)
+    budget = int(launch.budget_gb * 1e9) if launch.budget_gb else default_budget_bytes(spool.root)
+    skip = _skip_set(spool, launch.checkpoint, launch.run_name, launch.node_rank)
+    cpu_threads = max(1, (os.cpu_count() or 1) // len(placed))
+    writers = (
+        producer.writer_threads
+        if producer.writer_threads is not None
+        else writer_threads_for(cores_per_gpu(placed))
+    )
+    return [
+        replace(
+            w,
+            spool=str(spool.root),
+            budget_bytes=budget,
+            skip=skip.to_bytes() if skip is not None else None,
+            num_threads=cpu_threads if w.device == "cpu" else None,
+            writer_threads=writers,
+        )  # fmt: skip
+        for w in placed
+    ]

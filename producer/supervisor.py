@@ -23,10 +23,11 @@ from multiprocessing.connection import Connection, wait
 from tqdm import tqdm
 
 from dflash.common.child_process import anonymous_library_locks, die_with_parent
-from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, one_line
+from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, error_line, one_line
+from dflash.common.compile import import_dynamo_in_main_thread
 from dflash.common.metrics import format_bytes, format_duration, format_rate
-from dflash.common.target.chat import format_drops
-from dflash.producer.config import PROG, LaunchConfig
+from dflash.common.target.drops import format_drops
+from dflash.producer.config import PROG, LaunchConfig, ProducerConfig, Worker
 from dflash.producer.launch import Launch
 
 log = logging.getLogger(__name__)
@@ -57,19 +58,19 @@ class _Channel:
         return False
 
 
-def _worker_entry(cfg, cuda_index: int | None, conn, log_level: str, parent_pid: int) -> None:
+def _worker_entry(cfg: ProducerConfig, worker: Worker, conn, log_level: str, parent_pid: int) -> None:
     """Spawned process body: own the device, run, report the outcome through the pipe ``conn``. After
     tokenizing its slice it reports ("tokenized", summary) and waits for the parent's "go" (or "abort": the
     dataset yields no trainable sample) before loading the target."""
     die_with_parent(parent_pid)
     anonymous_library_locks()
     channel = _Channel(conn)
-    if cuda_index is not None:
+    if worker.cuda_index is not None:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        physical = visible.split(",")[cuda_index] if visible else str(cuda_index)
+        physical = visible.split(",")[worker.cuda_index] if visible else str(worker.cuda_index)
         os.environ["CUDA_VISIBLE_DEVICES"] = physical
     logging.basicConfig(
-        level=log_level, format=f"%(asctime)s {cfg.producer_id} %(levelname)s %(name)s: %(message)s"
+        level=log_level, format=f"%(asctime)s {worker.producer_id} %(levelname)s %(name)s: %(message)s"
     )
     stop = threading.Event()
     first = []
@@ -84,13 +85,13 @@ def _worker_entry(cfg, cuda_index: int | None, conn, log_level: str, parent_pid:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    import torch._dynamo  # noqa: F401  - import in the main thread first (concurrent first imports crash)
+    import_dynamo_in_main_thread()
 
     from dflash.common.target.data import DataError
     from dflash.producer.worker import run_producer
 
     def tokenized(summary: dict) -> bool:
-        channel.send("tokenized", cfg.producer_id, summary)
+        channel.send("tokenized", worker.producer_id, summary)
         return channel.wait_for_go(stop)
 
     wlog = logging.getLogger(__name__)
@@ -98,34 +99,35 @@ def _worker_entry(cfg, cuda_index: int | None, conn, log_level: str, parent_pid:
     try:
         result = run_producer(
             cfg,
+            worker,
             stop=stop,
-            on_heartbeat=lambda hb: channel.send("hb", cfg.producer_id, hb),
+            on_heartbeat=lambda hb: channel.send("hb", worker.producer_id, hb),
             on_tokenized=tokenized,
         )
     except KeyboardInterrupt:  # a second signal: stop now, without the clean stop
-        channel.send("stopped", cfg.producer_id, {"done": False})
+        channel.send("stopped", worker.producer_id, {"done": False})
         sys.exit(EXIT_INTERRUPTED)
     except (DataError, ValueError, OSError) as err:
-        channel.send("error", cfg.producer_id, f"{type(err).__name__}: {one_line(err)}", EXIT_USAGE)
-        wlog.error("producer %s failed: %s", cfg.producer_id, one_line(err), exc_info=debug)
+        channel.send("error", worker.producer_id, error_line(err), EXIT_USAGE)
+        wlog.error("producer %s failed: %s", worker.producer_id, one_line(err), exc_info=debug)
         sys.exit(EXIT_USAGE)
     except BaseException as err:
-        channel.send("error", cfg.producer_id, f"{type(err).__name__}: {one_line(err)}", EXIT_FAILURE)
-        wlog.error("producer %s failed: %s", cfg.producer_id, one_line(err), exc_info=debug)
+        channel.send("error", worker.producer_id, error_line(err), EXIT_FAILURE)
+        wlog.error("producer %s failed: %s", worker.producer_id, one_line(err), exc_info=debug)
         sys.exit(EXIT_FAILURE)
     kind = "aborted" if result.get("aborted") else "done" if result["done"] else "stopped"
-    channel.send(kind, cfg.producer_id, result)
+    channel.send(kind, worker.producer_id, result)
 
 
 class Progress:
     """Aggregates worker heartbeats into one line (and a tqdm bar on a terminal)."""
+
     def __init__(self, spool, ids: list[str], every_s: float):
         self.spool, self.every_s = spool, every_s
         self.hb: dict[str, dict] = {i: {} for i in ids}
         self.t0 = self.last = time.monotonic()
         self.bar = None
         if sys.stderr.isatty():
-
             self.bar = tqdm(total=0, unit="sample", desc="produce", dynamic_ncols=True)
 
     def update(self, pid: str, hb: dict) -> None:
@@ -186,6 +188,7 @@ def _say(text: str) -> None:
 
 class Supervisor:
     """The workers of one launch, from spawn to exit status."""
+
     def __init__(self, prepared: Launch, launch: LaunchConfig):
         self.prepared, self.launch = prepared, launch
         # Pipes, not mp.Queue/Event: those are named POSIX semaphores in /dev/shm, and a launch killed with
@@ -193,11 +196,11 @@ class Supervisor:
         ctx = mp.get_context("spawn")
         self.procs: dict[str, mp.Process] = {}
         self.conns: dict[str, Connection] = {}
-        for cfg, w in zip(prepared.configs, prepared.workers, strict=True):
+        for w in prepared.workers:
             mine, theirs = ctx.Pipe(duplex=True)
             proc = ctx.Process(
                 target=_worker_entry,
-                args=(cfg, w.cuda_index, theirs, launch.log_level, os.getpid()),
+                args=(prepared.config, w, theirs, launch.log_level, os.getpid()),
                 name=w.producer_id,
             )
             proc.start()
@@ -224,14 +227,21 @@ class Supervisor:
         everyone = len(self.tokenized) == len(self.procs)
         word = "go"
         if summary["ok"] == 0 and self.launch.num_nodes == 1 and everyone:
-            self.no_data = f"no trainable sample in dataset {self.prepared.data.dataset}: {format_drops(summary)}"
+            self.no_data = (
+                f"no trainable sample in dataset {self.prepared.config.data.dataset}: {format_drops(summary)}"
+            )
             word = "abort"
         elif everyone:  # what this node's slices give, for the consumers' plan
             campaign = {k: sum(int(t["campaign"][k]) for t in self.tokenized.values()) for k in ("samples", "tokens", "loss_tokens")}  # fmt: skip
-            epochs = self.prepared.configs[0].epochs
+            epochs = self.prepared.config.epochs
             self.prepared.spool.write_campaign(
                 self.launch.node_rank,
-                {**campaign, "epochs": epochs, "node_rank": self.launch.node_rank, "num_nodes": self.launch.num_nodes},
+                {
+                    **campaign,
+                    "epochs": epochs,
+                    "node_rank": self.launch.node_rank,
+                    "num_nodes": self.launch.num_nodes,
+                },
             )
         for conn in self.conns.values():
             try:
@@ -262,10 +272,14 @@ class Supervisor:
                 else:
                     self.outcome[pid] = (kind, payload, *rest)
                     if kind == "error":
-                        log.error("worker %s failed: %s (the other workers finish their slices)", pid, payload)
+                        log.error(
+                            "worker %s failed: %s (the other workers finish their slices)", pid, payload
+                        )
             if not self.go_sent and not self.stopping:  # a stop: the waiting workers see it and end
                 pending = [
-                    i for i, p in self.procs.items() if i not in self.tokenized and p.is_alive() and i not in self.outcome
+                    i
+                    for i, p in self.procs.items()
+                    if i not in self.tokenized and p.is_alive() and i not in self.outcome
                 ]
                 if not pending:
                     self.decide()

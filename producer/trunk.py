@@ -39,120 +39,28 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
-import torch._dynamo
 import torch._dynamo.config as dynamo_config
 import torch.fx.experimental._config as fx_config
 from torch import nn
 from torch._dynamo.exc import TorchDynamoException
 from torch._inductor.exc import InductorError
 
-from dflash.common.cli.exits import one_line
+from dflash.common.cli.exits import error_line
 from dflash.common.drafter.dflash import recompile_count
 from dflash.common.target.capture import LayerCapture
 from dflash.common.target.kernels import KernelReport
-from dflash.producer.buckets import BucketConfig, Bucketer
-from dflash.producer.config import ProducerConfig
+from dflash.producer.buckets import BucketConfig
+from dflash.producer.compile_plan import CompileSpec, compile_spec, mixer_shapes, shape_buckets, warmup_shapes
+from dflash.producer.config import ProducerConfig, Worker
 
 log = logging.getLogger(__name__)
 
-STATIC_BUCKETS_PER_OCTAVE = 4
-"""Buckets per doubling of length in the static-shape mode (each one compiled graph)."""
-STATIC_MIN_WIDTH = 64
-"""Smallest bucket width in the static-shape mode (lengths <= 64 share one shape)."""
-SCOPES = ("layers", "trunk")
-SHAPES = ("dynamic", "static")
 _COMPILE_ERRORS = (TorchDynamoException, InductorError)
-
-
-@dataclass(frozen=True)
-class CompileSpec:
-    """How the trunk runs: ``backend`` "eager" (not compiled) or a torch.compile backend (a name, or a
-    backend function: tests)."""
-
-    backend: str | Callable = "eager"
-    scope: str = "layers"
-    shapes: str = "dynamic"
-    timeout_s: float | None = None
-    """warm-up bound: past it, compiling is abandoned for the eager path (None: no bound)"""
-
-    def __post_init__(self) -> None:
-        if self.scope not in SCOPES:
-            raise ValueError(f"compile scope {self.scope!r}: must be one of {', '.join(SCOPES)}")
-        if self.shapes not in SHAPES:
-            raise ValueError(f"compile shapes {self.shapes!r}: must be one of {', '.join(SHAPES)}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.backend != "eager"
-
-    def describe(self) -> str:
-        name = self.backend if isinstance(self.backend, str) else getattr(self.backend, "__name__", "custom")
-        return f"compiled ({name}, {self.scope}, {self.shapes} shapes)" if self.enabled else "eager"
-
-
-def compile_spec(cfg: ProducerConfig) -> CompileSpec:
-    """The CompileSpec of a producer config (``--no-compile``, ``--compile-backend`` auto: CPU eager)."""
-    return CompileSpec(
-        backend=cfg.resolved_compile_backend(),
-        scope=cfg.compile_scope,
-        shapes=cfg.compile_shapes,
-        timeout_s=cfg.compile_timeout_s or None,
-    )
-
-
-def static_buckets(cfg: BucketConfig) -> BucketConfig:
-    """The bucket grid of the static-shape mode: fixed shapes, coarse (a config already marked
-    ``fixed_shapes`` is kept as it is, e.g. a benchmark's own grid)."""
-    if cfg.fixed_shapes:
-        return cfg
-    return replace(
-        cfg,
-        fixed_shapes=True,
-        buckets_per_octave=min(cfg.buckets_per_octave, STATIC_BUCKETS_PER_OCTAVE),
-        min_width=max(cfg.min_width, STATIC_MIN_WIDTH),
-    )
-
-
-def shape_buckets(cfg: BucketConfig, spec: CompileSpec) -> BucketConfig:
-    """The bucket config the producer batches with under ``spec``."""
-    return static_buckets(cfg) if spec.enabled and spec.shapes == "static" else cfg
-
-
-def warmup_shapes(cfg: BucketConfig, spec: CompileSpec, lengths) -> list[tuple[int, int]]:
-    """[rows, length] shapes to compile before producing, for samples of ``lengths`` batched by ``cfg``
-    (= `shape_buckets(...)`): static, every bucket shape the data uses; dynamic, full batches of the
-    longest and the shortest bucket that hold 2+ rows (a kernel specialized on short lengths, e.g. below one
-    64-token chunk of a linear-attention kernel, shows up in warm-up rather than as a recompile), and a
-    1-row batch (the size-1 graph), when the data can make one."""
-    if not spec.enabled or len(lengths) == 0:
-        return []
-    bk = Bucketer(cfg)
-    buckets = sorted({bk.bucket_of(int(n)) for n in lengths})
-    if spec.shapes == "static":
-        return [bk.shape_of(b) for b in buckets]
-    multi = [b for b in buckets if bk.rows_per_batch(b) >= 2]
-    shapes = [bk.shape_of(b) for b in sorted({multi[-1], multi[0]}, reverse=True)] if multi else []
-    if len(lengths) > 1 or not multi:  # a partial last batch may hold one row; a lone sample surely does
-        shapes.append((1, buckets[0] if multi and buckets[0] != multi[-1] else buckets[-1]))
-    return shapes
-
-
-def mixer_shapes(cfg: BucketConfig, lengths) -> list[tuple[int, int]]:
-    """[rows, length] inputs that make a linear-attention mixer build the fla kernel variants that depend
-    on the batch row count (every power of two up to the largest full batch, ``round_rows``) and on a
-    length divisible by 16 or not (64 and 72 tokens). Measured on an H200: 1.6 s at the 27B shape. fla's
-    l2norm also compiles per class of token count (every 64K rows of heads x tokens): those few variants
-    are built by the first batches (docs/producer.md: ~35 s over the first three, at 64 layers)."""
-    if len(lengths) == 0:
-        return []
-    bk = Bucketer(cfg)
-    full = max(bk.rows_per_batch(b) for b in {bk.bucket_of(int(n)) for n in lengths})
-    return [(1 << k, 64) for k in range(full.bit_length())] + [(1, 72)]
 
 
 class _Tap(nn.Module):
@@ -216,7 +124,7 @@ def _why(err: BaseException) -> str:
     """One line naming a compile failure's cause (dynamo wraps a backend's error in BackendCompilerFailed)."""
     inner = getattr(err, "inner_exception", None)
     err = inner if isinstance(inner, BaseException) else err
-    return f"{type(err).__name__}: {one_line(err)}"
+    return error_line(err)
 
 
 def _linear_mixers(layer: nn.Module) -> list[nn.Module]:
@@ -342,7 +250,10 @@ class Trunk:
             return self._forward(input_ids, valid)
 
     def warm_up(
-        self, shapes: list[tuple[int, int]], device: torch.device | str, mixer_inputs: Iterable[tuple[int, int]] = ()
+        self,
+        shapes: list[tuple[int, int]],
+        device: torch.device | str,
+        mixer_inputs: Iterable[tuple[int, int]] = (),
     ) -> float:
         """Compile every shape in ``shapes`` (a forward of pad tokens each), then run a linear-attention
         mixer once per shape in ``mixer_inputs`` (`mixer_shapes`: fla compiles and autotunes there, not
@@ -428,14 +339,18 @@ class Trunk:
         self.capture.close()
 
 
-def warm_trunk(cfg: ProducerConfig, capture: LayerCapture, kernels: KernelReport | None, lengths) -> Trunk:
-    """A producer's trunk: compiled per ``cfg``, every batch shape of samples of ``lengths`` compiled
-    before the first batch (the worker's start; benchmarks call it the same way)."""
-    spec = compile_spec(cfg)
+def warm_trunk(
+    cfg: ProducerConfig, worker: Worker, capture: LayerCapture, kernels: KernelReport | None, lengths
+) -> Trunk:
+    """A producer's trunk: compiled per ``cfg`` on the worker's device, every batch shape of samples of
+    ``lengths`` compiled before the first batch (the worker's start; benchmarks call it the same way)."""
+    spec = compile_spec(cfg.compile_options, worker.device)
     trunk = Trunk(capture, spec, kernels)
     buckets = trunk.bucket_config(cfg.buckets)
     shapes = warmup_shapes(buckets, spec, lengths)
-    seconds = trunk.warm_up(shapes, cfg.device, mixer_shapes(buckets, lengths) if kernels is not None else ())
+    seconds = trunk.warm_up(
+        shapes, worker.device, mixer_shapes(buckets, lengths) if kernels is not None else ()
+    )
     if trunk.compiled and shapes:
-        log.info("producer %s: compiled %d batch shape(s) in %.1f s (%s)", cfg.producer_id, len(shapes), seconds, spec.describe())  # fmt: skip
+        log.info("producer %s: compiled %d batch shape(s) in %.1f s (%s)", worker.producer_id, len(shapes), seconds, spec.describe())  # fmt: skip
     return trunk

@@ -18,14 +18,15 @@ from dflash.common.contract.shard import CodecConfig, Shard, ShardMeta
 from dflash.common.contract.shard_writer import write_shard
 from dflash.common.contract.spool import Spool
 from dflash.producer.buckets import Batch
-from dflash.producer.config import ProducerConfig
+from dflash.producer.config import ProducerConfig, Worker
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Job:
+class WriteJob:
     """One forward batch on its way to the writer thread."""
+
     batch: Batch
     hidden: torch.Tensor  # bf16 [T, K*H] on the host (a view of a pinned buffer on CUDA)
     event: torch.cuda.Event | None
@@ -35,6 +36,7 @@ class _Job:
 
 class Counters:
     """Thread-safe counters reported in heartbeats and metrics."""
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.values: dict[str, float] = dict.fromkeys(
@@ -68,22 +70,24 @@ def shard_of(batch: Batch, hidden: torch.Tensor, meta_kw: dict):
     )
 
 
-class _Writers:
-    """`cfg.resolved_writer_threads()` threads that encode and publish shards; they never run model code.
+class ShardWriters:
+    """`worker.writer_threads` threads that encode and publish shards; they never run model code.
 
     Several threads because one zarr+zstd writer encodes ~1 GB/s of bf16 on an H200 host (measured,
     docs/producer.md), less than an 8B target produces (~33K tok/s x 40 KB); the codec work runs
     outside the GIL, so threads scale. Shards may be published out of order; names stay unique because
     the main thread assigns sequence numbers.
     """
-    def __init__(self, cfg: ProducerConfig, meta_kw: dict, counters: Counters, stop: threading.Event):
 
-        self.cfg, self.meta_kw, self.counters, self.stop = cfg, meta_kw, counters, stop
+    def __init__(
+        self, cfg: ProducerConfig, worker: Worker, meta_kw: dict, counters: Counters, stop: threading.Event
+    ):
+        self.cfg, self.worker, self.meta_kw, self.counters, self.stop = cfg, worker, meta_kw, counters, stop
         self.codec = CodecConfig.parse(cfg.codec) if cfg.codec else None
-        self.jobs: queue.Queue[_Job | None] = queue.Queue(maxsize=2)
+        self.jobs: queue.Queue[WriteJob | None] = queue.Queue(maxsize=2)
         self.free: queue.Queue[torch.Tensor] = queue.Queue()
         self.error: BaseException | None = None
-        self.seq = Spool(cfg.spool).next_seq(cfg.producer_id)
+        self.seq = Spool(worker.spool).next_seq(worker.producer_id)
         self._admit_lock = threading.Lock()  # one budget admission at a time
         self._inflight_lock = threading.Lock()
         self._inflight = 0  # bytes reserved by shards admitted past the budget check and not yet published
@@ -91,8 +95,8 @@ class _Writers:
         """A writer waits for the spool to drain below the budget (the heartbeat's phase says so: a
         consumer then knows that no more data comes until it trains what it holds)."""
         self.threads = [
-            threading.Thread(target=self._run, name=f"shard-writer-{cfg.producer_id}-{i}", daemon=True)
-            for i in range(cfg.resolved_writer_threads())
+            threading.Thread(target=self._run, name=f"shard-writer-{worker.producer_id}-{i}", daemon=True)
+            for i in range(worker.writer_threads)
         ]
 
     def start(self) -> None:
@@ -119,7 +123,7 @@ class _Writers:
 
     def _run(self) -> None:
 
-        spool = Spool(self.cfg.spool)  # one per thread: Spool caches are not shared across threads
+        spool = Spool(self.worker.spool)  # one per thread: Spool caches are not shared across threads
         while (job := self.jobs.get()) is not None:
             t0 = time.monotonic()
             try:
@@ -150,13 +154,13 @@ class _Writers:
                 # box's CI once saw two shards past the budget that way).
                 with self._inflight_lock:
                     pending = self._inflight
-                self.budget_blocked = spool.total_bytes() > self.cfg.budget_bytes
+                self.budget_blocked = spool.total_bytes() > self.worker.budget_bytes
                 try:
-                    if not spool.wait_for_budget(self.cfg.budget_bytes, should_stop=self.stop.is_set):
+                    if not spool.wait_for_budget(self.worker.budget_bytes, should_stop=self.stop.is_set):
                         return False
                 finally:
                     self.budget_blocked = False
-                if pending == 0 or spool.total_bytes() + pending <= self.cfg.budget_bytes:
+                if pending == 0 or spool.total_bytes() + pending <= self.worker.budget_bytes:
                     break
                 if self.stop.wait(0.05):
                     return False
@@ -164,7 +168,7 @@ class _Writers:
                 self._inflight += reserved
             return True
 
-    def _write(self, spool, job: _Job) -> None:
+    def _write(self, spool, job: WriteJob) -> None:
 
         if job.event is not None:
             t0 = time.monotonic()
@@ -179,7 +183,9 @@ class _Writers:
             return
         try:
             t1 = time.monotonic()
-            tmp = spool.new_tmp_path(shard_name(job.batch.bucket, self.cfg.producer_id, job.seq, job.batch.epoch))
+            tmp = spool.new_tmp_path(
+                shard_name(job.batch.bucket, self.worker.producer_id, job.seq, job.batch.epoch)
+            )
             nbytes = write_shard(tmp, shard, self.codec, chunk_bytes=self.cfg.chunk_bytes)
             spool.publish(tmp, nbytes=nbytes)
         finally:

@@ -17,17 +17,11 @@ from transformers import AutoTokenizer
 
 from dflash.common.contract.epochs import Epochs
 from dflash.common.contract.sample_set import SampleSet
-from dflash.common.target.chat import (
-    _Tokenize,
-    drop_summary,
-    format_drops,
-    generation_renderings,
-    normalize_conversation,
-    tokenize_conversations,
-    tokenize_slice,
-)
+from dflash.common.target.chat import _Tokenize, generation_renderings, tokenize_conversations, tokenize_slice
+from dflash.common.target.conversation import normalize_conversation
 from dflash.common.target.data import DataConfig, load_raw_dataset, slice_indices
-from dflash.producer.worker import held_out_plan, plan_epochs
+from dflash.common.target.drops import drop_summary, format_drops
+from dflash.producer.slice_plan import held_out_plan, plan_epochs
 from dflash.tools.demo.assets import tiny_target_dir
 
 TEMPLATE = (Path(__file__).parent / "data" / "qwen3_rules.jinja").read_text()
@@ -426,14 +420,14 @@ def test_a_leading_assistant_turn_is_context_not_trained(qtok):
 
 def test_raw_rows_name_the_other_format_when_the_format_is_given(qtok):
     """Rows read one by one (a file arrow cannot type) carry no file format; --format names the odd one."""
-    from dflash.common.target.data import _RAW
+    from dflash.common.target.data import RAW_JSON_COLUMN
 
     sharegpt = {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": _say("x")}]}
     openai = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _say("x")}]}
-    batch = {_RAW: [json.dumps(sharegpt), json.dumps(openai), "{oops"]}
-    strict = _Tokenize(qtok, _RAW, 4096, 1, np.arange(3), fmt="openai")(batch, [0, 1, 2])
+    batch = {RAW_JSON_COLUMN: [json.dumps(sharegpt), json.dumps(openai), "{oops"]}
+    strict = _Tokenize(qtok, RAW_JSON_COLUMN, 4096, 1, np.arange(3), fmt="openai")(batch, [0, 1, 2])
     assert strict["status"] == ["bad:a ShareGPT row in an OpenAI-format file", "ok", "bad:unparseable"]
-    assert _Tokenize(qtok, _RAW, 4096, 1, np.arange(3))(batch, [0, 1, 2])["status"] == [
+    assert _Tokenize(qtok, RAW_JSON_COLUMN, 4096, 1, np.arange(3))(batch, [0, 1, 2])["status"] == [
         "ok",
         "ok",
         "bad:unparseable",

@@ -96,8 +96,10 @@ def test_layer_ids_are_checked_in_one_line(ids, num_layers, match):
 def test_the_cli_configs_refuse_repeated_layer_ids():
     """Producer (--layer-ids) and consumer (--target-layer-ids) configs: one line each."""
     with pytest.raises(ValueError, match=r"--layer-ids \[3, 1, 1\]: layer ids must be sorted and distinct"):
-        ProducerConfig(producer_id="p0", model="m", spool="s", data=DataConfig(dataset="d"), layer_ids=[3, 1, 1])
-    with pytest.raises(ValueError, match=r"--target-layer-ids \[2, 2\]: layer ids must be sorted and distinct"):
+        ProducerConfig(model="m", data=DataConfig(dataset="d"), layer_ids=[3, 1, 1])
+    with pytest.raises(
+        ValueError, match=r"--target-layer-ids \[2, 2\]: layer ids must be sorted and distinct"
+    ):
         TrainConfig(spool="s", target="t", target_layer_ids=[2, 2])
 
 
@@ -385,7 +387,9 @@ def reference_block(drafter: DFlashDrafter, context_hidden, block_ids, positions
         scores = torch.einsum("qhd,khd->hqk", q, k) * d**-0.5
         if cfg.layer_types[i] == "sliding_attention":
             q_pos, k_pos = positions[s:, None], positions[None, :]
-            scores = scores.masked_fill(~((k_pos <= q_pos) & (q_pos - k_pos < cfg.sliding_window)), float("-inf"))
+            scores = scores.masked_fill(
+                ~((k_pos <= q_pos) & (q_pos - k_pos < cfg.sliding_window)), float("-inf")
+            )
         att = torch.softmax(scores, dim=-1)
         o = torch.einsum("hqk,khd->qhd", att, v).reshape(q_len, -1)
         x = x + lin(p + "self_attn.o_proj.weight")(o)
@@ -599,14 +603,24 @@ def test_auto_layout_is_the_public_hybrid_drafters():
     """--draft-layer-types auto: a hybrid target gets 4 sliding + 1 full with window 2048 (z-lab
     Qwen3.6-27B-DFlash); any other target all full layers."""
     hybrid = DrafterConfig.from_target_config(hybrid_target_config(), mask_token_id=5)
-    assert hybrid.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and hybrid.sliding_window == 2048
+    assert (
+        hybrid.layer_types == ["sliding_attention"] * 4 + ["full_attention"] and hybrid.sliding_window == 2048
+    )
     assert hybrid.rope_scaling is None  # the target's partial rotary is its own, not the drafter's
-    three = DrafterConfig.from_target_config(hybrid_target_config(), num_layers=3, sliding_window=512, mask_token_id=5)
-    assert three.layer_types == ["sliding_attention", "sliding_attention", "full_attention"] and three.sliding_window == 512
+    three = DrafterConfig.from_target_config(
+        hybrid_target_config(), num_layers=3, sliding_window=512, mask_token_id=5
+    )
+    assert (
+        three.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
+        and three.sliding_window == 512
+    )
     plain = DrafterConfig.from_target_config(tiny_target_config(), mask_token_id=5)
     assert plain.layer_types == ["full_attention"] * 5 and plain.sliding_window is None
     explicit = DrafterConfig.from_target_config(
-        tiny_target_config(), num_layers=2, layer_types=["full_attention", "sliding_attention"], mask_token_id=5
+        tiny_target_config(),
+        num_layers=2,
+        layer_types=["full_attention", "sliding_attention"],
+        mask_token_id=5,
     )
     assert explicit.sliding_window == 2048 and explicit.layer_types == ["full_attention", "sliding_attention"]
     q = explicit.to_qwen3_config()
@@ -614,7 +628,9 @@ def test_auto_layout_is_the_public_hybrid_drafters():
     with pytest.raises(ValueError, match="no draft layer slides"):
         DrafterConfig.from_target_config(tiny_target_config(), sliding_window=64, mask_token_id=5)
     with pytest.raises(ValueError, match="names 2 layers"):
-        DrafterConfig.from_target_config(tiny_target_config(), layer_types=["full_attention"] * 2, mask_token_id=5)
+        DrafterConfig.from_target_config(
+            tiny_target_config(), layer_types=["full_attention"] * 2, mask_token_id=5
+        )
 
 
 @pytest.mark.parametrize(
@@ -640,8 +656,15 @@ def test_train_config_flags_for_the_layout():
     assert TrainConfig(**base).layer_types is None  # auto
     cfg = TrainConfig(**base, draft_layer_types="sliding, sliding,full", sliding_window=64)
     assert cfg.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
-    assert TrainConfig(**base, draft_layer_types="sliding_attention,full_attention,full").layer_types[0] == "sliding_attention"
-    for bad, match in (("sliding,full", "names 2 layers"), ("sliding,causal,full", "sliding/full"), ("", "sliding/full")):
+    assert (
+        TrainConfig(**base, draft_layer_types="sliding_attention,full_attention,full").layer_types[0]
+        == "sliding_attention"
+    )
+    for bad, match in (
+        ("sliding,full", "names 2 layers"),
+        ("sliding,causal,full", "sliding/full"),
+        ("", "sliding/full"),
+    ):
         with pytest.raises(ValueError, match=match):
             TrainConfig(**base, draft_layer_types=bad)
     with pytest.raises(ValueError, match="sliding-window"):
@@ -682,7 +705,9 @@ def test_a_mixed_layout_compiles_in_the_first_step_only():
     before, counts = recompile_count(), []
     for seed in range(3):
         _, batch = make_drafter_and_batch(seed=seed + 10, **layout)
-        draft_loss(drafter(batch, drafter.build_mask(batch)), batch, drafter.lm_head_weight).loss_sum.backward()
+        draft_loss(
+            drafter(batch, drafter.build_mask(batch)), batch, drafter.lm_head_weight
+        ).loss_sum.backward()
         counts.append(recompile_count())
     assert counts[0] > before and counts[0] == counts[1] == counts[2], (before, counts)
 

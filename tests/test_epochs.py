@@ -9,10 +9,10 @@ import pytest
 
 from dflash.common.contract.epochs import Campaign, Epochs
 from dflash.common.contract.sample_set import SampleSet
-from dflash.common.target.chat import campaign_counts
 from dflash.common.target.data import slice_indices
+from dflash.common.target.drops import campaign_counts
 from dflash.consumer.campaign import WarmupCosine
-from dflash.producer.worker import plan_epochs
+from dflash.producer.slice_plan import plan_epochs
 
 
 def test_ids_name_each_epoch_apart_and_map_back():

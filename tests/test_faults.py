@@ -237,27 +237,26 @@ def test_writer_threads_together_overshoot_the_budget_by_one_shard_at_most(tmp_p
     producer: a thread is admitted past the budget only when nothing else of its producer is in flight."""
     from dflash.common.target.data import DataConfig
     from dflash.producer.buckets import Batch, Sample
-    from dflash.producer.config import ProducerConfig
-    from dflash.producer.writers import Counters, _Job, _Writers
+    from dflash.producer.config import ProducerConfig, Worker
+    from dflash.producer.writers import Counters, ShardWriters, WriteJob
 
     spool = Spool(tmp_path / "spool")
     budget, tokens = 1000, 1024
-    cfg = ProducerConfig(
-        producer_id="p0", model="tiny", spool=str(spool.root), data=DataConfig(dataset="unused"),
-        budget_bytes=budget, writer_threads=2,
-    )  # fmt: skip
+    cfg = ProducerConfig(model="tiny", data=DataConfig(dataset="unused"))
+    worker = Worker(producer_id="p0", spool=str(spool.root), budget_bytes=budget, writer_threads=2)
     stop = threading.Event()
-    writers = _Writers(
+    writers = ShardWriters(
         cfg,
+        worker,
         dict(target_model="tiny", layer_ids=LAYERS, hidden_size=HIDDEN, producer_id="p0"),
         Counters(),
         stop,
     )
 
-    def job(i: int) -> _Job:
+    def job(i: int) -> WriteJob:
         sample = Sample(sample_index=i, input_ids=np.zeros(tokens, np.int32), loss_mask=np.ones(tokens, bool))
         hidden = torch.randn(tokens, len(LAYERS) * HIDDEN).to(torch.bfloat16)
-        return _Job(batch=Batch(bucket=tokens, pad_len=tokens, samples=[sample]), hidden=hidden, event=None,
+        return WriteJob(batch=Batch(bucket=tokens, pad_len=tokens, samples=[sample]), hidden=hidden, event=None,
                     buffer=None, seq=writers.next_seq())  # fmt: skip
 
     for i in range(2):  # queued before the threads start: both pick one up at once
@@ -311,7 +310,9 @@ def test_producer_workers_die_with_their_parent(tmp_path, tiny_target):
         parent.wait()
         # PR_SET_PDEATHSIG kills it at once; the bound only covers a slow teardown on a loaded box (an
         # orphan blocked on the budget would live on forever, so a missing death still fails here)
-        wait_until(lambda: not process_alive(worker), timeout_s=60, what=f"worker {worker} to die with its parent")
+        wait_until(
+            lambda: not process_alive(worker), timeout_s=60, what=f"worker {worker} to die with its parent"
+        )
     finally:
         if parent.poll() is None:
             parent.kill()
@@ -671,7 +672,13 @@ def test_no_credentials_in_consumer_logs_metrics_or_checkpoint_meta(s3_scenario)
 
 # ------------------------------------------------------------------------------------- fuzzed dataset rows
 # no subnormals: a Trainer built in this process (set_flush_denormal, CPU) makes hypothesis refuse them
-_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_subnormal=False) | st.text(max_size=30)
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_subnormal=False)
+    | st.text(max_size=30)
+)
 _json = st.recursive(
     _scalars,
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
@@ -751,13 +758,13 @@ def test_fuzzed_rows_never_crash_tokenization_and_bad_rows_are_counted(tiny_toke
 
     from dflash.common.contract.epochs import Epochs
     from dflash.common.target.chat import _Tokenize
-    from dflash.common.target.data import _RAW
-    from dflash.producer.worker import _samples, plan_epochs
+    from dflash.common.target.data import RAW_JSON_COLUMN
+    from dflash.producer.slice_plan import plan_epochs, samples_at
 
     max_length, min_loss = 64, 8
     indices = np.arange(len(rows), dtype=np.int64) + 1000
-    fn = _Tokenize(tiny_tokenizer, _RAW, max_length, min_loss, indices)
-    out = fn({_RAW: [json.dumps(r) for r in rows]}, list(range(len(rows))))
+    fn = _Tokenize(tiny_tokenizer, RAW_JSON_COLUMN, max_length, min_loss, indices)
+    out = fn({RAW_JSON_COLUMN: [json.dumps(r) for r in rows]}, list(range(len(rows))))
     assert out["sample_index"] == indices.tolist()
     assert all(len(out[k]) == len(rows) for k in out)
     for ids, mask, n_loss, status in zip(
@@ -773,7 +780,7 @@ def test_fuzzed_rows_never_crash_tokenization_and_bad_rows_are_counted(tiny_toke
     tok_ds = datasets.Dataset.from_dict(out)
     plan = Epochs(rows=1000 + len(rows))
     positions, ids, c = plan_epochs(tok_ds, indices, plan, None)
-    kept = [s.sample_index for s in _samples(tok_ds, positions, ids)]
+    kept = [s.sample_index for s in samples_at(tok_ds, positions, ids)]
     status = Counter("bad" if s.startswith("bad:") else s for s in out["status"])
     assert sorted(kept) == [i for i, s in zip(out["sample_index"], out["status"], strict=True) if s == "ok"]
     assert (c["bad"], c["short"], c["dropped"]) == (
@@ -838,7 +845,7 @@ def _s3_env(proxy: FaultProxy) -> dict:
 def test_a_store_that_refuses_writes_fails_the_run_before_its_first_step_or_at_its_first_save(
     s3_endpoint, _s3_admin_client, tiny_target, tmp_path
 ):
-    """Issue 23: (1) a store that refuses every write (403 from the start) is refused before step 1: exit 2,
+    """(1) A store that refuses every write (403 from the start) is refused before step 1: exit 2,
     one line, nothing trained; (2) a store that refuses writes once training runs, before any checkpoint
     exists, stops the run at the first failed save (exit 1, one line saying why and where its state went)
     instead of training on with nothing saved."""
@@ -858,7 +865,9 @@ def test_a_store_that_refuses_writes_fails_the_run_before_its_first_step_or_at_i
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         assert p.returncode == 2, p.stderr[-3000:]
         line = p.stderr.strip().splitlines()[-1]
-        assert line.startswith("dflash-consume: error: checkpoint store s3://") and "not writable" in line, line
+        assert line.startswith("dflash-consume: error: checkpoint store s3://") and "not writable" in line, (
+            line
+        )
         assert "Traceback" not in p.stderr and FAKE_SECRET_ACCESS_KEY not in p.stderr
         assert not read_jsonl(run_dir / "metrics" / "ledger-r0.jsonl")  # before step 1
 
@@ -897,7 +906,7 @@ def test_a_store_that_refuses_writes_fails_the_run_before_its_first_step_or_at_i
 
 @pytest.mark.slow
 def test_a_checkpoint_folder_nothing_can_be_written_into_is_refused_before_step_1(tiny_target, tmp_path):
-    """Issue 23: a local --checkpoint folder the run's checkpoints cannot be written into is refused before
+    """A local --checkpoint folder the run's checkpoints cannot be written into is refused before
     the first step (exit 2, one line naming the folder and the cause). The folder exists; the run's place
     in it is taken by a file, which stops every write as a read-only mount does (and does so for root too,
     whom a 0555 mode does not stop)."""

@@ -25,7 +25,7 @@ from dflash.common.target.capture import LayerCapture
 from dflash.common.target.data import DataConfig
 from dflash.common.target.kernels import REFERENCE, force_reference_kernels, linear_attention_kernels
 from dflash.common.target.loading import load_target, vision_parameters
-from dflash.producer.config import ProducerConfig
+from dflash.producer.config import ProducerConfig, TrunkCompileConfig, Worker
 from dflash.producer.worker import run_producer
 from dflash.tools.demo.assets import demo_dataset_path, tiny_target_dir
 
@@ -85,7 +85,9 @@ def test_multimodal_checkpoint_loads_the_text_model_only(vlm_checkpoint):
     for k in range(LAYERS):
         torch.testing.assert_close(got[:, k * HIDDEN : (k + 1) * HIDDEN], ref[k + 1].reshape(-1, HIDDEN))
     raw = []  # the trap: the last layer's own output is not hidden_states[L] (that is after the norm)
-    model.model.layers[-1].register_forward_hook(lambda m, a, out: raw.append(out[0] if isinstance(out, tuple) else out))
+    model.model.layers[-1].register_forward_hook(
+        lambda m, a, out: raw.append(out[0] if isinstance(out, tuple) else out)
+    )
     with torch.inference_mode():
         model(input_ids=ids, use_cache=False)
     assert not torch.allclose(raw[0], ref[LAYERS])
@@ -97,16 +99,19 @@ def test_producer_runs_on_the_multimodal_hybrid_checkpoint(vlm_checkpoint, tmp_p
     compiled (every layer; the linear-attention mixers run outside the graphs) when asked, 0 recompiles."""
     path, vlm = vlm_checkpoint
     cfg = ProducerConfig(
-        producer_id="h0", model=str(path), spool=str(tmp_path / "spool"), layer_ids=[0, 1, 2], compile_backend=backend,
+        model=str(path), layer_ids=[0, 1, 2], compile_options=TrunkCompileConfig(compile_backend=backend),
         data=DataConfig(dataset=str(demo_dataset_path()), limit=6, max_length=128, cache_dir=str(tmp_path / "hf")),
     )  # fmt: skip
     with caplog.at_level(logging.INFO):
-        result = run_producer(cfg)
+        result = run_producer(cfg, Worker(producer_id="h0", spool=str(tmp_path / "spool")))
     assert result["done"] and result["samples"] > 0 and result["recompiles"] == 0
     if backend == "auto":
         assert result["compile"] == "eager"
     else:
-        assert result["compile"].startswith("compiled (aot_eager, layers, dynamic") and result["eager_mixers"] == 2
+        assert (
+            result["compile"].startswith("compiled (aot_eager, layers, dynamic")
+            and result["eager_mixers"] == 2
+        )
         assert result["compile_s"] > 0
     start = next(r.getMessage() for r in caplog.records if "epoch(s)" in r.getMessage())
     assert "Qwen3_5ForCausalLM (text model of a multimodal checkpoint, no vision tower)" in start
@@ -133,16 +138,18 @@ def test_reference_kernels_are_reported_and_forcing_them_is_undone(vlm_checkpoin
     assert all(vars(module)[k] is v for k, v in before.items() if callable(v))
 
 
-FAKE_FLA = '''
+FAKE_FLA = """
 def chunk_gated_delta_rule(*args, **kwargs):
     raise AssertionError("the fake fla kernel ran")
 
 def fused_recurrent_gated_delta_rule(*args, **kwargs):
     raise AssertionError("the fake fla kernel ran")
-'''
+"""
 
 
-@pytest.mark.skipif(Version(transformers.__version__) < Version("5.15"), reason="5.15+ resolves fla at import")
+@pytest.mark.skipif(
+    Version(transformers.__version__) < Version("5.15"), reason="5.15+ resolves fla at import"
+)
 def test_fla_is_detected_and_a_cpu_target_is_switched_off_it(vlm_checkpoint, tmp_path):
     """A stand-in ``fla`` package (whose kernels raise) on the path before transformers: the report names
     it; a CPU target is switched to the reference, so its forward never calls it."""
@@ -196,13 +203,15 @@ def test_multimodal_hybrid_checkpoint_on_cuda_loads_text_only_and_produces_compi
     assert all(p.is_cuda for p in model.parameters())
     del model
     cfg = ProducerConfig(
-        producer_id="g0", model=str(path), spool=str(tmp_path / "spool"), layer_ids=[0, 1, 2], device="cuda:0",
+        model=str(path), layer_ids=[0, 1, 2],
         data=DataConfig(dataset=str(demo_dataset_path()), limit=24, max_length=256, cache_dir=str(tmp_path / "hf")),
     )  # fmt: skip
     with caplog.at_level(logging.INFO):
-        result = run_producer(cfg)
+        result = run_producer(cfg, Worker(producer_id="g0", spool=str(tmp_path / "spool"), device="cuda:0"))
     assert result["done"] and result["samples"] > 0 and result["recompiles"] == 0
     assert result["compile"].startswith("compiled (inductor, layers") and result["eager_mixers"] == 2
     start = next(r.getMessage() for r in caplog.records if "epoch(s)" in r.getMessage())
     assert "no vision tower" in start and "linear-attention layers" in start
-    assert sum(read_shard(p).num_samples for p in (tmp_path / "spool" / "ready").iterdir()) == result["samples"]
+    assert (
+        sum(read_shard(p).num_samples for p in (tmp_path / "spool" / "ready").iterdir()) == result["samples"]
+    )

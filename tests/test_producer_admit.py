@@ -1,4 +1,4 @@
-"""The spool budget's admission of a producer's shards (producer.worker._Writers._admit), driven through
+"""The spool budget's admission of a producer's shards (producer.writers.ShardWriters._admit), driven through
 one interleaving that a busy box produced: another writer thread's shard is published between this
 thread's budget scan and its read of what is in flight. Deterministic: the interleaving is injected."""
 
@@ -9,8 +9,8 @@ import time
 
 from dflash.common.contract.spool import Spool
 from dflash.common.target.data import DataConfig
-from dflash.producer.config import ProducerConfig
-from dflash.producer.writers import Counters, _Writers
+from dflash.producer.config import ProducerConfig, Worker
+from dflash.producer.writers import Counters, ShardWriters
 
 BUDGET = 1_000
 SHARD = 5_000  # far past the budget, as in the spool-full test
@@ -22,7 +22,7 @@ class _RacingSpool:
     look at what is in flight, that shard is published: it lands in ready/ and leaves the in-flight
     reservation."""
 
-    def __init__(self, writers: _Writers):
+    def __init__(self, writers: ShardWriters):
         self.writers, self.total, self.checks = writers, 0, 0
 
     def wait_for_budget(self, budget_bytes, *, should_stop=None):
@@ -47,10 +47,10 @@ class _RacingSpool:
 
 def test_a_shard_published_during_the_budget_check_still_counts(tmp_path):
     Spool(tmp_path / "spool")
-    cfg = ProducerConfig(producer_id="p0", model="unused", spool=str(tmp_path / "spool"),
-                         data=DataConfig(dataset="unused"), budget_bytes=BUDGET)  # fmt: skip
+    cfg = ProducerConfig(model="unused", data=DataConfig(dataset="unused"))
+    worker = Worker(producer_id="p0", spool=str(tmp_path / "spool"), budget_bytes=BUDGET)
     stop = threading.Event()
-    writers = _Writers(cfg, {}, Counters(), stop)
+    writers = ShardWriters(cfg, worker, {}, Counters(), stop)
     writers._inflight = SHARD  # the other writer thread's shard, admitted and being written
     spool = _RacingSpool(writers)
 

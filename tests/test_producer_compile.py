@@ -19,17 +19,10 @@ from dflash.common.target.capture import LayerCapture
 from dflash.common.target.data import DataConfig
 from dflash.common.target.kernels import linear_attention_kernels
 from dflash.producer.buckets import BucketConfig, Bucketer, Sample, batches
-from dflash.producer.config import ProducerConfig
-from dflash.producer.trunk import (
-    CompileSpec,
-    Trunk,
-    _TappedTrunk,
-    mixer_shapes,
-    static_buckets,
-    warm_trunk,
-    warmup_shapes,
-)
-from dflash.producer.worker import produce
+from dflash.producer.compile_plan import CompileSpec, mixer_shapes, static_buckets, warmup_shapes
+from dflash.producer.config import ProducerConfig, TrunkCompileConfig, Worker
+from dflash.producer.loop import produce
+from dflash.producer.trunk import Trunk, _TappedTrunk, warm_trunk
 
 _TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
              num_key_value_heads=1, head_dim=16)  # fmt: skip
@@ -172,7 +165,9 @@ def test_round_rows_makes_only_the_row_counts_warm_up_runs():
     lengths = rng.integers(1, 700, 900)
     cfg = BucketConfig(batch_tokens=2048, round_rows=True)
     seen = set()
-    for b in batches([Sample(i, np.zeros(int(n), np.int32), np.ones(int(n), bool)) for i, n in enumerate(lengths)], cfg):
+    for b in batches(
+        [Sample(i, np.zeros(int(n), np.int32), np.ones(int(n), bool)) for i, n in enumerate(lengths)], cfg
+    ):
         assert b.num_rows >= len(b.samples) and b.pad_len >= max(len(s) for s in b.samples)
         assert b.num_rows & (b.num_rows - 1) == 0 and b.num_padded_tokens <= 2048 + b.pad_len
         seen.add(b.num_rows)
@@ -234,11 +229,14 @@ def test_produce_with_static_shapes_stores_the_eager_states(tmp_path):
     samples = [Sample(i, rng.integers(0, 128, n, dtype=np.int32), rng.random(n) < 0.7)
                for i, n in enumerate(rng.integers(10, 200, 24))]  # fmt: skip
     cfg = ProducerConfig(
-        producer_id="c0", model="tiny", spool=str(tmp_path / "spool"), data=DataConfig(dataset="x", max_length=256),
-        buckets=BucketConfig(batch_tokens=512, pool_batches=1), compile_backend="aot_eager", compile_shapes="static",
+        model="tiny", data=DataConfig(dataset="x", max_length=256), buckets=BucketConfig(batch_tokens=512, pool_batches=1),
+        compile_options=TrunkCompileConfig(compile_backend="aot_eager", compile_shapes="static"),
     )  # fmt: skip
-    trunk = warm_trunk(cfg, LayerCapture(_model(), LAYERS, free_unused=True), None, [len(s) for s in samples])
-    result = produce(cfg, trunk, samples)
+    worker = Worker(producer_id="c0", spool=str(tmp_path / "spool"))
+    trunk = warm_trunk(
+        cfg, worker, LayerCapture(_model(), LAYERS, free_unused=True), None, [len(s) for s in samples]
+    )
+    result = produce(cfg, worker, trunk, samples)
     assert result["done"] and result["samples"] == 24 and result["recompiles"] == 0
     assert result["compile"].startswith("compiled (aot_eager, layers, static")
     assert result["padded_tokens"] > result["fwd_tokens"]  # rows and lengths padded to the bucket shapes

@@ -28,8 +28,8 @@ def test_bf16_capture_equals_hidden_states_on_cuda():
 
 def test_produce_on_cuda_stores_each_samples_states(tmp_path):
     from dflash.common.contract.shard_reader import read_shard
-    from dflash.producer.config import ProducerConfig
-    from dflash.producer.worker import produce
+    from dflash.producer.config import ProducerConfig, Worker
+    from dflash.producer.loop import produce
 
     model = build_tiny_target(dtype=torch.bfloat16).cuda()
     rng = np.random.default_rng(0)
@@ -38,11 +38,13 @@ def test_produce_on_cuda_stores_each_samples_states(tmp_path):
         n = int(rng.integers(40, 300))
         samples.append(Sample(i, rng.integers(4, 4096, n, dtype=np.int32), rng.random(n) < 0.7))
     cfg = ProducerConfig(
-        producer_id="g0", model="tiny", spool=str(tmp_path / "spool"), device="cuda:0",
-        data=DataConfig(dataset="synthetic", max_length=512), buckets=BucketConfig(batch_tokens=1024, pool_batches=1),
+        model="tiny", data=DataConfig(dataset="synthetic", max_length=512),
+        buckets=BucketConfig(batch_tokens=1024, pool_batches=1),
     )  # fmt: skip
     cap = LayerCapture(model, [1, 2, 3, 4, 5], free_unused=True)
-    result = produce(cfg, cap, samples)
+    result = produce(
+        cfg, Worker(producer_id="g0", spool=str(tmp_path / "spool"), device="cuda:0"), cap, samples
+    )
     assert result["done"] and result["samples"] == 60 and result["shards"] > 6  # > 2x the 3 host buffers
     by_index = {s.sample_index: s for s in samples}
     ref_model = build_tiny_target(dtype=torch.bfloat16).cuda()
@@ -67,7 +69,8 @@ def test_produce_on_cuda_stores_each_samples_states(tmp_path):
 @pytest.mark.parametrize("scope,shapes", [("layers", "dynamic"), ("layers", "static"), ("trunk", "dynamic")])
 def test_compiled_trunk_on_cuda_matches_eager(scope, shapes):
     """inductor on the GPU: captures within bf16 tolerance of the eager capture, 0 recompiles after warm-up."""
-    from dflash.producer.trunk import CompileSpec, Trunk
+    from dflash.producer.compile_plan import CompileSpec
+    from dflash.producer.trunk import Trunk
 
     torch._dynamo.reset()  # each parametrization compiles its own graphs
     layer_ids = [1, 2, 3, 4, 5]

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.common.contract import liveness, spool_scan
+from dflash.common.contract import liveness, spool_files, spool_scan
 from dflash.common.contract import spool as spool_mod
 from dflash.common.contract.liveness import heartbeat_alive
 from dflash.common.contract.names import parse_shard_name, shard_name
@@ -217,7 +217,7 @@ def test_ack_interrupted_mid_delete_is_never_a_shard(tmp_path):
     put_dummy(sp, 0, "p0", 0, [1], pad=10)
     c = sp.claim("dead")
     # what a crash between the trash rename and the end of rmtree leaves behind
-    trash = c.parent / f"{spool_mod.ACK_PREFIX}{c.name}-deadbeef"
+    trash = c.parent / f"{spool_files.ACK_PREFIX}{c.name}-deadbeef"
     os.rename(c, trash)
     (trash / "pad.bin").unlink()
     sp.register_producers(["p0"])
@@ -303,7 +303,7 @@ def _write_heartbeat(sp: Spool, cid: str, **override) -> None:
         "host": liveness.HOST,
         "boot_id": liveness.BOOT_ID,
     }
-    hb["start_ticks"] = liveness._proc_stat(os.getpid())[1]
+    hb["start_ticks"] = liveness.proc_stat(os.getpid())[1]
     hb["time"] = time.time()
     hb.update(override)
     (sp.state_dir / f"consumer-{cid}.json").write_text(json.dumps(hb))
@@ -321,12 +321,12 @@ def test_recover_dead_claims_by_pid_reuse_staleness_and_missing_heartbeat(tmp_pa
     claimer = Spool(tmp_path)
     now = time.time()
     zombie = subprocess.Popen([sys.executable, "-c", "pass"])
-    while liveness._proc_stat(zombie.pid)[0] != "Z":
+    while liveness.proc_stat(zombie.pid)[0] != "Z":
         time.sleep(0.01)
     cases = {
         "gone": {"pid": _dead_pid()},
         "zombie": {"pid": zombie.pid, "start_ticks": None},
-        "reused": {"start_ticks": liveness._proc_stat(os.getpid())[1] - 1},  # our pid, another process
+        "reused": {"start_ticks": liveness.proc_stat(os.getpid())[1] - 1},  # our pid, another process
         "stale": {"time": now - 100},
         "rebooted": {"boot_id": "another-boot"},
         "alive": {},
@@ -352,7 +352,7 @@ def test_recover_dead_claims_by_pid_reuse_staleness_and_missing_heartbeat(tmp_pa
 def test_heartbeat_alive_rules():
     me = {"pid": os.getpid(), "host": liveness.HOST, "boot_id": liveness.BOOT_ID, "time": time.time()}
     assert heartbeat_alive(me, timeout_s=10)
-    assert heartbeat_alive({**me, "start_ticks": liveness._proc_stat(os.getpid())[1]}, timeout_s=10)
+    assert heartbeat_alive({**me, "start_ticks": liveness.proc_stat(os.getpid())[1]}, timeout_s=10)
     assert not heartbeat_alive({**me, "pid": _dead_pid()}, timeout_s=10)
     assert not heartbeat_alive({**me, "time": time.time() - 11}, timeout_s=10)
 
@@ -418,8 +418,8 @@ def test_byte_accounting_per_state_and_bucket_and_cache(tmp_path, monkeypatch):
 
     # published shards are measured once; later polls only list directories (tmp/ is always walked)
     calls = []
-    real = spool_scan._entry_nbytes
-    monkeypatch.setattr(spool_scan, "_entry_nbytes", lambda p: calls.append(p) or real(p))
+    real = spool_scan.entry_nbytes
+    monkeypatch.setattr(spool_scan, "entry_nbytes", lambda p: calls.append(p) or real(p))
     (t / "part2").write_bytes(b"\0" * 23)
     assert sp.total_bytes() == b1 + b2 + b3 + 100
     assert calls == [str(t)]

@@ -15,7 +15,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from dflash.common.metrics import average_tok_s, mean_acc, read_run_metrics
+from dflash.common.metrics import average_tok_s, is_number, mean_acc, read_run_metrics
 
 log = logging.getLogger(__name__)
 
@@ -26,12 +26,8 @@ def _steps(recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in recs if "event" not in r]
 
 
-def _num(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
-
-
 def _series(recs: list[dict[str, Any]], xkey: str, ykey: str) -> tuple[list[float], list[float]]:
-    pts = [(r[xkey], r[ykey]) for r in _steps(recs) if _num(r.get(xkey)) and _num(r.get(ykey))]
+    pts = [(r[xkey], r[ykey]) for r in _steps(recs) if is_number(r.get(xkey)) and is_number(r.get(ykey))]
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
@@ -41,7 +37,9 @@ def _rate_points(recs: list[dict[str, Any]], *, average: bool) -> list[tuple[flo
     if not average:
         return list(zip(*_series(recs, "time", "tok_s"), strict=True))
     return [
-        (r["time"], a) for r in _steps(recs) if _num(r.get("time")) and (a := average_tok_s(r)) is not None
+        (r["time"], a)
+        for r in _steps(recs)
+        if is_number(r.get("time")) and (a := average_tok_s(r)) is not None
     ]
 
 
@@ -94,12 +92,17 @@ def _per_rank_plot(
     for rank, recs in consumers.items():
         xs, ys = _series(recs, "step", ykey)
         if xs:
-            ax.plot(xs, ys, lw=1.2, label=f"rank {rank} (in-loop)" if events else f"rank {rank}" if label else None)
+            ax.plot(
+                xs,
+                ys,
+                lw=1.2,
+                label=f"rank {rank} (in-loop)" if events else f"rank {rank}" if label else None,
+            )
             drawn = True
     if events is not None:
         name, key, what = events
         pts = [(r["step"], r[key]) for recs in consumers.values() for r in recs
-               if r.get("event") == name and _num(r.get(key)) and _num(r.get("step"))]  # fmt: skip
+               if r.get("event") == name and is_number(r.get(key)) and is_number(r.get("step"))]  # fmt: skip
         if pts:
             ax.plot(*zip(*sorted(pts), strict=True), "o-", lw=1.6, label=what)
             drawn = True
@@ -111,6 +114,62 @@ def _per_rank_plot(
     ax.grid(alpha=0.3)
     if label:
         ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _throughput_plot(metrics: dict, producers: list, consumers: dict, path: Path) -> Path | None:
+    """Producers' and consumers' summed token rates over the run (None when there is nothing to draw)."""
+    all_times = [r["time"] for recs in metrics.values() for r in _steps(recs) if is_number(r.get("time"))]
+    if not all_times:
+        return None
+    t0 = min(all_times)
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.add_subplot()
+    drawn = False
+    for label, procs, average in (
+        ("producers (sum of averages since start)", producers, True),
+        ("consumers (sum)", list(consumers.values()), False),
+    ):
+        ts, ys = _summed_rate(procs, average=average)
+        if ts:
+            ax.step([(t - t0) / 60 for t in ts], [y / 1e3 for y in ys], where="post", label=label)
+            drawn = True
+    if not drawn:
+        return None
+    ax.set_xlabel("minutes since start")
+    ax.set_ylabel("K tokens/s")
+    ax.set_title("throughput")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _accuracy_plot(records: list, path: Path) -> Path | None:
+    """Per-position accuracy of the latest step that logged it: the trainer's ``acc_per_pos``, or ``acc``
+    when it is logged as a list (None when no step did)."""
+    last_acc = next(
+        (
+            a
+            for r in reversed(_steps(records))
+            for a in (r.get("acc_per_pos"), r.get("acc"))
+            if isinstance(a, list)
+        ),
+        None,
+    )
+    if not last_acc or mean_acc(last_acc) is None:
+        return None
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.add_subplot()
+    pos = list(range(len(last_acc)))  # 0 = the anchor token (no loss), 1.. = draft positions
+    ax.bar(pos, [a if is_number(a) else 0.0 for a in last_acc])
+    ax.set_xlabel("position in block")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1)
+    ax.set_title("per-position accuracy (latest step, lowest rank)")
+    ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     return _save(fig, path)
 
@@ -141,51 +200,7 @@ def write_plots(run_dir: str | Path) -> list[Path]:
         if p:
             written.append(p)
 
-    all_times = [r["time"] for recs in metrics.values() for r in _steps(recs) if _num(r.get("time"))]
-    if all_times:
-        t0 = min(all_times)
-        fig = Figure(figsize=(8, 4.5))
-        ax = fig.add_subplot()
-        drawn = False
-        for label, procs, average in (
-            ("producers (sum of averages since start)", producers, True),
-            ("consumers (sum)", list(consumers.values()), False),
-        ):
-            ts, ys = _summed_rate(procs, average=average)
-            if ts:
-                ax.step([(t - t0) / 60 for t in ts], [y / 1e3 for y in ys], where="post", label=label)
-                drawn = True
-        if drawn:
-            ax.set_xlabel("minutes since start")
-            ax.set_ylabel("K tokens/s")
-            ax.set_title("throughput")
-            ax.set_ylim(bottom=0)
-            ax.grid(alpha=0.3)
-            ax.legend(loc="best", fontsize=8)
-            fig.tight_layout()
-            written.append(_save(fig, out_dir / "throughput.png"))
-
-    first = next(iter(consumers.values()), [])
-    # per-position accuracy: the trainer's `acc_per_pos`, or `acc` when it is logged as a list
-    last_acc = next(
-        (
-            a
-            for r in reversed(_steps(first))
-            for a in (r.get("acc_per_pos"), r.get("acc"))
-            if isinstance(a, list)
-        ),
-        None,
-    )
-    if last_acc and mean_acc(last_acc) is not None:
-        fig = Figure(figsize=(8, 4.5))
-        ax = fig.add_subplot()
-        pos = list(range(len(last_acc)))  # 0 = the anchor token (no loss), 1.. = draft positions
-        ax.bar(pos, [a if _num(a) else 0.0 for a in last_acc])
-        ax.set_xlabel("position in block")
-        ax.set_ylabel("accuracy")
-        ax.set_ylim(0, 1)
-        ax.set_title("per-position accuracy (latest step, lowest rank)")
-        ax.grid(alpha=0.3, axis="y")
-        fig.tight_layout()
-        written.append(_save(fig, out_dir / "acc_by_position.png"))
+    throughput = _throughput_plot(metrics, producers, consumers, out_dir / "throughput.png")
+    accuracy = _accuracy_plot(next(iter(consumers.values()), []), out_dir / "acc_by_position.png")
+    written += [p for p in (throughput, accuracy) if p is not None]
     return written

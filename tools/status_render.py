@@ -6,15 +6,14 @@ import time
 from typing import Any
 
 from dflash.common.contract.spool_scan import SpoolScan
-from dflash.common.metrics import format_bytes, format_duration, format_rate
-from dflash.tools.status_sources import _isnum
+from dflash.common.metrics import format_bytes, format_duration, format_rate, is_number
 
 STATES = SpoolScan.STATES  # ("tmp", "ready", "claimed", "quarantine")
 ETA_UNKNOWN = "ETA unknown: producers have not reported their dataset size yet"
 
 
 def _fmt(x: Any, spec: str) -> str:
-    return format(x, spec) if _isnum(x) else "-"
+    return format(x, spec) if is_number(x) else "-"
 
 
 def _processes(snap: dict[str, Any]) -> list[str]:
@@ -84,7 +83,7 @@ def _consumers(snap: dict[str, Any]) -> list[str]:
     of context slots holding real tokens, from the latest step) and the samples lost to quarantine."""
     t, spool = snap["training"], snap["spool"]
     parts = []
-    if t and _isnum(t.get("fill")):
+    if t and is_number(t.get("fill")):
         parts.append(f"stream fill {100 * t['fill']:.0f}% (context slots holding tokens)")
     if spool and spool["exists"]:
         parts.append(
@@ -122,9 +121,14 @@ def _progress(snap: dict[str, Any]) -> list[str]:
     if state in ("finished", "stopped", "failed"):
         done = f"{pr['samples']}/{pr['planned_samples']} samples produced; " if pr else ""
         return [*out, f"progress: {done}the run {state}" + (f" at step {t['step']}" if t.get("step") else "")]
-    if t.get("eta_now_s") is not None:  # the run ends when training does: the training's ETA, not production's
+    if (
+        t.get("eta_now_s") is not None
+    ):  # the run ends when training does: the training's ETA, not production's
         produced = f"{pr['samples']}/{pr['planned_samples']} samples produced; " if pr else ""
-        return [*out, f"progress: {produced}step {t['step']}/{t['total_steps']}  ETA {format_duration(t['eta_now_s'])} (training)"]
+        return [
+            *out,
+            f"progress: {produced}step {t['step']}/{t['total_steps']}  ETA {format_duration(t['eta_now_s'])} (training)",
+        ]
     if not pr:
         return [*out, f"progress: {ETA_UNKNOWN}"]
     pct = f" ({100 * pr['fraction']:.1f}%)" if pr["fraction"] is not None else ""

@@ -13,13 +13,14 @@ from typing import Any
 from dflash.common.contract.liveness import HOST, heartbeat_alive
 from dflash.common.contract.spool import Spool, SpoolError
 from dflash.common.contract.spool_scan import SpoolScan
+from dflash.common.metrics import is_number
 
 log = logging.getLogger(__name__)
 STATES = SpoolScan.STATES  # ("tmp", "ready", "claimed", "quarantine")
 
+
 class StatusError(ValueError):
     """A user error (bad run dir, unreadable run.json): printed as one line, exit status 2."""
-
 
 
 def spool_snapshot(root: str | Path, *, heartbeat_timeout_s: float = 120.0) -> dict[str, Any]:
@@ -129,5 +130,4 @@ def pid_alive(pid: int | None, host: str | None) -> bool | None:
     return True
 
 
-def _isnum(x: Any) -> bool:
-    return isinstance(x, int | float) and not isinstance(x, bool)
+_isnum = is_number  # the name tools/status.py still imports; it goes once status.py imports common.metrics.is_number

@@ -60,7 +60,7 @@ EVALS_DIR = "evals"
 DATA_FILES = (MODEL_FILE, OPTIMIZER_FILE, SCHEDULER_FILE, RNG_FILE, TRAINED_FILE)
 
 
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
+STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -97,16 +97,16 @@ def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def _as_store(store: CheckpointStore | str | Path) -> CheckpointStore:
+def as_store(store: CheckpointStore | str | Path) -> CheckpointStore:
     return store if isinstance(store, CheckpointStore) else open_store(store)
 
 
-def _check_run(run: str) -> None:
+def check_run(run: str) -> None:
     if not isinstance(run, str) or not _RUN_NAME.match(run):
         raise ValueError(f"run name {run!r}: use letters, digits, '.', '_' and '-' (no '/')")
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(8 * 1024 * 1024):
@@ -116,15 +116,15 @@ def _sha256(path: Path) -> str:
 
 def read_best_name(store: CheckpointStore | str, run: str) -> str | None:
     """The step dir ``<run>/best`` names, None if there is none; CheckpointCorruptError if garbage."""
-    return _read_pointer(_as_store(store), run, BEST_FILE)
+    return _read_pointer(as_store(store), run, BEST_FILE)
 
 
-def _scan_steps(store: CheckpointStore, run: str) -> tuple[list[int], set[int]]:
+def scan_steps(store: CheckpointStore, run: str) -> tuple[list[int], set[int]]:
     """(every step that has a step dir, ascending; the steps whose dir has a meta.json)."""
     steps, finished = set(), set()
     for key in store.list(f"{run}/"):
         parts = key[len(run) + 1 :].split("/")
-        match = _STEP_DIR.match(parts[0]) if len(parts) > 1 else None
+        match = STEP_DIR.match(parts[0]) if len(parts) > 1 else None
         if match:
             steps.add(int(match.group(1)))
             if parts[1:] == [META_FILE]:
@@ -139,13 +139,13 @@ def _read_pointer(store: CheckpointStore, run: str, fname: str) -> str | None:
     except StoreKeyNotFoundError:
         return None
     name = raw.decode("utf-8", errors="replace").strip()
-    if not _STEP_DIR.match(name):
+    if not STEP_DIR.match(name):
         raise CheckpointCorruptError(
             f"{store.url_for(run + '/' + fname)}: does not name a step dir: {name[:40]!r}"
         )
     return name
 
 
-def _read_latest_name(store: CheckpointStore, run: str) -> str | None:
+def read_latest_name(store: CheckpointStore, run: str) -> str | None:
     """The step dir ``latest`` names, None if there is no ``latest``; CheckpointCorruptError if garbage."""
     return _read_pointer(store, run, LATEST_FILE)

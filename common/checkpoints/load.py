@@ -17,7 +17,6 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from dflash.common.checkpoints.layout import (
-    _STEP_DIR,
     DATA_FILES,
     FORMAT,
     META_FILE,
@@ -25,16 +24,17 @@ from dflash.common.checkpoints.layout import (
     OPTIMIZER_FILE,
     RNG_FILE,
     SCHEDULER_FILE,
+    STEP_DIR,
     TRAINED_FILE,
     VERSION,
     CheckpointCorruptError,
     CheckpointNotFoundError,
     LoadedCheckpoint,
-    _as_store,
-    _check_run,
-    _read_latest_name,
-    _scan_steps,
-    _sha256,
+    as_store,
+    check_run,
+    file_sha256,
+    read_latest_name,
+    scan_steps,
     step_dir_name,
 )
 from dflash.common.checkpoints.store import CheckpointStore, StoreKeyNotFoundError
@@ -49,10 +49,10 @@ def load_checkpoint_weights(store_url: str, run: str, step: int | None = None) -
     (the optimizer state is twice the weights' size and export does not need it). Default step: `latest`.
     No fallback to an older checkpoint: an export must be of exactly the checkpoint asked for."""
 
-    store = _as_store(store_url)
-    _check_run(run)
+    store = as_store(store_url)
+    check_run(run)
     if step is None:
-        name = _read_latest_name(store, run)
+        name = read_latest_name(store, run)
         if name is None:
             raise CheckpointNotFoundError(f"no checkpoint in {store.url_for(run)} (no 'latest')")
     else:
@@ -84,26 +84,18 @@ def restore_rng_state(state: dict) -> None:
             torch.cuda.set_rng_state(s.cpu(), i)
 
 
-
-
-
-
 def list_steps(store: CheckpointStore | str, run: str) -> list[int]:
     """Steps that have a step directory (finished or not), ascending."""
-    store = _as_store(store)
-    _check_run(run)
-    return _scan_steps(store, run)[0]
+    store = as_store(store)
+    check_run(run)
+    return scan_steps(store, run)[0]
 
 
 def finished_steps(store: CheckpointStore | str, run: str) -> list[int]:
     """Steps whose directory has a ``meta.json`` (uploaded after every data file: complete), ascending."""
-    store = _as_store(store)
-    _check_run(run)
-    return sorted(_scan_steps(store, run)[1])
-
-
-
-
+    store = as_store(store)
+    check_run(run)
+    return sorted(scan_steps(store, run)[1])
 
 
 def _read_meta(store: CheckpointStore, run: str, name: str) -> dict:
@@ -132,8 +124,8 @@ def _read_meta(store: CheckpointStore, run: str, name: str) -> dict:
 def read_checkpoint_meta(store: CheckpointStore | str, run: str, step: int) -> dict:
     """The checked meta.json of one step (CheckpointCorruptError when missing or not ours): small, so
     watchers can poll it (the model file's sha256 in it identifies the checkpoint's weights)."""
-    store = _as_store(store)
-    _check_run(run)
+    store = as_store(store)
+    check_run(run)
     return _read_meta(store, run, step_dir_name(step))
 
 
@@ -149,7 +141,7 @@ def _fetch_verified(store: CheckpointStore, run: str, name: str, fname: str, met
         raise CheckpointCorruptError(
             f"checkpoint file {url}: {size} bytes, meta.json says {expected.get('bytes')}"
         )
-    digest = _sha256(dest)
+    digest = file_sha256(dest)
     if digest != expected.get("sha256"):
         raise CheckpointCorruptError(
             f"checkpoint file {url}: sha256 {digest[:12]}… does not match meta.json {str(expected.get('sha256'))[:12]}…"
@@ -203,10 +195,10 @@ def load_checkpoint(
     missing/corrupt file, CheckpointNotFoundError for a ``step`` that has no directory, and
     CheckpointStoreError for storage failures (network, permissions), which are NOT a reason to fall back.
     """
-    store = _as_store(store)
-    _check_run(run)
+    store = as_store(store)
+    check_run(run)
     if step is None:
-        name = _read_latest_name(store, run)
+        name = read_latest_name(store, run)
         if name is None:
             return None
     else:
@@ -221,13 +213,13 @@ def _candidates(store: CheckpointStore, run: str) -> tuple[list[str], bool]:
     Dirs newer than latest are unfinished uploads and never candidates."""
     steps = list_steps(store, run)
     try:
-        latest = _read_latest_name(store, run)
+        latest = read_latest_name(store, run)
     except CheckpointCorruptError as err:
         log.error("%s; trying the step dirs newest first", redact(str(err)))
         return [step_dir_name(s) for s in reversed(steps)], True
     if latest is None:
         return [step_dir_name(s) for s in reversed(steps)], False
-    latest_step = int(_STEP_DIR.match(latest).group(1))
+    latest_step = int(STEP_DIR.match(latest).group(1))
     return [latest] + [step_dir_name(s) for s in reversed(steps) if s < latest_step], True
 
 
@@ -258,8 +250,8 @@ def load_latest_good(store: CheckpointStore | str, run: str) -> LoadedCheckpoint
     None when the run has no finished checkpoint. CheckpointCorruptError when checkpoints were finished but
     none verifies (starting fresh would silently throw the run away).
     """
-    store = _as_store(store)
-    _check_run(run)
+    store = as_store(store)
+    check_run(run)
     return _first_good(store, run, lambda name: _load_dir(store, run, name), "resume")
 
 
@@ -275,8 +267,8 @@ def read_trained_set(
     it, the fallback is an older one, whose set is a subset: producers then re-produce a few trained
     samples, never skip untrained ones.
     """
-    store = _as_store(store_url)
-    _check_run(run)
+    store = as_store(store_url)
+    check_run(run)
 
     def load(name: str) -> SampleSet:
         meta = _read_meta(store, run, name)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import boto3
 import botocore.session
@@ -32,23 +32,24 @@ from botocore.exceptions import (
 )
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
-from dflash.common.checkpoints.store import (
+from dflash.common.checkpoints.store_protocol import (
     CheckpointStore,
     CheckpointStoreError,
     StoreKeyNotFoundError,
-    T,
-    _check_key,
-    _one_line,
+    check_key,
 )
+from dflash.common.cli.exits import one_line
 from dflash.common.redact import redact, register_secret
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(kw_only=True)
 class S3Options:
     """Transfer and retry settings for :class:`S3Store`. Credentials and endpoint are NOT here: they come
     from the standard AWS chain (env vars, profiles, instance roles; ``AWS_ENDPOINT_URL``)."""
+
     max_attempts: int = 5
     """botocore attempts per HTTP request, the first one included (it retries throttling, 5xx and
     connection errors)."""
@@ -84,6 +85,11 @@ class S3Options:
 
 
 _BUCKET_NAME = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+
+
+def valid_bucket_name(bucket: str) -> bool:
+    """S3's bucket naming rule (3-63 lowercase letters, digits, dots and dashes, starting and ending alnum)."""
+    return bool(_BUCKET_NAME.match(bucket))
 
 
 _TRANSIENT_CODES = {
@@ -152,11 +158,12 @@ class S3Store(CheckpointStore):
     """``s3://bucket/prefix`` through boto3: TransferManager for files (multipart above a threshold,
     parallel parts), botocore per-request retries, and a jittered exponential backoff around each whole
     operation for outages longer than botocore's retries."""
+
     def __init__(
         self, bucket: str, prefix: str = "", *, options: S3Options | None = None, client: Any = None
     ):
 
-        if not _BUCKET_NAME.match(bucket):
+        if not valid_bucket_name(bucket):
             raise ValueError(f"invalid S3 bucket name {bucket!r}")
         self.bucket = bucket
         self.prefix = prefix.strip("/")
@@ -174,7 +181,7 @@ class S3Store(CheckpointStore):
             self._session = boto3.session.Session(botocore_session=_botocore_session())
             self.client = client or self._session.client("s3", config=config)
         except BotoCoreError as err:  # e.g. AWS_PROFILE names a profile that does not exist
-            raise CheckpointStoreError(_one_line(f"cannot set up S3 access for {self.url}: {err}")) from None
+            raise CheckpointStoreError(one_line(f"cannot set up S3 access for {self.url}: {err}")) from None
         mb = 1024 * 1024
         self.transfer_config = TransferConfig(
             multipart_threshold=opts.multipart_threshold_mb * mb,
@@ -201,7 +208,7 @@ class S3Store(CheckpointStore):
         return redact(self.client.meta.endpoint_url)
 
     def _key(self, key: str) -> str:
-        _check_key(key)
+        check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
     # -- error handling ---------------------------------------------------------------------------------
@@ -217,7 +224,7 @@ class S3Store(CheckpointStore):
                     backoff = min(opts.max_backoff_s, opts.backoff_s * 2 ** (attempt - 1))
                     delay = backoff * random.uniform(0.5, 1.0)
                     log.warning(
-                        _one_line(
+                        one_line(
                             f"{what} {self.url_for(key)}: {type(cause).__name__}: {cause}; "
                             f"retrying in {delay:.2f}s (attempt {attempt}/{opts.operation_attempts})"
                         )
@@ -232,14 +239,14 @@ class S3Store(CheckpointStore):
         url = self.url_for(key)
         code, status = _error_code(err)
         if code in ("NoSuchKey", "404") or (code == "" and status == 404):
-            return StoreKeyNotFoundError(_one_line(f"{url}: not found"))
+            return StoreKeyNotFoundError(one_line(f"{url}: not found"))
         if code == "NoSuchBucket":
             return CheckpointStoreError(
-                _one_line(f"s3://{self.bucket}: bucket does not exist (endpoint {self.endpoint})")
+                one_line(f"s3://{self.bucket}: bucket does not exist (endpoint {self.endpoint})")
             )
         if code in _DENIED_CODES or status == 403:
             return CheckpointStoreError(
-                _one_line(
+                one_line(
                     f"{what} {url}: access denied ({code or status}); check the AWS credentials "
                     "(AWS_PROFILE, AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, instance role) and the bucket policy"
                 )
@@ -250,15 +257,15 @@ class S3Store(CheckpointStore):
                 "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or run with an instance role"
             )
         if isinstance(err, ProfileNotFound):
-            return CheckpointStoreError(_one_line(f"{what} {url}: {err}"))
+            return CheckpointStoreError(one_line(f"{what} {url}: {err}"))
         if isinstance(err, BotoConnectionError):
             return CheckpointStoreError(
-                _one_line(f"{what} {url}: cannot reach the S3 endpoint {self.endpoint}")
+                one_line(f"{what} {url}: cannot reach the S3 endpoint {self.endpoint}")
             )
         if code:
-            return CheckpointStoreError(_one_line(f"{what} {url} failed: {code}: {err}"))
+            return CheckpointStoreError(one_line(f"{what} {url} failed: {code}: {err}"))
         kind = "" if isinstance(err, BotoCoreError | CheckpointStoreError) else f"{type(err).__name__}: "
-        return CheckpointStoreError(_one_line(f"{what} {url} failed: {kind}{err}"))
+        return CheckpointStoreError(one_line(f"{what} {url} failed: {kind}{err}"))
 
     # -- protocol ---------------------------------------------------------------------------------------
 
@@ -315,7 +322,7 @@ class S3Store(CheckpointStore):
 
     def list(self, prefix: str = "") -> list[str]:
         if prefix:
-            _check_key(prefix)
+            check_key(prefix)
         full = f"{self.prefix}/{prefix}" if self.prefix else prefix
         strip = len(self.prefix) + 1 if self.prefix else 0
 
@@ -326,7 +333,7 @@ class S3Store(CheckpointStore):
         return sorted(self._call("list", prefix, list_all))
 
     def delete_prefix(self, prefix: str) -> None:
-        _check_key(prefix)
+        check_key(prefix)
         keys = [self._key(k) for k in self.list(prefix)]
         for start in range(0, len(keys), 1000):
             batch = [{"Key": k} for k in keys[start : start + 1000]]
@@ -341,7 +348,7 @@ class S3Store(CheckpointStore):
             if errors:
                 first = errors[0]
                 raise CheckpointStoreError(
-                    _one_line(
+                    one_line(
                         f"delete {self.url_for(prefix)}: {len(errors)} object(s) not deleted, first "
                         f"{first.get('Key')}: {first.get('Code')} {first.get('Message', '')}"
                     )
@@ -352,5 +359,5 @@ class S3Store(CheckpointStore):
             self._call("open", "", lambda: self.client.head_bucket(Bucket=self.bucket))
         except StoreKeyNotFoundError:  # HeadBucket answers a bare 404 for a missing bucket
             raise CheckpointStoreError(
-                _one_line(f"s3://{self.bucket}: bucket does not exist (endpoint {self.endpoint})")
+                one_line(f"s3://{self.bucket}: bucket does not exist (endpoint {self.endpoint})")
             ) from None

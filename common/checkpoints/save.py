@@ -41,7 +41,6 @@ import torch
 from safetensors.torch import save_file
 
 from dflash.common.checkpoints.layout import (
-    _STEP_DIR,
     BEST_FILE,
     BEST_RECORD_FILE,
     DATA_FILES,
@@ -52,15 +51,16 @@ from dflash.common.checkpoints.layout import (
     OPTIMIZER_FILE,
     RNG_FILE,
     SCHEDULER_FILE,
+    STEP_DIR,
     TRAINED_FILE,
     VERSION,
     CheckpointCorruptError,
-    _as_store,
-    _check_run,
-    _read_latest_name,
-    _scan_steps,
-    _sha256,
+    as_store,
+    check_run,
+    file_sha256,
     read_best_name,
+    read_latest_name,
+    scan_steps,
     step_dir_name,
 )
 from dflash.common.checkpoints.store import (
@@ -151,8 +151,6 @@ def _model_tensors(model_state: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
-
-
 def save_checkpoint(
     store: CheckpointStore | str,
     run: str,
@@ -171,8 +169,8 @@ def save_checkpoint(
     Call on one rank only (rank 0) with ranks' trained sets already merged. A failure raises
     (CheckpointStoreError) before ``latest`` changes, so the previous checkpoint stays the latest.
     """
-    store = _as_store(store)
-    _check_run(run)
+    store = as_store(store)
+    check_run(run)
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"checkpoint step must be an int >= 0, got {step!r}")
     if keep_last < 1:
@@ -191,7 +189,20 @@ def save_checkpoint(
     _clear_unfinished(store, run, name)
     started = time.monotonic()
     files = _upload_files(store, step_dir, tensors, optimizer_state, scheduler_state, rng_state, trained)
-    meta = {
+    meta = _meta(run, step, trained, config, files)
+    store.put_bytes(f"{step_dir}/{META_FILE}", json.dumps(meta, indent=2, sort_keys=True).encode())
+    store.put_bytes(f"{run}/{LATEST_FILE}", (name + "\n").encode())
+    total = sum(f["bytes"] for f in files.values())
+    took = time.monotonic() - started
+    log.info("saved checkpoint %s (%.1f MB in %.1fs)", store.url_for(step_dir), total / 1e6, took)
+    _prune(store, run, step, keep_last)
+    return store.url_for(step_dir)
+
+
+def _meta(run: str, step: int, trained: SampleSet, config: dict, files: dict) -> dict:
+    """The checkpoint's meta.json: what it is, where and when it was made, the run's (redacted) config
+    and each file's size and checksum (a loader verifies them)."""
+    return {
         "format": FORMAT,
         "version": VERSION,
         "run": run,
@@ -205,19 +216,13 @@ def save_checkpoint(
         "config": redact_config(config),
         "files": files,
     }
-    store.put_bytes(f"{step_dir}/{META_FILE}", json.dumps(meta, indent=2, sort_keys=True).encode())
-    store.put_bytes(f"{run}/{LATEST_FILE}", (name + "\n").encode())
-    total = sum(f["bytes"] for f in files.values())
-    log.info("saved checkpoint %s (%.1f MB in %.1fs)", store.url_for(step_dir), total / 1e6, time.monotonic() - started)
-    _prune(store, run, step, keep_last)
-    return store.url_for(step_dir)
 
 
 def _clear_unfinished(store: CheckpointStore, run: str, name: str) -> None:
     """Remove the files of an unfinished checkpoint of this step (a crash mid-upload), never the latest."""
     step_dir = f"{run}/{name}"
     try:
-        latest = _read_latest_name(store, run)
+        latest = read_latest_name(store, run)
     except CheckpointCorruptError:
         latest = None
     if latest != name and store.list(step_dir + "/"):
@@ -236,7 +241,7 @@ def _upload_files(store, step_dir, tensors, optimizer_state, scheduler_state, rn
         local[TRAINED_FILE].write_bytes(trained.to_bytes())
         files = {}
         for fname, path in local.items():
-            files[fname] = {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+            files[fname] = {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
             store.put_file(f"{step_dir}/{fname}", path)
     return files
 
@@ -250,7 +255,7 @@ def _prune(store: CheckpointStore, run: str, step: int, keep_last: int) -> None:
     The step that ``best`` names (dflash-eval --watch) is kept too, unless it is above ``step``.
     """
     try:
-        steps, finished = _scan_steps(store, run)
+        steps, finished = scan_steps(store, run)
     except CheckpointStoreError as err:  # `latest` already names the new checkpoint: pruning can wait
         log.warning("could not list checkpoints to delete old ones: %s", err)
         return
@@ -279,7 +284,7 @@ def _best_steps_to_keep(store: CheckpointStore, run: str, step: int) -> set[int]
     except CheckpointStoreError as err:
         log.warning("could not read %s/%s, not pruning this time: %s", run, BEST_FILE, err)
         return None
-    best = None if name is None else int(_STEP_DIR.match(name).group(1))
+    best = None if name is None else int(STEP_DIR.match(name).group(1))
     return {best} if best is not None and best <= step else set()
 
 
@@ -290,8 +295,8 @@ def _best_steps_to_keep(store: CheckpointStore, run: str, step: int) -> set[int]
 def write_best(store: CheckpointStore | str, run: str, step: int, record: dict) -> None:
     """Point ``best`` at ``step``: ``best.json`` (``record`` plus step and step_dir) first, then ``best``,
     the name pruning reads, last (each is one atomic put, as ``latest``)."""
-    store = _as_store(store)
-    _check_run(run)
+    store = as_store(store)
+    check_run(run)
     name = step_dir_name(step)
     body = {**record, "step": step, "step_dir": name}
     store.put_bytes(f"{run}/{BEST_RECORD_FILE}", json.dumps(body, indent=2, sort_keys=True).encode())
@@ -300,5 +305,3 @@ def write_best(store: CheckpointStore | str, run: str, step: int, record: dict) 
 
 # ----------------------------------------------------------------------------------------------------------
 # Load
-
-

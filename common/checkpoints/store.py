@@ -17,106 +17,23 @@ import os
 import re
 import shutil
 import uuid
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from dflash.common.checkpoints.store_protocol import (
+    CheckpointStore,
+    CheckpointStoreError,
+    StoreKeyNotFoundError,
+    check_key,
+)
+from dflash.common.cli.exits import one_line
 from dflash.common.redact import redact
+
+__all__ = ["CheckpointStore", "CheckpointStoreError", "LocalStore", "StoreKeyNotFoundError", "open_store"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-def _one_line(text: str) -> str:
-    return redact(" ".join(str(text).split()))
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Protocol and errors
-
-
-class CheckpointStoreError(RuntimeError):
-    """A storage operation failed; the message is one line and already redacted."""
-
-
-class StoreKeyNotFoundError(CheckpointStoreError):
-    """The key does not exist in the store."""
-
-
-def _check_key(key: str) -> str:
-    if not isinstance(key, str) or not key:
-        raise ValueError(f"store key must be a non-empty str, got {key!r}")
-    parts = key.split("/")
-    if key.startswith("/") or "\\" in key or any(p in (".", "..") for p in parts):
-        raise ValueError(f"store key {key!r}: must be relative, '/'-separated, without '.' or '..'")
-    return key
-
-
-class CheckpointStore(ABC):
-    """The storage protocol the checkpoint code uses. Keys are relative, '/'-separated strings; a missing
-    key raises StoreKeyNotFoundError, any other failure CheckpointStoreError (one line, redacted)."""
-
-    url: str
-
-    @abstractmethod
-    def put_bytes(self, key: str, data: bytes) -> None:
-        """Write ``data`` under ``key``, replacing it; readers never see a partial object."""
-
-    @abstractmethod
-    def get_bytes(self, key: str) -> bytes: ...
-
-    @abstractmethod
-    def put_file(self, key: str, path: str | Path) -> None:
-        """Upload a local file (large files in parallel parts on S3)."""
-
-    @abstractmethod
-    def get_file(self, key: str, path: str | Path) -> None: ...
-
-    @abstractmethod
-    def list(self, prefix: str = "") -> list[str]:
-        """Sorted keys that start with ``prefix`` (a plain string prefix, as on S3)."""
-
-    @abstractmethod
-    def delete_prefix(self, prefix: str) -> None:
-        """Delete every key that starts with ``prefix`` (end it with '/' to mean one directory)."""
-
-    @abstractmethod
-    def exists(self, key: str) -> bool: ...
-
-    @abstractmethod
-    def size(self, key: str) -> int: ...
-
-    @abstractmethod
-    def check(self) -> None:
-        """Fail early with a clear error when the store is unusable (missing bucket, no permission)."""
-
-    def url_for(self, key: str) -> str:
-        return self.url.rstrip("/") + "/" + key if key else self.url
-
-    def probe_writable(self, prefix: str) -> None:
-        """Prove the store takes checkpoints under ``prefix``: write a small object, read it back, delete it.
-
-        Why a real write and not a permission check: a read-only mount, a full disk, a bucket policy that
-        denies PutObject, or a root user on a 0555 folder all pass ``os.access`` or HeadBucket and still
-        refuse the first checkpoint. Raises CheckpointStoreError (one line) naming the store and the cause.
-        """
-        key = f"{prefix.strip('/')}/.write-probe-{uuid.uuid4().hex[:12]}"
-        data = b"dflash-spool write probe " + key.encode()
-        try:
-            self.put_bytes(key, data)
-            back = self.get_bytes(key)
-            if back != data:
-                raise CheckpointStoreError(f"read back {len(back)} bytes that differ from the {len(data)} written")
-            self.delete_prefix(key)
-        except CheckpointStoreError as err:
-            raise CheckpointStoreError(
-                _one_line(f"checkpoint store {self.url_for(prefix)} is not writable: {err}")
-            ) from None
-        except (OSError, ValueError) as err:
-            raise CheckpointStoreError(
-                _one_line(f"checkpoint store {self.url_for(prefix)} is not writable: {err}")
-            ) from None
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Local directory
@@ -148,7 +65,7 @@ class LocalStore(CheckpointStore):
         self.url = str(self.root)
 
     def _path(self, key: str) -> Path:
-        return self.root / _check_key(key)
+        return self.root / check_key(key)
 
     def _atomic_write(self, key: str, write: Callable[[Path], None]) -> None:
         dest = self._path(key)
@@ -166,7 +83,7 @@ class LocalStore(CheckpointStore):
         except OSError as err:
             blocker = next((p for p in dest.parents if p.exists() and not p.is_dir()), None)
             why = f"{blocker} is a file, not a folder" if blocker is not None else (err.strerror or str(err))
-            raise CheckpointStoreError(_one_line(f"cannot write {dest}: {why}")) from None
+            raise CheckpointStoreError(one_line(f"cannot write {dest}: {why}")) from None
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self._atomic_write(key, lambda tmp: tmp.write_bytes(data))
@@ -181,7 +98,7 @@ class LocalStore(CheckpointStore):
         except FileNotFoundError:
             raise StoreKeyNotFoundError(f"{src}: not found") from None
         except OSError as err:
-            raise CheckpointStoreError(_one_line(f"cannot read {src}: {err.strerror or err}")) from None
+            raise CheckpointStoreError(one_line(f"cannot read {src}: {err.strerror or err}")) from None
 
     def get_bytes(self, key: str) -> bytes:
         return self._read(key, Path.read_bytes)
@@ -197,7 +114,7 @@ class LocalStore(CheckpointStore):
 
     def list(self, prefix: str = "") -> list[str]:
         if prefix:
-            _check_key(prefix)
+            check_key(prefix)
         base = self.root / prefix.rsplit("/", 1)[0] if "/" in prefix else self.root
         if not base.is_dir():
             return []
@@ -212,7 +129,7 @@ class LocalStore(CheckpointStore):
         return sorted(keys)
 
     def delete_prefix(self, prefix: str) -> None:
-        _check_key(prefix)
+        check_key(prefix)
         target = self.root / prefix.rstrip("/")
         try:
             if prefix.endswith("/") and target.is_dir():
@@ -221,19 +138,17 @@ class LocalStore(CheckpointStore):
             for key in self.list(prefix):
                 (self.root / key).unlink(missing_ok=True)
         except OSError as err:
-            raise CheckpointStoreError(_one_line(f"cannot delete {target}: {err.strerror or err}")) from None
+            raise CheckpointStoreError(one_line(f"cannot delete {target}: {err.strerror or err}")) from None
 
     def check(self) -> None:
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as err:
             raise CheckpointStoreError(
-                _one_line(f"cannot create {self.root}: {err.strerror or err}")
+                one_line(f"cannot create {self.root}: {err.strerror or err}")
             ) from None
         if not os.access(self.root, os.W_OK | os.X_OK):
             raise CheckpointStoreError(f"{self.root}: not writable")
-
-
 
 
 def open_store(url: str | Path, *, s3_options: Any = None) -> CheckpointStore:
@@ -255,7 +170,7 @@ def open_store(url: str | Path, *, s3_options: Any = None) -> CheckpointStore:
             f"checkpoint store url {redact(text)!r}: unsupported scheme {scheme!r} (use s3://bucket/prefix or a path)"
         )
     # s3.py builds on this module's base class (and imports boto3 only when an S3 store is opened)
-    from dflash.common.checkpoints.s3 import _BUCKET_NAME, S3Store
+    from dflash.common.checkpoints.s3 import S3Store, valid_bucket_name
 
     bucket, _, prefix = rest.partition("/")
     if "@" in bucket or ":" in bucket:
@@ -263,7 +178,7 @@ def open_store(url: str | Path, *, s3_options: Any = None) -> CheckpointStore:
             f"checkpoint store url {redact(text)!r}: credentials or ports do not belong in an s3:// url "
             "(use AWS_PROFILE / AWS_ACCESS_KEY_ID and AWS_ENDPOINT_URL)"
         )
-    if not _BUCKET_NAME.match(bucket):
+    if not valid_bucket_name(bucket):
         raise ValueError(f"checkpoint store url {redact(text)!r}: invalid bucket name {bucket!r}")
     if any(p in (".", "..") for p in prefix.strip("/").split("/") if prefix.strip("/")):
         raise ValueError(f"checkpoint store url {redact(text)!r}: prefix must not contain '.' or '..'")

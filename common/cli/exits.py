@@ -28,7 +28,18 @@ def one_line(message: object) -> str:
     return " ".join(redact(first).split())
 
 
+def error_line(err: BaseException) -> str:
+    """``<ExceptionType>: <one line>``: a runtime failure as a user reads it (the type says what broke)."""
+    text = one_line(err) if str(err).strip() else ""
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__
+
+
+def print_error(prog: str, message: object) -> None:
+    """Print ``<prog>: error: <one line>`` on stderr (for a ``main`` that returns its exit status)."""
+    print(f"{prog}: error: {one_line(message)}", file=sys.stderr, flush=True)
+
+
 def fail(prog: str, message: object, code: int = EXIT_USAGE) -> NoReturn:
     """Print ``<prog>: error: <one line>`` on stderr and exit with ``code``."""
-    print(f"{prog}: error: {one_line(message)}", file=sys.stderr, flush=True)
+    print_error(prog, message)
     sys.exit(code)

@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
-__all__ = ["Flag", "add_flags", "flag", "from_args", "int_list"]
+from dflash.common.cli.help import DefaultsHelpFormatter
+
+__all__ = ["Flag", "add_flags", "check_choices", "command_parser", "flag", "from_args", "int_list"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +68,9 @@ def int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, e.g. 1,9,17, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers, e.g. 1,9,17, got {text!r}"
+        ) from None
 
 
 def _plain(doc: str) -> str:
@@ -117,6 +121,30 @@ def _parser_of(tp: Any) -> Callable[[str], Any] | None:
     raise TypeError(f"no command-line parser for {tp!r}: give the field flag(parse=...) or flag(cli=False)")
 
 
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def check_choices(cfg: Any) -> None:
+    """Raise ValueError, one line naming the field and its choices, when a ``Literal``-typed field of the
+    dataclass instance ``cfg`` holds a value outside its type (None passes for ``Literal[...] | None``).
+
+    Why: the ``Literal`` is the one list of choices; argparse checks flags against it (add_flags) and
+    this checks library callers, so no config lists its choices twice (in ``flag(choices=...)`` and in
+    ``__post_init__``). Call it from ``__post_init__``."""
+    hints = _hints(type(cfg))
+    for f in dataclasses.fields(cfg):
+        tp, optional = _unwrap_optional(hints[f.name])
+        if typing.get_origin(tp) is not typing.Literal:
+            continue
+        value = getattr(cfg, f.name)
+        allowed = typing.get_args(tp)
+        if value not in allowed and not (optional and value is None):
+            names = ", ".join(str(a) for a in allowed)
+            raise ValueError(f"{type(cfg).__name__}.{f.name}={value!r}: must be one of {names}")
+
+
 def _meta(f: dataclasses.Field) -> Flag:
     return f.metadata.get("flag") or Flag()
 
@@ -140,7 +168,7 @@ def add_flags(
 
     ``exclude`` leaves fields out (the CLI fills them from other flags); ``defaults`` overrides a
     field's default on this command line only (e.g. the demo's smaller shapes)."""
-    hints = typing.get_type_hints(cls)
+    hints = _hints(cls)
     docs = field_docs(cls)
     skip = set(exclude)
     for f in dataclasses.fields(cls):
@@ -149,7 +177,10 @@ def add_flags(
             continue
         default = (defaults or {}).get(f.name, _default(f))
         tp, _optional = _unwrap_optional(hints[f.name])
-        kw: dict[str, Any] = {"dest": f.name, "help": meta.help or docs.get(f.name) or f.name.replace("_", " ")}
+        kw: dict[str, Any] = {
+            "dest": f.name,
+            "help": meta.help or docs.get(f.name) or f.name.replace("_", " "),
+        }
         name = meta.name or "--" + f.name.replace("_", "-")
         if tp is bool:
             if meta.negate or default is True:
@@ -180,6 +211,18 @@ def add_flags(
         else:
             kw["default"] = default
         parser.add_argument(name, **kw)
+
+
+def command_parser(prog: str, description: str, *configs: type) -> argparse.ArgumentParser:
+    """A console script's parser: the shared help style (``DefaultsHelpFormatter``) and one flag per field
+    of each config dataclass, in order. A command whose flags need more (``defaults=``, a subcommand)
+    builds on the returned parser with ``add_flags``."""
+    parser = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=DefaultsHelpFormatter
+    )
+    for cls in configs:
+        add_flags(parser, cls)
+    return parser
 
 
 def from_args(cls: type, args: argparse.Namespace, **fixed: Any) -> Any:

@@ -30,7 +30,7 @@ class SpoolLock:
             self.fd = -1
 
 
-def _lock_holder(path: Path) -> str:
+def lock_holder(path: Path) -> str:
     try:
         return path.read_text().strip() or "an unknown process"
     except OSError:
@@ -52,7 +52,7 @@ def lock_is_held(path: Path) -> bool:
     return False
 
 
-def _proc_stat(pid: int) -> tuple[str, int] | None:
+def proc_stat(pid: int) -> tuple[str, int] | None:
     """(state letter, start time in clock ticks since boot) from /proc, None if the pid does not exist."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -78,7 +78,7 @@ BOOT_ID = _read_boot_id()
 def _pid_alive(pid: int, start_ticks: int | None) -> bool:
     if os.path.isdir("/proc"):
         try:
-            st = _proc_stat(pid)
+            st = proc_stat(pid)
         except PermissionError:  # /proc mounted with hidepid: cannot tell, trust the heartbeat age
             return True
         if st is None or st[0] in ("Z", "X"):  # gone, or a zombie nobody reaped yet

@@ -21,7 +21,7 @@ _NAME_RE = re.compile(r"^(?:e(\d{4,})-)?b(\d{6,})-([A-Za-z0-9_.][A-Za-z0-9_.-]*)
 _ID_RE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$")
 
 
-def _check_id(kind: str, value: str) -> str:
+def check_id(kind: str, value: str) -> str:
     if not isinstance(value, str) or not _ID_RE.match(value) or value in (".", ".."):
         raise ValueError(f"{kind} must be a non-empty string of [A-Za-z0-9_.-], got {value!r}")
     return value
@@ -33,7 +33,7 @@ def shard_name(bucket: int, producer_id: str, seq: int, epoch: int | None = None
     for what, v in (("bucket", bucket), ("seq", seq)) + ((("epoch", epoch),) if epoch is not None else ()):
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{what} must be an int >= 0, got {v!r}")
-    _check_id("producer_id", producer_id)
+    check_id("producer_id", producer_id)
     prefix = f"e{epoch:04d}-" if epoch is not None else ""
     return f"{prefix}b{bucket:06d}-{producer_id}-s{seq:08d}{SHARD_SUFFIX}"
 
@@ -61,7 +61,7 @@ def shard_sort_key(name: str) -> tuple[int, int, str, int]:
     return _parse(name)
 
 
-def _is_shard_name(name: str) -> bool:
+def is_shard_name(name: str) -> bool:
     try:
         parse_shard_name(name)
     except ValueError:

@@ -50,14 +50,14 @@ HIDDEN_DTYPE = "bfloat16"
 DEFAULT_CHUNK_BYTES = 2 << 20
 
 # name -> (numpy dtypes accepted on read, the dtype written, rank)
-_ARRAYS: dict[str, tuple[tuple[np.dtype, ...], np.dtype, int]] = {
+SHARD_ARRAYS: dict[str, tuple[tuple[np.dtype, ...], np.dtype, int]] = {
     "input_ids": ((np.dtype(np.int32),), np.dtype(np.int32), 1),
     "loss_mask": ((np.dtype(np.bool_), np.dtype(np.uint8)), np.dtype(np.bool_), 1),
     "cu_seqlens": ((np.dtype(np.int64),), np.dtype(np.int64), 1),
     "sample_index": ((np.dtype(np.int64),), np.dtype(np.int64), 1),
     "hidden": ((np.dtype(np.uint16),), np.dtype(np.uint16), 2),
 }
-_REQUIRED_ATTRS = ("target_model", "layer_ids", "hidden_size", "producer_id", "bucket", "hidden_dtype")
+REQUIRED_ATTRS = ("target_model", "layer_ids", "hidden_size", "producer_id", "bucket", "hidden_dtype")
 
 
 class ShardFormatError(ValueError):
@@ -129,7 +129,7 @@ class Shard:
     meta: ShardMeta
 
     def __post_init__(self) -> None:
-        problem = _shard_problem(self)
+        problem = shard_problem(self)
         if problem:
             raise ValueError(f"Shard: {problem}")
 
@@ -148,7 +148,7 @@ class Shard:
         return int(self.sample_index.shape[0])
 
 
-def _shard_problem(s: Shard) -> str | None:
+def shard_problem(s: Shard) -> str | None:
     """Why `s` is not a valid shard, or None. Shared by the constructor and the reader."""
     if not isinstance(s.meta, ShardMeta):
         return f"meta must be a ShardMeta, got {type(s.meta).__name__}"
@@ -195,5 +195,3 @@ def hidden_chunk_rows(num_tokens: int, row_bytes: int, chunk_bytes: int = DEFAUL
     max_rows = max(1, chunk_bytes // max(1, row_bytes))
     num_chunks = max(1, -(-num_tokens // max_rows))
     return max(1, -(-num_tokens // num_chunks))
-
-

@@ -17,10 +17,11 @@ import torch
 import zarr
 from zarr.storage import LocalStore
 
+from dflash.common.cli.exits import error_line
 from dflash.common.contract.shard import (
-    _ARRAYS,
-    _REQUIRED_ATTRS,
     HIDDEN_DTYPE,
+    REQUIRED_ATTRS,
+    SHARD_ARRAYS,
     SHARD_FORMAT,
     SHARD_VERSION,
     Shard,
@@ -41,12 +42,7 @@ def _open_group(path: Path) -> zarr.Group:
     except (MemoryError, KeyboardInterrupt):
         raise
     except Exception as e:
-        raise ShardFormatError(f"{path}: not a readable zarr v3 group ({_one_line(e)})") from e
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")
+        raise ShardFormatError(f"{path}: not a readable zarr v3 group ({error_line(e)})") from e
 
 
 def _check_attrs(path: Path, attrs: dict[str, Any], *, check_version: bool) -> None:
@@ -60,7 +56,7 @@ def _check_attrs(path: Path, attrs: dict[str, Any], *, check_version: bool) -> N
         raise ShardFormatError(
             f"{path}: shard version {version!r} is not supported (this reader reads version {SHARD_VERSION})"
         )
-    missing = [k for k in _REQUIRED_ATTRS if k not in attrs]
+    missing = [k for k in REQUIRED_ATTRS if k not in attrs]
     if missing:
         raise ShardFormatError(f"{path}: missing attribute(s) {', '.join(missing)}")
     if attrs["hidden_dtype"] != HIDDEN_DTYPE:
@@ -75,7 +71,7 @@ def _damaged_bytes_are_format_errors(path: Path, what: str) -> Iterator[None]:
     except (ShardFormatError, MemoryError, KeyboardInterrupt):
         raise
     except Exception as e:
-        raise ShardFormatError(f"{path}: {what} ({_one_line(e)})") from e
+        raise ShardFormatError(f"{path}: {what} ({error_line(e)})") from e
 
 
 def read_shard(path: str | Path) -> Shard:
@@ -106,7 +102,7 @@ def read_shard(path: str | Path) -> Shard:
                 f"{path}: num_layers={attrs['num_layers']} but layer_ids has {meta.num_layers} entries"
             )
         data: dict[str, np.ndarray] = {}
-        for name, (accepted, _, ndim) in _ARRAYS.items():
+        for name, (accepted, _, ndim) in SHARD_ARRAYS.items():
             data[name] = _read_array(path, group, name, accepted, ndim)
 
     try:
@@ -163,7 +159,7 @@ def read_sample_index(path: str | Path) -> np.ndarray:
     except Exception as e:
         if not path.exists():
             raise FileNotFoundError(f"{path}: no such shard") from e
-        raise ShardFormatError(f"{path}: unreadable sample_index ({_one_line(e)})") from e
+        raise ShardFormatError(f"{path}: unreadable sample_index ({error_line(e)})") from e
 
 
 def read_shard_meta(path: str | Path) -> dict[str, Any]:

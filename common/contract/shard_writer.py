@@ -16,14 +16,14 @@ from zarr.storage import LocalStore
 
 from dflash.common.contract.codecs import CodecConfig, default_codec
 from dflash.common.contract.shard import (
-    _ARRAYS,
     DEFAULT_CHUNK_BYTES,
     HIDDEN_DTYPE,
+    SHARD_ARRAYS,
     SHARD_FORMAT,
     SHARD_VERSION,
     Shard,
-    _shard_problem,
     hidden_chunk_rows,
+    shard_problem,
 )
 from dflash.common.contract.shard_reader import shard_nbytes
 
@@ -51,11 +51,10 @@ def write_shard(
         raise ValueError(f"chunk_bytes={chunk_bytes}: must be > 0")
     if path.exists():
         raise FileExistsError(f"{path}: shard path already exists")
-    problem = _shard_problem(shard)
+    problem = shard_problem(shard)
     if problem:
         raise ValueError(f"write_shard({path}): {problem}")
 
-    meta = shard.meta
     num_tokens, num_samples = shard.num_tokens, shard.num_samples
     # .view(torch.uint16) reinterprets the bf16 bits in place; .numpy() shares memory. No copy on CPU.
     hidden = shard.hidden.detach().cpu().view(torch.uint16).numpy()
@@ -65,7 +64,24 @@ def write_shard(
         "cu_seqlens": shard.cu_seqlens.cpu().numpy(),
         "sample_index": shard.sample_index.cpu().numpy(),
     }
-    attrs: dict[str, Any] = {
+    try:
+        _write_group(path, _group_attrs(shard, codec), columns, hidden, codec, chunk_bytes)
+    except BaseException:
+        # Nothing existed at `path` before this call: do not leave a half-written shard behind.
+        shutil.rmtree(path, ignore_errors=True)
+        raise
+    nbytes = shard_nbytes(path)
+    log.debug(
+        "wrote %s: %d tokens, %d samples, %d bytes, codec %s", path, num_tokens, num_samples, nbytes, codec
+    )
+    return nbytes
+
+
+def _group_attrs(shard: Shard, codec: CodecConfig) -> dict[str, Any]:
+    """The zarr group's attributes: what a reader checks before trusting the arrays (format, version) and
+    the shard's metadata (docs/shard-format.md)."""
+    meta = shard.meta
+    return {
         "format": SHARD_FORMAT,
         "version": SHARD_VERSION,
         "target_model": meta.target_model,
@@ -76,21 +92,10 @@ def write_shard(
         "producer_id": meta.producer_id,
         "bucket": meta.bucket,
         "epoch": meta.epoch,
-        "num_tokens": num_tokens,
-        "num_samples": num_samples,
+        "num_tokens": shard.num_tokens,
+        "num_samples": shard.num_samples,
         "codec": codec.spec,
     }
-    try:
-        _write_group(path, attrs, columns, hidden, codec, chunk_bytes)
-    except BaseException:
-        # Nothing existed at `path` before this call: do not leave a half-written shard behind.
-        shutil.rmtree(path, ignore_errors=True)
-        raise
-    nbytes = shard_nbytes(path)
-    log.debug(
-        "wrote %s: %d tokens, %d samples, %d bytes, codec %s", path, num_tokens, num_samples, nbytes, codec
-    )
-    return nbytes
 
 
 def _write_group(
@@ -108,7 +113,7 @@ def _write_group(
         arr = group.create_array(
             name,
             shape=data.shape,
-            dtype=_ARRAYS[name][1],
+            dtype=SHARD_ARRAYS[name][1],
             chunks=(max(1, data.shape[0]),),
             compressors=[ZstdCodec(level=1), Crc32cCodec()],
             config=array_config,

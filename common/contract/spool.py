@@ -1,7 +1,8 @@
-"""The spool's shard flow, over 400 lines on purpose: every state transition in one class, reviewed together.
+"""The spool's shard flow: every state transition of a shard, as the methods of one class.
 
 The crash-safe spool between producers and consumers is one directory and POSIX renames
-(docs/architecture.md); the run records and the read-only scans live in spool_records.py and spool_scan.py.
+(docs/architecture.md); the run records and the read-only scans live in spool_records.py and spool_scan.py,
+the renames themselves (and what a crash halfway leaves) in spool_files.py.
 
 Every state change of a shard is one ``os.rename`` inside one filesystem, so a process killed at any
 instant leaves each shard in exactly one state:
@@ -19,8 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import random
-import shutil
 import threading
 import time
 import uuid
@@ -29,29 +28,25 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.common.contract.liveness import (
-    heartbeat_alive,
+from dflash.common.contract.liveness import heartbeat_alive
+from dflash.common.contract.names import check_id, is_shard_name, parse_shard_name
+from dflash.common.contract.spool_files import (
+    ACKED_SEP,
+    check_bucket,
+    claim_order,
+    finish_acks_of,
+    forget_flow,
+    looks_like_spool,
+    quarantine_into,
+    remove,
+    return_to_ready,
 )
-from dflash.common.contract.names import (
-    _check_id,
-    _is_shard_name,
-    parse_shard_name,
-    shard_epoch,
-    shard_sort_key,
-)
-from dflash.common.contract.spool_records import (
-    RUN_FILE,
-    SpoolError,
-    SpoolRecords,
-    _atomic_write_text,
-)
-from dflash.common.contract.spool_scan import SpoolScan, _entry_nbytes
+from dflash.common.contract.spool_records import SpoolError, SpoolRecords
+from dflash.common.contract.spool_scan import SpoolScan, entry_nbytes
 
 log = logging.getLogger(__name__)
 
 DIR_MODE = 0o700
-ACK_PREFIX = ".ack-"  # an ack's trash beside its claim (spools of earlier versions): finished on recovery
-ACKED_SEP = "~"  # acked/<owner>~<shard name>~<uuid>: "~" is in no consumer id or shard name
 
 
 def default_budget_bytes(root: str | Path, fraction: float = 0.5) -> int:
@@ -63,24 +58,14 @@ def default_budget_bytes(root: str | Path, fraction: float = 0.5) -> int:
     while not path.exists():
         path = path.parent
     st = os.statvfs(path)
-    held = Spool(root, create=False).total_bytes() if _looks_like_spool(Path(root)) else 0
+    held = Spool(root, create=False).total_bytes() if looks_like_spool(Path(root)) else 0
     return int((st.f_bavail * st.f_frsize + held) * fraction)
-
-
-def _looks_like_spool(root: Path) -> bool:
-    return all((root / d).is_dir() for d in ("tmp", "ready", "claimed", "quarantine", "state"))
-
-
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
 
 
 class Spool(SpoolRecords, SpoolScan):
     """A spool directory. One object per process and role (consumers: one per consumer id); it may be
     shared by that process's threads (its caches are hints guarded by a lock)."""
+
     def __init__(self, root: str | Path, *, create: bool = True):
         self.root = Path(root).absolute()
         self.tmp_dir = self.root / "tmp"
@@ -96,11 +81,18 @@ class Spool(SpoolRecords, SpoolScan):
         self._rates: dict[tuple[str, str], dict] = {}
         self._started = time.time()
         if create:
-            for d in (self.tmp_dir, self.ready_dir, self.claimed_dir, self.quarantine_dir, self.state_dir, self.acked_dir):
+            for d in (
+                self.tmp_dir,
+                self.ready_dir,
+                self.claimed_dir,
+                self.quarantine_dir,
+                self.state_dir,
+                self.acked_dir,
+            ):
                 self._makedirs(d)
         elif not self.root.is_dir():
             raise SpoolError(f"no spool directory at {self.root}")
-        elif not _looks_like_spool(self.root):
+        elif not looks_like_spool(self.root):
             raise SpoolError(f"{self.root} is not a spool (expected tmp/ ready/ claimed/ quarantine/ state/)")
 
     @staticmethod
@@ -143,21 +135,7 @@ class Spool(SpoolRecords, SpoolScan):
             except (ShardFormatError, OSError, ValueError):
                 pass
             shards += 1
-        for d in (self.tmp_dir, self.ready_dir, self.acked_dir):
-            for e in list(os.scandir(d)) if d.is_dir() else []:
-                _remove(Path(e.path))
-        for d in self._scan_dirs(self.claimed_dir):
-            _remove(d)
-        for name in self._scan_names(self.quarantine_dir):  # their samples are re-produced; the .why stay
-            _remove(self.quarantine_dir / name)
-        for e in list(os.scandir(self.state_dir)):
-            n = e.name
-            if (
-                n.startswith("DONE-")
-                or n == "producers.json"
-                or (n.endswith(".json") and "-" in n and n != RUN_FILE)
-            ):
-                Path(e.path).unlink(missing_ok=True)
+        forget_flow(self.root)
         return {"shards": shards, "samples": samples}
 
     # ---- producer side ----
@@ -179,7 +157,7 @@ class Spool(SpoolRecords, SpoolScan):
             raise SpoolError(f"shard {name} is already live in the spool (reused producer seq?)")
         inode = os.lstat(tmp_path).st_ino
         os.rename(tmp_path, dest)
-        size = _entry_nbytes(str(dest)) if nbytes is None else int(nbytes)
+        size = entry_nbytes(str(dest)) if nbytes is None else int(nbytes)
         with self._lock:
             self._size_cache[(name, inode)] = size
         return dest
@@ -208,11 +186,11 @@ class Spool(SpoolRecords, SpoolScan):
     def clean_tmp(self, producer_id: str) -> int:
         """Remove this producer's tmp/ leftovers (a previous life killed mid-write). Call once on start;
         never while another live process uses the same producer id."""
-        _check_id("producer_id", producer_id)
+        check_id("producer_id", producer_id)
         n = 0
         for name in self._scan_names(self.tmp_dir):
             if parse_shard_name(name)[1] == producer_id:
-                _remove(self.tmp_dir / name)
+                remove(self.tmp_dir / name)
                 n += 1
         if n:
             log.info("removed %d tmp leftovers of producer %s", n, producer_id)
@@ -224,7 +202,7 @@ class Spool(SpoolRecords, SpoolScan):
         n = 0
         for name in self._scan_names(self.tmp_dir):
             if parse_shard_name(name)[1].startswith(prefix):
-                _remove(self.tmp_dir / name)
+                remove(self.tmp_dir / name)
                 n += 1
         return n
 
@@ -247,7 +225,6 @@ class Spool(SpoolRecords, SpoolScan):
         if t0 is not None:
             log.info("spool back under budget after %.1f s", time.monotonic() - t0)
         return True
-
 
     @property
     def eval_dir(self) -> Path:
@@ -277,7 +254,6 @@ class Spool(SpoolRecords, SpoolScan):
         parts = [read_sample_index(p) for p in self.eval_shards()]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
-
     def is_drained(self) -> bool:
         """No shard will ever arrive again: producers done (checked first: they publish before DONE)
         and no shard left in tmp/, ready/ or claimed/ (claims of dead consumers count until
@@ -293,35 +269,16 @@ class Spool(SpoolRecords, SpoolScan):
         """Lease one ready shard by renaming it into claimed/<consumer_id>/; exactly one consumer wins a
         race, losers try the next name. Only shards of the lowest epoch ready are candidates (epochs are
         trained in order; producers publish epoch k+1 only once all of epoch k is published: their epoch
-        barrier, producer/worker.py). bucket: None = any (lowest name first), an int = only that
+        barrier, producer/loop.py). bucket: None = any (lowest name first), an int = only that
         bucket, "fullest" = the bucket with the most ready shards, "random" = any, uniformly (consumers
         that pack fixed-size steps use it: training order then mixes lengths instead of running through
         the buckets shortest first). None when nothing matches."""
-        if not (
-            bucket is None
-            or bucket in ("fullest", "random")
-            or (isinstance(bucket, int) and not isinstance(bucket, bool) and bucket >= 0)
-        ):
-            raise ValueError(f"bucket must be None, an int >= 0, 'fullest' or 'random', got {bucket!r}")
-        mine = self.claimed_dir / _check_id("consumer_id", consumer_id)
+        check_bucket(bucket)
+        mine = self.claimed_dir / check_id("consumer_id", consumer_id)
         with self._lock:
             if consumer_id not in self._adopted:
                 self._adopt(consumer_id)
-        names = sorted(self._scan_names(self.ready_dir), key=shard_sort_key)
-        if bucket is not None and not isinstance(bucket, str):
-            names = [n for n in names if parse_shard_name(n)[0] == bucket]
-        if names:  # epochs in order: only the lowest epoch ready is claimable (docs/training.md, "A campaign")
-            lowest = shard_epoch(names[0])
-            names = [n for n in names if shard_epoch(n) == lowest]
-        if bucket == "fullest":
-            counts: dict[int, int] = {}
-            for n in names:
-                counts[parse_shard_name(n)[0]] = counts.get(parse_shard_name(n)[0], 0) + 1
-            order = {b: i for i, b in enumerate(sorted(counts, key=lambda b: (-counts[b], b)))}
-            names.sort(key=lambda n: (order[parse_shard_name(n)[0]], shard_sort_key(n)))
-        elif bucket == "random":
-            random.shuffle(names)
-        for name in names:
+        for name in claim_order(list(self._scan_names(self.ready_dir)), bucket):
             try:
                 os.rename(self.ready_dir / name, mine / name)
             except FileNotFoundError:
@@ -343,15 +300,15 @@ class Spool(SpoolRecords, SpoolScan):
         self._makedirs(mine)
         if not (self.state_dir / f"consumer-{consumer_id}.json").exists():
             self.heartbeat("consumer", consumer_id, {})
-        n = self._return_to_ready(mine, remove_dir=False)
+        n = return_to_ready(mine, self.ready_dir, remove_dir=False)
         if n:
             log.warning("consumer %s: returned %d shards left claimed by its previous life", consumer_id, n)
-        self._finish_acks_of(consumer_id)
+        finish_acks_of(self.acked_dir, consumer_id)
         self._adopted.add(consumer_id)
 
     def _claimed_path_parts(self, path: Path) -> tuple[Path, str]:
         path = Path(path)
-        if path.parent.parent != self.claimed_dir or not _is_shard_name(path.name):
+        if path.parent.parent != self.claimed_dir or not is_shard_name(path.name):
             raise ValueError(f"not a claimed shard path of this spool: {path}")
         return path.parent, path.name
 
@@ -378,13 +335,13 @@ class Spool(SpoolRecords, SpoolScan):
             return None
         if not delete:
             return trash
-        _remove(trash)
+        remove(trash)
         return None
 
     @staticmethod
     def remove_trash(trash: Path) -> None:
         """Finish an ``ack(..., delete=False)``."""
-        _remove(trash)
+        remove(trash)
 
     def release(self, claimed_path: Path) -> None:
         """Give a claimed shard back to ready/ unprocessed (e.g. on a clean shutdown)."""
@@ -395,26 +352,8 @@ class Spool(SpoolRecords, SpoolScan):
             log.warning("release: %s is gone (recovered as dead?)", claimed_path)
 
     def quarantine(self, path: Path, why: str) -> Path:
-        """Move a shard that cannot be decoded out of the flow; <name>.why says why (one line, with a
-        timestamp). Returns the new path (the old one, with a warning, if the shard vanished meanwhile)."""
-        path = Path(path)
-        dest = self.quarantine_dir / path.name
-        if dest.exists():
-            dest = self.quarantine_dir / f"{time.time_ns()}-{path.name}"
-        reason = " ".join(str(why).split())
-        stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
-        # The .why first: a crash in between leaves the shard where it was (recovered, retried), never an
-        # unexplained shard in quarantine/.
-        why_path = dest.with_name(dest.name + ".why")
-        _atomic_write_text(why_path, f"{stamp} {reason}\n")
-        try:
-            os.rename(path, dest)
-        except FileNotFoundError:
-            why_path.unlink(missing_ok=True)
-            log.warning("quarantine: %s is gone (recovered as dead and re-delivered?)", path)
-            return path
-        log.warning("quarantined %s: %s", path.name, reason)
-        return dest
+        """Move a shard that cannot be decoded into quarantine/ with a <name>.why (spool_files.py)."""
+        return quarantine_into(self.quarantine_dir, path, why)
 
     def recover_dead_claims(self, *, heartbeat_timeout_s: float = 60.0) -> int:
         """Move shards claimed by dead consumers back to ready/; returns how many. Any consumer may call
@@ -432,11 +371,11 @@ class Spool(SpoolRecords, SpoolScan):
                 except FileNotFoundError:
                     continue
             if dead and d.name not in self._adopted:
-                moved = self._return_to_ready(d, remove_dir=True)
+                moved = return_to_ready(d, self.ready_dir, remove_dir=True)
                 if moved:
                     log.warning("recovered %d shards claimed by dead consumer %s", moved, d.name)
                 n += moved
-                self._finish_acks_of(d.name)
+                finish_acks_of(self.acked_dir, d.name)
         return n
 
     def return_claims(self, consumer_id: str) -> int:
@@ -445,39 +384,9 @@ class Spool(SpoolRecords, SpoolScan):
         For a process that knows the owner is dead (the trainer, after its data worker died: the worker
         claims under the trainer's id), so the shards need not wait for the heartbeat timeout. What the
         dead owner left half-acked in acked/ was trained: it is deleted, never returned."""
-        n = self._return_to_ready(self.claimed_dir / _check_id("consumer_id", consumer_id), remove_dir=False)
-        self._finish_acks_of(consumer_id)
+        n = return_to_ready(
+            self.claimed_dir / check_id("consumer_id", self.ready_dir, consumer_id), remove_dir=False
+        )
+        finish_acks_of(self.acked_dir, consumer_id)
         self._adopted.discard(consumer_id)  # the next claim under this id adopts (and checks) again
-        return n
-
-    def _finish_acks_of(self, owner: str) -> None:
-        """Delete what a dead consumer left half-deleted in acked/ (a crash mid-ack: already trained)."""
-        try:
-            names = os.listdir(self.acked_dir)
-        except FileNotFoundError:
-            return
-        for name in names:
-            if name.split(ACKED_SEP, 1)[0] == owner:
-                _remove(self.acked_dir / name)
-
-    def _return_to_ready(self, owner_dir: Path, *, remove_dir: bool) -> int:
-        n = 0
-        try:
-            entries = os.listdir(owner_dir)
-        except FileNotFoundError:
-            return 0
-        for name in entries:
-            if name.startswith(ACK_PREFIX):
-                _remove(owner_dir / name)  # an ack interrupted mid-delete: finish it
-            elif _is_shard_name(name):
-                try:
-                    os.rename(owner_dir / name, self.ready_dir / name)
-                    n += 1
-                except FileNotFoundError:
-                    pass  # another consumer recovered it first
-        if remove_dir:
-            try:
-                owner_dir.rmdir()
-            except OSError:
-                pass  # not empty (the owner came back) or already removed
         return n

@@ -20,11 +20,11 @@ from dflash.common.contract.liveness import (
     BOOT_ID,
     HOST,
     SpoolLock,
-    _lock_holder,
-    _proc_stat,
+    lock_holder,
     lock_is_held,
+    proc_stat,
 )
-from dflash.common.contract.names import _check_id
+from dflash.common.contract.names import check_id
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +119,7 @@ def describe_run(rec: dict) -> str:
     return f"run {rec.get('run')!r}" + (f" ({', '.join(parts)})" if parts else "")
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
     with open(tmp, "w") as f:
         f.write(text)
@@ -173,12 +173,17 @@ class SpoolRecords:
                         "settings are fixed: give the same, use another --spool, or discard this one with "
                         "ops/run_all.sh --fresh-spool)"
                     )
-                missing = {k: v for k, v in ident.items() if k not in rec or rec[k] != v}  # fill in, merge dicts
-                missing = {k: {**rec[k], **v} if isinstance(v, dict) and isinstance(rec.get(k), dict) else v for k, v in missing.items()}
+                missing = {
+                    k: v for k, v in ident.items() if k not in rec or rec[k] != v
+                }  # fill in, merge dicts
+                missing = {
+                    k: {**rec[k], **v} if isinstance(v, dict) and isinstance(rec.get(k), dict) else v
+                    for k, v in missing.items()
+                }
                 if not missing:
                     return rec
                 rec = {**rec, **missing}
-                _atomic_write_text(path, json.dumps(rec) + "\n")
+                atomic_write_text(path, json.dumps(rec) + "\n")
                 return rec
         raise SpoolError(f"spool {self.root}: could not bind state/{RUN_FILE} (concurrent writers?)")
 
@@ -189,13 +194,13 @@ class SpoolRecords:
         with self._lock:
             rec = self.read_run() or {}
             n = int(rec.get("launches", 0)) + 1
-            _atomic_write_text(self.state_dir / RUN_FILE, json.dumps({**rec, "launches": n}) + "\n")
+            atomic_write_text(self.state_dir / RUN_FILE, json.dumps({**rec, "launches": n}) + "\n")
             return n
 
     def acquire_lock(self, name: str, holder: str) -> SpoolLock:
         """Take ``<spool>/lock-<name>`` (flock, non-blocking) for the rest of this process's life, or raise
         SpoolBusyError naming the live holder. ``holder`` (one line) is written into the file."""
-        _check_id("lock name", name)
+        check_id("lock name", name)
         path = self.root / f"{LOCK_PREFIX}{name}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -203,7 +208,7 @@ class SpoolRecords:
         except BlockingIOError:
             os.close(fd)
             raise SpoolBusyError(
-                f"spool {self.root} is in use by a live launch: {_lock_holder(path)} holds {path.name}"
+                f"spool {self.root} is in use by a live launch: {lock_holder(path)} holds {path.name}"
             ) from None
         os.ftruncate(fd, 0)
         os.write(fd, f"{holder} (pid {os.getpid()} on {HOST}, since {time.strftime('%H:%M:%S')})\n".encode())
@@ -214,23 +219,23 @@ class SpoolRecords:
         out = {}
         for p in sorted(self.root.glob(f"{LOCK_PREFIX}*")):
             if lock_is_held(p):
-                out[p.name[len(LOCK_PREFIX) :]] = _lock_holder(p)
+                out[p.name[len(LOCK_PREFIX) :]] = lock_holder(p)
         return out
 
     def register_producers(self, producer_ids: list[str]) -> None:
         """The set of producers whose DONE markers mean 'no more shards' (state/producers.json)."""
-        ids = sorted({_check_id("producer_id", p) for p in producer_ids})
+        ids = sorted({check_id("producer_id", p) for p in producer_ids})
         if not ids:
             raise ValueError("register_producers needs at least one producer id")
         old = self.registered_producers()
         if old and old != ids:
             log.info("registering producers %s (was %s)", ids, old)
-        _atomic_write_text(self.state_dir / "producers.json", json.dumps({"producers": ids}) + "\n")
+        atomic_write_text(self.state_dir / "producers.json", json.dumps({"producers": ids}) + "\n")
 
     def write_campaign(self, node_rank: int, record: dict) -> None:
         """state/campaign-n<node>.json: what this node's producers' slices give per epoch (samples, tokens,
         loss_tokens, epochs, num_nodes); the same on every launch of the run (see dflash.common.contract.epochs)."""
-        _atomic_write_text(self.state_dir / f"campaign-n{int(node_rank)}.json", json.dumps(record) + "\n")
+        atomic_write_text(self.state_dir / f"campaign-n{int(node_rank)}.json", json.dumps(record) + "\n")
 
     def read_campaign(self) -> list[dict] | None:
         """Every node's campaign record, or None until all ``num_nodes`` nodes have written theirs."""
@@ -247,19 +252,21 @@ class SpoolRecords:
 
     def mark_done(self, producer_id: str) -> None:
         """Write state/DONE-<id>; call after the producer's last publish."""
-        _check_id("producer_id", producer_id)
-        _atomic_write_text(self.state_dir / f"DONE-{producer_id}", f"{time.time():.3f}\n")
+        check_id("producer_id", producer_id)
+        atomic_write_text(self.state_dir / f"DONE-{producer_id}", f"{time.time():.3f}\n")
 
     def clear_done(self, producer_id: str) -> None:
         """Remove a stale DONE marker and epoch marker (a producer restarted on a resumed run)."""
-        (self.state_dir / f"DONE-{_check_id('producer_id', producer_id)}").unlink(missing_ok=True)
+        (self.state_dir / f"DONE-{check_id('producer_id', producer_id)}").unlink(missing_ok=True)
         (self.state_dir / f"epoch-{producer_id}.json").unlink(missing_ok=True)
 
     def mark_epoch_done(self, producer_id: str, epoch: int) -> None:
         """state/epoch-<id>.json: every shard of ``epoch`` (and the ones before) this producer will write is
         published. The producers' epoch barrier (producer/epoch_barrier.py) reads it."""
-        _check_id("producer_id", producer_id)
-        _atomic_write_text(self.state_dir / f"epoch-{producer_id}.json", json.dumps({"epoch_done": int(epoch)}) + "\n")
+        check_id("producer_id", producer_id)
+        atomic_write_text(
+            self.state_dir / f"epoch-{producer_id}.json", json.dumps({"epoch_done": int(epoch)}) + "\n"
+        )
 
     def epochs_done(self) -> dict[str, int]:
         """{producer id: the last epoch it has fully published} for the producers that said so."""
@@ -283,7 +290,7 @@ class SpoolRecords:
         and their rates per second over the last few seconds."""
         if not _ROLE_RE.match(role):
             raise ValueError(f"role must be lowercase letters, got {role!r}")
-        _check_id("proc_id", proc_id)
+        check_id("proc_id", proc_id)
         now = time.time()
         key = (role, proc_id)
         numeric = {
@@ -297,7 +304,7 @@ class SpoolRecords:
                 if now - ref_t >= _RATE_WINDOW_S:
                     self._rate_ref[key] = (now, numeric)
             rates = self._rates[key]
-        st = _proc_stat(os.getpid())
+        st = proc_stat(os.getpid())
         hb = {
             "role": role,
             "id": proc_id,
@@ -310,7 +317,7 @@ class SpoolRecords:
             "counters": counters,
             "rates": rates,
         }
-        _atomic_write_text(self.state_dir / f"{role}-{proc_id}.json", json.dumps(hb) + "\n")
+        atomic_write_text(self.state_dir / f"{role}-{proc_id}.json", json.dumps(hb) + "\n")
 
     def heartbeats(self) -> list[dict]:
         out = []

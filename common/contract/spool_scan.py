@@ -14,12 +14,12 @@ from pathlib import Path
 from dflash.common.contract.liveness import (
     heartbeat_alive,
 )
-from dflash.common.contract.names import _is_shard_name, parse_shard_name
+from dflash.common.contract.names import is_shard_name, parse_shard_name
 
 log = logging.getLogger(__name__)
 
 
-def _entry_nbytes(path: str) -> int:
+def entry_nbytes(path: str) -> int:
     """Apparent bytes of a file or a directory tree. Tolerates entries vanishing mid-walk (a tmp shard
     being written or published): what moved is counted in its new state."""
     try:
@@ -68,7 +68,7 @@ class SpoolScan:
     def _scan_names(d: Path) -> Iterator[str]:
         try:
             with os.scandir(d) as it:
-                names = [e.name for e in it if _is_shard_name(e.name)]
+                names = [e.name for e in it if is_shard_name(e.name)]
         except FileNotFoundError:
             return iter(())
         return iter(names)
@@ -95,9 +95,9 @@ class SpoolScan:
                 owner = d.name if state == "claimed" else ""
                 for name, path, inode in entries:
                     if not cached:
-                        size = _entry_nbytes(path)
+                        size = entry_nbytes(path)
                     elif (size := self._size_cache.get((name, inode))) is None:
-                        size = _entry_nbytes(path)
+                        size = entry_nbytes(path)
                         with self._lock:
                             self._size_cache[(name, inode)] = size
                     seen.add((name, inode))

@@ -51,6 +51,7 @@ def _rope_from_target(cfg: Any) -> tuple[float, dict | None]:
 class DrafterConfig:
     """Shape of one drafter. Width/heads/vocab/rope come from the target (the drafter reuses its embedding,
     lm_head and, through the context feature, its hidden space)."""
+
     hidden_size: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -69,7 +70,7 @@ class DrafterConfig:
     mask_token_id: int
     initializer_range: float = 0.02  # std of Linear init, as the public model's post_init
     layer_types: list[str] | None = None
-    """Per draft layer: full_attention or sliding_attention (None: all full, as checkpoints before issue 27)."""
+    """Per draft layer: full_attention or sliding_attention (None: all full, as in checkpoints made before sliding draft layers existed)."""
     sliding_window: int | None = None
     """W of the sliding layers (HF convention: W keys counting the query's own); None when no layer slides."""
     target_fingerprint: str | None = None
@@ -217,7 +218,9 @@ class DrafterConfig:
                 mask_token_id = choose_mask_token_id(tokenizer, vocab_size=vocab)
             else:
                 mask_token_id = _mask_token_from_config(cfg, vocab)
-        layer_types, sliding_window = resolve_layer_types(layer_types, num_layers, target_config, sliding_window)
+        layer_types, sliding_window = resolve_layer_types(
+            layer_types, num_layers, target_config, sliding_window
+        )
         return cls(
             hidden_size=hidden,
             num_attention_heads=heads,

@@ -30,13 +30,14 @@ import numpy as np
 import torch
 
 from dflash.common.contract.shard_reader import read_shard
-from dflash.common.drafter.dflash import Generation, Proposer, _emit
+from dflash.common.drafter.dflash import Generation, Proposer, emit_tokens
 from dflash.common.drafter.report import EvalReport, summarize
 
 
 @dataclass(kw_only=True)
 class HeldOutDoc:
     """One held-out document as the producers spooled it."""
+
     sample_index: int
     input_ids: np.ndarray  # int [T]
     loss_mask: np.ndarray  # bool [T]
@@ -117,7 +118,7 @@ def _verify(
     truth = torch.tensor(ids[anchor_pos + 1 : anchor_pos + b])  # the target's token after each prefix
     accepted = int(torch.cumprod((draft == truth).long(), 0).sum())
     bonus = ids[anchor_pos + accepted + 1] if anchor_pos + accepted + 1 < len(ids) else ids[-1]
-    new, stopped = _emit(draft[:accepted].tolist() + [bonus], max_new_tokens - len(gen.tokens), stop)
+    new, stopped = emit_tokens(draft[:accepted].tolist() + [bonus], max_new_tokens - len(gen.tokens), stop)
     gen.steps.append((b, accepted, len(new)))
     gen.target_forwards += 1
     gen.tokens.extend(new)
@@ -127,6 +128,7 @@ def _verify(
 @dataclass(kw_only=True)
 class _Walk:
     """One document's decode in a batched walk: its tokens, its remaining budget, its position."""
+
     ids: list[int]
     start: int
     budget: int
@@ -182,7 +184,9 @@ def batched_teacher_forced_generate(
     while active := [n for n, w in enumerate(walks) if not w.stopped and len(w.gen.tokens) < w.budget]:
         a = len(active)
         anchor = torch.tensor([walks[n].anchor_pos for n in active], device=device)
-        lens = torch.tensor([min(block, walks[n].budget - len(walks[n].gen.tokens) + 1) for n in active], device=device)
+        lens = torch.tensor(
+            [min(block, walks[n].budget - len(walks[n].gen.tokens) + 1) for n in active], device=device
+        )
         ids = torch.full((a, block), d.spec.mask_token_id, dtype=torch.long, device=device)
         ids[:, 0] = torch.tensor([walks[n].gen.tokens[-1] for n in active], device=device)
         span = int(anchor.max())  # context keys past every anchor are masked anyway

@@ -145,7 +145,9 @@ def find_decoder(model: nn.Module) -> tuple[nn.Module, nn.ModuleList, nn.Module]
             and isinstance(getattr(mod, "norm", None), nn.Module)
         ):
             return mod, layers, mod.norm
-    raise ValueError(f"{type(model).__name__}: no decoder with {num_layers} layers, embed_tokens and norm found")
+    raise ValueError(
+        f"{type(model).__name__}: no decoder with {num_layers} layers, embed_tokens and norm found"
+    )
 
 
 def feature_module(layers: nn.ModuleList, norm: nn.Module, layer_id: int) -> nn.Module:
@@ -336,10 +338,18 @@ def draft_attention(
         # the training kernel at every query length: inductor would lower a short query (<= 128 rows, e.g.
         # few anchors) to flex_decoding, which found no kernel for it on an H200 (fp32, head_dim 16)
         out = _flex_fn(q.device)(
-            q, k, v, block_mask=mask.block_mask, scale=scale, enable_gqa=enable_gqa, kernel_options=_FLEX_KERNEL
+            q,
+            k,
+            v,
+            block_mask=mask.block_mask,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            kernel_options=_FLEX_KERNEL,
         )
     else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, scale=scale, enable_gqa=enable_gqa)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask.dense, scale=scale, enable_gqa=enable_gqa
+        )
     return out * mask.row_valid[:, None].to(out.dtype)
 
 
@@ -447,7 +457,11 @@ class DraftAttention(nn.Module):
     def __init__(self, config: Qwen3Config):
         super().__init__()
         h, d = config.hidden_size, head_dim_of(config)
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            d,
+        )
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
@@ -459,13 +473,17 @@ class DraftAttention(nn.Module):
         """[n, H] normed block states -> rotated queries [n, heads, D]."""
         return _rotate(self.q_norm(self.q_proj(h).view(h.shape[0], self.num_heads, self.head_dim)), cos, sin)
 
-    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def keys_values(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """[n, H] (context feature or normed block states) -> rotated keys, values [n, kv_heads, D]. They
         depend on x alone, so a decode projects each context position once and caches it."""
         n = x.shape[0]
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
         # one dtype for q/k/v: under autocast the norms return fp32 while v_proj returns the autocast dtype
-        k = _rotate(self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)), cos, sin).to(v.dtype)
+        k = _rotate(self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)), cos, sin).to(
+            v.dtype
+        )
         return k, v
 
     def forward(self, x, context, cos, sin, mask: DraftMask) -> torch.Tensor:
@@ -492,8 +510,12 @@ class DraftAttention(nn.Module):
         if keys is not None:
             k, v = torch.cat([keys, k], dim=1), torch.cat([values, v], dim=1)
         out = F.scaled_dot_product_attention(
-            q.to(v.dtype).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=visible_mask,
-            scale=self.head_dim**-0.5, enable_gqa=self.num_heads != self.num_kv_heads,
+            q.to(v.dtype).transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=visible_mask,
+            scale=self.head_dim**-0.5,
+            enable_gqa=self.num_heads != self.num_kv_heads,
         )  # fmt: skip  [A, heads, B, D]
         return self.o_proj(out.transpose(1, 2).reshape(a, b, self.num_heads * self.head_dim))
 
@@ -591,7 +613,9 @@ class DraftMath:
     @property
     def target_head(self) -> TargetHead:
         if self._target_head is None:
-            raise RuntimeError("the drafter has no target head: pass one, set_target_head(...) or attach_target(target)")
+            raise RuntimeError(
+                "the drafter has no target head: pass one, set_target_head(...) or attach_target(target)"
+            )
         return self._target_head
 
     @property
@@ -618,8 +642,12 @@ class DraftMath:
         ``batch``: a DraftBatch (doc_ids, anchors, anchor_valid, block_size)."""
         return {
             t: build_draft_mask(
-                batch.doc_ids, batch.anchors, batch.anchor_valid, block_size=batch.block_size,
-                backend=self.attention_backend, sliding_window=self.spec.window(t),
+                batch.doc_ids,
+                batch.anchors,
+                batch.anchor_valid,
+                block_size=batch.block_size,
+                backend=self.attention_backend,
+                sliding_window=self.spec.window(t),
             )  # fmt: skip
             for t in dict.fromkeys(self.spec.layer_types)
         }
@@ -632,7 +660,9 @@ class DraftMath:
         dtype = self.fc.weight.dtype
         masks = self.build_mask(batch) if mask is None else mask
         hidden = batch.hidden
-        if not torch.is_autocast_enabled(hidden.device.type):  # under autocast fc casts; no fp32 copy of [S, K*H]
+        if not torch.is_autocast_enabled(
+            hidden.device.type
+        ):  # under autocast fc casts; no fp32 copy of [S, K*H]
             hidden = hidden.to(dtype)
         context = self.hidden_norm(self.fc(hidden))  # [S, H]
         x = self.target_head.embed(batch.block_input_ids.reshape(-1)).to(dtype)  # [N*B, H]
@@ -679,8 +709,16 @@ class DraftMath:
         if block_len is not None:
             real[:, 0, ctx_len:] = torch.arange(b, device=device) < block_len.to(device)[:, None]
         masks = {
-            t: (real & visible(positions[:, :, None], k_pos[:, None, :], anchor_pos[:, None, None], k_in_block,
-                               self.spec.window(t)))[:, None]
+            t: (
+                real
+                & visible(
+                    positions[:, :, None],
+                    k_pos[:, None, :],
+                    anchor_pos[:, None, None],
+                    k_in_block,
+                    self.spec.window(t),
+                )
+            )[:, None]
             for t in dict.fromkeys(self.spec.layer_types)
         }  # fmt: skip  [A, 1, B, L+B] per layer type
         x = self.target_head.embed(block_ids.to(device)).to(dtype)
@@ -820,11 +858,14 @@ class TargetRunner:
         self._snapshot: _StateSnapshot | None = None
         self.reset()  # a target whose cache this loop cannot roll back is refused here, before any hook is set
         self._handles = [
-            feature_module(layers, norm, i).register_forward_hook(self._hook(i)) for i in sorted(set(self.layer_ids))
+            feature_module(layers, norm, i).register_forward_hook(self._hook(i))
+            for i in sorted(set(self.layer_ids))
         ]
         self.device = next(model.parameters()).device
         # transformers >= 5.2x renamed `past_key_values` to `cache` (the old name warns, then goes away)
-        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        self._cache_kw = (
+            "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        )
 
     def _hook(self, layer: int):
         def hook(module, args, output):
@@ -1086,7 +1127,7 @@ def verify_sampled(
     return accepted, int(_draw(residual / residual.sum(), gen))
 
 
-def _emit(new: list[int], budget: int, stop: set[int]) -> tuple[list[int], bool]:
+def emit_tokens(new: list[int], budget: int, stop: set[int]) -> tuple[list[int], bool]:
     """``new`` cut to the length budget and just after the first stop token; (tokens, stopped)."""
     new = new[:budget]
     for i, t in enumerate(new):
@@ -1108,6 +1149,28 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
+def _draft(
+    proposer: Proposer, anchor: int, anchor_pos: int, b: int, sampling: Sampling | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One block's draft [b-1] on the CPU, and its probabilities when drafts are sampled (None: greedy)."""
+    if sampling is not None and sampling.draft == "sample":
+        draft_probs = warp_probs(proposer.draft_logits(anchor, anchor_pos, b), sampling)
+        return _draw(draft_probs, sampling.generator).cpu(), draft_probs
+    return proposer.propose(anchor, anchor_pos, b).to(torch.long).cpu(), None
+
+
+def _accept(
+    logits: torch.Tensor, draft: torch.Tensor, draft_probs: torch.Tensor | None, sampling: Sampling | None
+) -> tuple[int, int]:
+    """(draft tokens accepted, the bonus token) of one verify forward: rejection sampling when sampling
+    (``verify_sampled``), else d_k accepted while it equals the target's argmax after the tokens before it."""
+    if sampling is not None:
+        return verify_sampled(logits, draft, draft_probs, sampling)
+    greedy = logits.argmax(-1).cpu()  # greedy[k]: the target's token after [anchor, draft][:k+1]
+    accepted = int(torch.cumprod((draft == greedy[:-1]).long(), 0).sum())
+    return accepted, int(greedy[accepted])
+
+
 def speculative_generate(
     target: TargetRunner,
     proposer: Proposer,
@@ -1146,22 +1209,11 @@ def speculative_generate(
         anchor_pos = target.length
         remaining = max_new_tokens - len(gen.tokens)
         b = min(block, remaining + 1)
-        draft_probs = None
-        if sampled and sampling.draft == "sample":
-            draft_probs = warp_probs(proposer.draft_logits(gen.tokens[-1], anchor_pos, b), sampling)
-            draft = _draw(draft_probs, sampling.generator).cpu()
-        else:
-            draft = proposer.propose(gen.tokens[-1], anchor_pos, b).to(torch.long).cpu()
-        ids = torch.cat([torch.tensor([gen.tokens[-1]]), draft])
-        logits, feats = target.forward(ids)
+        draft, draft_probs = _draft(proposer, gen.tokens[-1], anchor_pos, b, sampling if sampled else None)
+        logits, feats = target.forward(torch.cat([torch.tensor([gen.tokens[-1]]), draft]))
         gen.target_forwards += 1
-        if sampled:
-            accepted, bonus = verify_sampled(logits, draft, draft_probs, sampling)
-        else:
-            greedy = logits.argmax(-1).cpu()  # greedy[k]: the target's token after ids[:k+1]
-            accepted = int(torch.cumprod((draft == greedy[:-1]).long(), 0).sum())
-            bonus = int(greedy[accepted])
-        new, stopped = _emit(draft[:accepted].tolist() + [bonus], remaining, stop)
+        accepted, bonus = _accept(logits, draft, draft_probs, sampling if sampled else None)
+        new, stopped = emit_tokens(draft[:accepted].tolist() + [bonus], remaining, stop)
         gen.steps.append((b, accepted, len(new)))
         gen.tokens.extend(new)
         gen.target_forwards += target.crop(anchor_pos + accepted + 1) or 0  # 1: a linear-attention replay

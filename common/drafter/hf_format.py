@@ -61,6 +61,7 @@ _WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 class ExportError(ValueError):
     """A checkpoint or export folder that cannot be used; the message is one line."""
 
+
 # ----------------------------------------------------------------------------------------------- config
 
 
@@ -170,7 +171,7 @@ def expected_shapes(config: DrafterConfig) -> dict[str, torch.Size]:
     return {name: p.shape for name, p in model.named_parameters()}
 
 
-def _public_state(model_state: dict[str, torch.Tensor], config: DrafterConfig) -> dict[str, torch.Tensor]:
+def public_state(model_state: dict[str, torch.Tensor], config: DrafterConfig) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors under the public names, checked name by name and shape by shape."""
     state = {}
     for name, tensor in model_state.items():
@@ -219,7 +220,7 @@ def export_drafter(
             raise ExportError(f"{out} exists and is not empty (pass --overwrite to replace it)")
     tensors = {
         name: t.detach().to("cpu", dtype).contiguous()
-        for name, t in _public_state(model_state, config).items()
+        for name, t in public_state(model_state, config).items()
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -253,5 +254,3 @@ def read_export_config(path: str | Path) -> DrafterConfig:
     except json.JSONDecodeError as err:
         raise ExportError(f"{root / CONFIG_FILE}: invalid JSON ({err})") from None
     return drafter_config_from_export(raw)
-
-

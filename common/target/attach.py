@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash.common.drafter.config import DrafterConfig
-from dflash.common.drafter.hf_format import WEIGHTS_FILE, ExportError, _public_state, read_export_config
+from dflash.common.drafter.hf_format import WEIGHTS_FILE, ExportError, public_state, read_export_config
 from dflash.common.drafter.model import DFlashDrafter
 from dflash.common.target.head import load_target_head
 
@@ -51,7 +51,7 @@ def build_drafter(
     """Weights (an export's or a checkpoint's, checked name by name) -> `DFlashDrafter` with the target's
     head, in eval mode: the one path from weights to an inference drafter (`load_exported_drafter`,
     ``dflash-eval --watch`` on checkpoints). `dtype`: default the stored dtype."""
-    state = _public_state(model_state, config)
+    state = public_state(model_state, config)
     dtype = dtype or next(iter(state.values())).dtype
     head = load_target_head(target, dtype=dtype, device=device)
     if head.embed_weight.shape[1] != config.hidden_size:

@@ -8,8 +8,8 @@ generation (the Qwen3 family strips earlier reasoning) make a row several sample
 (``generation_renderings``). Result columns of ``tokenize_slice`` (one row per sample of each dataset row
 of the slice, one per bad row so they can be counted): ``sample_index`` int64 (the dataset row),
 ``segment`` int32 (which sample of its row), ``input_ids`` int32[], ``loss_mask`` bool[],
-``num_loss_tokens`` int32, ``status`` ("ok" | "short" | "bad:<reason>"). Reasons (``drop_reason`` turns a
-status into the phrase the producer prints): unparseable (a line that is not JSON), the conversation's
+``num_loss_tokens`` int32, ``status`` ("ok" | "short" | "bad:<reason>"). Reasons (``drops.drop_reason``
+turns a status into the phrase the producer prints; conversation.py decides the row's shape): unparseable (a line that is not JSON), the conversation's
 shape (not a list, empty, turn not an object, unknown role, content not text, a tool call without a
 function name, tools not JSON, a row of the other format), no assistant turn / only empty assistant
 turns, template error (the chat template raised), over-long (enough supervised tokens, but --max-length
@@ -26,168 +26,30 @@ import re
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.compute as pc
 from datasets import Features, Sequence, Value
 
-from dflash.common.target.data import _COLUMN, _RAW, DataConfig, DataError, conversation_column
+from dflash.common.target.conversation import (
+    FORMAT_NAME,
+    BadRow,
+    normalize_conversation,
+    normalize_tools,
+    prune_nulls,
+)
+from dflash.common.target.data import (
+    FORMAT_COLUMN,
+    RAW_JSON_COLUMN,
+    DataConfig,
+    DataError,
+    conversation_column,
+)
 
 log = logging.getLogger(__name__)
-
-
-_ROLE = {
-    "system": "system",
-    "user": "user",
-    "human": "user",
-    "assistant": "assistant",
-    "gpt": "assistant",
-    "chatgpt": "assistant",
-    "tool": "tool",
-    "observation": "tool",  # ShareGPT tool result
-    "function_call": "assistant",  # ShareGPT tool call: the value is {"name", "arguments"} JSON
-}
-_FORMAT_NAME = {"messages": "an OpenAI", "conversations": "a ShareGPT"}
 
 
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 _TOKENIZE_VERSION = 3  # bump when tokenize output changes, to invalidate datasets' map cache
-
-
-class BadRow(ValueError):
-    """A row that cannot be trained; the message is the drop reason."""
-
-
-def _text(content: Any) -> str | None:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # OpenAI content parts: keep text parts only
-        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type", "text") == "text"]
-        if parts and all(isinstance(p, str) for p in parts):
-            return "".join(parts)
-    return None
-
-
-def _prune_nulls(value: Any) -> Any:
-    """Drop None-valued keys: arrow gives every struct the union of the fields of all rows, None where a
-    row had none, and a template would render those as ``null`` keys the row never had."""
-    if isinstance(value, dict):
-        return {k: _prune_nulls(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_prune_nulls(v) for v in value]
-    return value
-
-
-def _json_value(value: Any, what: str) -> Any:
-    if isinstance(value, str):  # tools and arguments are often stored as JSON text
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            raise BadRow(f"{what} not JSON") from None
-    return value
-
-
-def normalize_tools(raw: Any) -> list[dict] | None:
-    """A row's tool definitions (a list of objects, or its JSON text) for the template's ``tools=``."""
-    if raw is None:
-        return None
-    tools = _json_value(raw, "tools")
-    if tools is None or tools == []:
-        return None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise BadRow("tools not a list of objects")
-    return tools
-
-
-def _tool_calls(raw: Any) -> list[dict] | None:
-    """HF's shape: [{"type": "function", "function": {"name", "arguments": object}}] (a flat {name,
-    arguments} is wrapped, arguments given as JSON text are parsed; an OpenAI "id" is kept)."""
-    if raw is None or raw == []:
-        return None
-    if not isinstance(raw, list):
-        raise BadRow("tool_calls not a list")
-    calls = []
-    for call in raw:
-        fn = call.get("function", call) if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise BadRow("tool call without a function name")
-        args = fn.get("arguments", {})
-        if isinstance(args, str):  # JSON text (OpenAI's wire form): HF templates expect the object
-            try:
-                args = json.loads(args) if isinstance(json.loads(args), dict) else args
-            except json.JSONDecodeError:
-                pass  # not JSON: the template gets the text as it is
-        out = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
-        if isinstance(call.get("id"), str):
-            out["id"] = call["id"]
-        calls.append(out)
-    return calls
-
-
-def _turn(turn: Any, train_reasoning: bool) -> dict[str, Any] | None:
-    """One turn in HF chat-template form, None for an assistant turn with nothing in it (dropped)."""
-    if not isinstance(turn, dict):
-        raise BadRow("turn not an object")
-    role = turn.get("role", turn.get("from"))
-    if not isinstance(role, str) or role not in _ROLE:  # a list/dict role is unhashable: not a crash
-        raise BadRow("unknown role")
-    raw = turn.get("content", turn.get("value"))
-    msg: dict[str, Any] = {"role": _ROLE[role]}
-    if role == "function_call":
-        msg["content"], msg["tool_calls"] = None, _tool_calls([_json_value(raw, "function_call value")])
-        return msg
-    content = _text(raw)
-    if raw is not None and content is None:
-        raise BadRow("content not text")
-    if msg["role"] != "assistant":
-        msg["content"] = content or ""
-        for key in ("name", "tool_call_id"):  # a tool result's function name / the call it answers
-            if isinstance(turn.get(key), str):
-                msg[key] = turn[key]
-        return msg
-    reasoning = turn.get("reasoning_content", turn.get("reasoning"))
-    reasoning = reasoning if isinstance(reasoning, str) and reasoning.strip() and train_reasoning else None
-    calls = _tool_calls(turn.get("tool_calls"))
-    if not (content and content.strip()) and reasoning is None and calls is None:
-        return None
-    msg["content"] = content or ""
-    if reasoning is not None:
-        msg["reasoning_content"] = reasoning
-    if calls is not None:
-        msg["tool_calls"] = calls
-    return msg
-
-
-def normalize_conversation(
-    raw: Any, *, train_reasoning: bool = True, null_fields: bool = False
-) -> tuple[list[dict[str, Any]] | None, str]:
-    """HF chat-template messages from an OpenAI or ShareGPT turn list, or (None, reason) for a bad row.
-
-    Roles system/user/assistant/tool (and their ShareGPT names); an assistant turn keeps its
-    ``reasoning_content`` (unless ``train_reasoning`` is off) and ``tool_calls`` (content may be null);
-    an assistant turn with no content, reasoning or call is dropped, not the row. ``null_fields``: the
-    turns came from arrow (None keys are its padding, not the row's)."""
-    if isinstance(raw, dict):  # raw-JSON rows: the whole row
-        raw = raw.get("messages", raw.get("conversations"))
-    if not isinstance(raw, list) or not raw:
-        return None, "not a list" if not isinstance(raw, list) else "empty"
-    try:
-        turns = [_turn(_prune_nulls(t) if null_fields else t, train_reasoning) for t in raw]
-    except BadRow as err:
-        return None, str(err)
-    msgs = [t for t in turns if t is not None]
-    if not any(m["role"] == "assistant" for m in msgs):
-        return None, "only empty assistant turns" if len(msgs) < len(turns) else "no assistant turn"
-    return msgs, "ok"
-
-
-def drop_reason(status: str, min_loss_tokens: int | None = None) -> str:
-    """The phrase a producer prints for a dropped row's status ("short" -> "too short (< 32 supervised
-    tokens)", "bad:no assistant turn" -> "no assistant turn")."""
-    if status == "short":
-        return "too short" + (f" (< {min_loss_tokens} supervised tokens)" if min_loss_tokens else "")
-    return status.partition(":")[2] or status
 
 
 def has_generation_tags(tokenizer) -> bool:
@@ -329,23 +191,23 @@ class _Tokenize:
 
     def _row(self, batch: dict[str, list], i: int) -> tuple[Any, Any, str | None]:
         """(turns, tools, reason it is another format's row or None) of row i of the batch."""
-        if self.column == _RAW:
-            row = _parse_raw(batch[_RAW][i])
+        if self.column == RAW_JSON_COLUMN:
+            row = _parse_raw(batch[RAW_JSON_COLUMN][i])
             if row is _UNPARSEABLE:
                 return None, None, "unparseable"
             if not isinstance(row, dict):
                 return row, None, None
-            own = _COLUMN.get(self.fmt)
-            other = next((c for c in _COLUMN.values() if c != own), None) if own else None
+            own = FORMAT_COLUMN.get(self.fmt)
+            other = next((c for c in FORMAT_COLUMN.values() if c != own), None) if own else None
             if own and row.get(own) is None and isinstance(row.get(other), list):
-                return None, None, f"{_FORMAT_NAME[other]} row in {_FORMAT_NAME[own]}-format file"
+                return None, None, f"{FORMAT_NAME[other]} row in {FORMAT_NAME[own]}-format file"
             return row, row.get("tools"), None
         turns = batch[self.column][i]
         tools = batch["tools"][i] if "tools" in batch else None
         if turns is None:  # a file mixing formats: arrow gives each row both columns, one of them None
-            for other in (c for c in _COLUMN.values() if c != self.column and c in batch):
+            for other in (c for c in FORMAT_COLUMN.values() if c != self.column and c in batch):
                 if isinstance(batch[other][i], list):
-                    return None, None, f"{_FORMAT_NAME[other]} row in {_FORMAT_NAME[self.column]}-format file"
+                    return None, None, f"{FORMAT_NAME[other]} row in {FORMAT_NAME[self.column]}-format file"
         return turns, tools, None
 
     def __call__(self, batch: dict[str, list], positions: list[int]) -> dict[str, list]:
@@ -356,10 +218,12 @@ class _Tokenize:
                 normalized.append((None, None, reason))
                 continue
             msgs, reason = normalize_conversation(
-                turns, train_reasoning=self.train_reasoning, null_fields=self.column != _RAW
+                turns, train_reasoning=self.train_reasoning, null_fields=self.column != RAW_JSON_COLUMN
             )
             try:
-                tools = normalize_tools(_prune_nulls(raw_tools) if self.column != _RAW else raw_tools)
+                tools = normalize_tools(
+                    prune_nulls(raw_tools) if self.column != RAW_JSON_COLUMN else raw_tools
+                )
             except BadRow as err:
                 msgs, reason = None, str(err)
             normalized.append((msgs, tools, reason))
@@ -425,7 +289,9 @@ def tokenize_slice(ds, tokenizer, cfg: DataConfig, indices: np.ndarray):
     column = conversation_column(ds, cfg.format)
     indices = np.asarray(indices, dtype=np.int64)
     # the row's tools, and the other format's column (to name a row of that format in this file)
-    columns = [column] + [c for c in ("tools", *_COLUMN.values()) if c != column and c in ds.column_names]
+    columns = [column] + [
+        c for c in ("tools", *FORMAT_COLUMN.values()) if c != column and c in ds.column_names
+    ]
     sub = ds.select_columns(columns)
     if not np.array_equal(indices, np.arange(len(ds))):
         sub = sub.select(indices)  # an indices mapping: no copy of the rows
@@ -469,77 +335,3 @@ def tokenize_slice(ds, tokenizer, cfg: DataConfig, indices: np.ndarray):
         new_fingerprint=fingerprint,
         desc="tokenize",
     )
-
-
-def drop_summary(
-    tok_ds, raw_ds=None, column: str | None = None, *, min_loss_tokens: int | None = None
-) -> dict:
-    """What tokenization kept and dropped: ``{"rows", "samples", "ok", "dropped", "reasons": {phrase:
-    count}, "first": {phrase: "row <global index>: <first 60 chars of the raw row>"}}`` (counted with
-    pyarrow, no Python loop over rows). ``samples`` >= ``rows`` (a row may give several samples, a bad row
-    counts as one); ``ok`` and ``dropped`` count samples."""
-    if len(tok_ds) == 0 or "status" not in tok_ds.column_names:
-        return {"rows": 0, "samples": 0, "ok": 0, "dropped": 0, "reasons": {}, "first": {}}
-    status = tok_ds.with_format("arrow")["status"]
-    index = tok_ds.with_format("arrow")["sample_index"]
-    counts = {str(v["values"]): int(v["counts"]) for v in pc.value_counts(status).to_pylist()}
-    reasons: dict[str, int] = {}
-    first: dict[str, str] = {}
-    for st, n in sorted(counts.items(), key=lambda kv: -kv[1]):
-        if st == "ok":
-            continue
-        phrase = drop_reason(st, min_loss_tokens)
-        reasons[phrase] = reasons.get(phrase, 0) + n
-        if phrase not in first:
-            row = int(index[pc.index(status, st).as_py()].as_py())
-            snippet = ""
-            if raw_ds is not None and column is not None:
-                try:
-                    snippet = ": " + repr(str(raw_ds[row][column]))[:60]
-                except (IndexError, KeyError, TypeError):
-                    snippet = ""
-            first[phrase] = f"row {row}{snippet}"
-    ok = counts.get("ok", 0)
-    rows = int(pc.count_distinct(index).as_py())
-    dropped = len(tok_ds) - ok
-    return {
-        "rows": rows,
-        "samples": len(tok_ds),
-        "ok": ok,
-        "dropped": dropped,
-        "reasons": reasons,
-        "first": first,
-    }
-
-
-def campaign_counts(tok_ds, exclude: np.ndarray | None = None) -> dict:
-    """What one epoch of the tokenized slice gives: ``{"samples", "tokens", "loss_tokens"}`` of its kept
-    samples, minus the positions ``exclude`` (held out); counted with pyarrow
-    (dflash.common.contract.epochs.Campaign)."""
-    if len(tok_ds) == 0 or "status" not in tok_ds.column_names:
-        return {"samples": 0, "tokens": 0, "loss_tokens": 0}
-    table = tok_ds.with_format("arrow")[:]
-    ok = pc.equal(table["status"], "ok")
-    if exclude is not None and len(exclude):
-        keep = np.ones(len(tok_ds), dtype=bool)
-        keep[np.asarray(exclude, dtype=np.int64)] = False
-        ok = pc.and_(ok, pa.array(keep))
-    lengths = pc.filter(pc.list_value_length(table["input_ids"]), ok)
-    loss = pc.filter(table["num_loss_tokens"], ok)
-    return {
-        "samples": int(pc.sum(ok.cast("int64")).as_py() or 0),
-        "tokens": int(pc.sum(lengths).as_py() or 0),
-        "loss_tokens": int(pc.sum(loss).as_py() or 0),
-    }
-
-
-def format_drops(summary: dict) -> str:
-    """``dropped 3 of 80 rows: unparseable 2 (first: row 5: '{oops'), no assistant turn 1 (first: row 3)``;
-    ``... of 95 samples (80 rows): ...`` when rows gave several samples."""
-    rows = summary.get("rows", 0)
-    samples = summary.get("samples", rows)
-    unit = f"{rows} rows" if samples == rows else f"{samples} samples ({rows} rows)"
-    if not summary.get("dropped"):
-        return f"dropped 0 of {unit}"
-    parts = [f"{r} {n} (first: {summary['first'].get(r, '?')})" for r, n in summary["reasons"].items()]
-    return f"dropped {summary['dropped']} of {unit}: " + ", ".join(parts)

@@ -11,13 +11,23 @@ import os
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
 
 
 def looks_like_path(target: str) -> bool:
     """A local path rather than a hub id (``namespace/name``): absolute, relative with ./ or ../, ~, or
     more than one '/'."""
-    return target.startswith(("/", "./", "../", "~")) or target.count("/") > 1 or os.sep != "/" and os.sep in target
+    return (
+        target.startswith(("/", "./", "../", "~"))
+        or target.count("/") > 1
+        or os.sep != "/"
+        and os.sep in target
+    )
 
 
 def check_target(target: str, *, tokenizer: bool = True, weights: bool = True, what: str = "target") -> None:

@@ -15,16 +15,20 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
-from dflash.common.cli.flags import flag
+from dflash.common.cli.exits import error_line
+from dflash.common.cli.flags import check_choices, flag
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("auto", "openai", "sharegpt")
-_COLUMN = {"openai": "messages", "sharegpt": "conversations"}
-_RAW = "_raw_json"  # column holding a row's JSON text when the file has mixed types (see _load_json_rows)
+ChatFormat = Literal["auto", "openai", "sharegpt"]
+FORMAT_COLUMN = {"openai": "messages", "sharegpt": "conversations"}
+RAW_JSON_COLUMN = (
+    "_raw_json"  # column holding a row's JSON text when the file has mixed types (see _load_json_rows)
+)
 _SUFFIX_BUILDER = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
 
@@ -40,7 +44,7 @@ class DataConfig:
     """hub name, .json/.jsonl/.parquet/.arrow file or folder, or save_to_disk folder"""
     split: str = "train"
     """dataset split (hub datasets and save_to_disk DatasetDicts)"""
-    format: str = field(default="auto", metadata=flag(choices=FORMATS))
+    format: ChatFormat = "auto"
     """conversation format: openai (messages [{role, content}]), sharegpt (conversations [{from, value}]),
     or auto"""
     max_length: int = 4096
@@ -61,8 +65,7 @@ class DataConfig:
     def __post_init__(self) -> None:
         if not self.dataset:
             raise ValueError("DataConfig.dataset: must not be empty")
-        if self.format not in FORMATS:
-            raise ValueError(f"DataConfig.format={self.format!r}: must be one of {', '.join(FORMATS)}")
+        check_choices(self)
         if self.max_length < 2:
             raise ValueError(f"DataConfig.max_length={self.max_length}: must be >= 2")
         if self.min_loss_tokens < 1:
@@ -74,11 +77,6 @@ class DataConfig:
 
 
 # ---- loading ---------------------------------------------------------------------------------------
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"
 
 
 def _local_files(path: Path) -> tuple[str, list[str]]:
@@ -116,7 +114,7 @@ def _load_json_rows(files: list[str]):
                 if not isinstance(data, list):
                     raise DataError(f"dataset file {f}: expected a JSON array of rows")
                 rows.extend(json.dumps(r) for r in data)
-    return Dataset.from_dict({_RAW: rows})
+    return Dataset.from_dict({RAW_JSON_COLUMN: rows})
 
 
 def _is_blank_file(f: str) -> bool:
@@ -178,7 +176,7 @@ def _load_json_fallback(spec: str, files: list[str], err: BaseException, *, quie
             spec, bad, total, examples[0],
         )  # fmt: skip
     elif not quiet:
-        log.info("dataset %s: rows have mixed types (%s); reading rows one by one", spec, _first_line(err))
+        log.info("dataset %s: rows have mixed types (%s); reading rows one by one", spec, error_line(err))
     try:
         return _load_json_rows(files)
     except json.JSONDecodeError as jerr:
@@ -236,7 +234,7 @@ def load_raw_dataset(cfg: DataConfig, *, quiet: bool = False):
                 )
         except Exception as err:  # noqa: BLE001 - arrow raises several types for schema conflicts
             if builder != "json":
-                raise DataError(f"cannot read dataset {spec}: {_first_line(err)}") from err
+                raise DataError(f"cannot read dataset {spec}: {error_line(err)}") from err
             return _load_json_fallback(spec, files, err, quiet=quiet)
     if spec.startswith(("/", ".", "~")) or Path(spec).suffix in _SUFFIX_BUILDER:
         raise DataError(f"dataset path {spec} does not exist")
@@ -244,16 +242,16 @@ def load_raw_dataset(cfg: DataConfig, *, quiet: bool = False):
         return datasets.load_dataset(spec, split=cfg.split, cache_dir=cfg.cache_dir)
     except Exception as err:  # noqa: BLE001 - hub errors come in many types; the user needs one line
         raise DataError(
-            f"cannot load dataset {spec!r} (not a local path; hub load failed: {_first_line(err)})"
+            f"cannot load dataset {spec!r} (not a local path; hub load failed: {error_line(err)})"
         ) from err
 
 
 def conversation_column(ds, fmt: str) -> str:
     """The column holding conversations, by `fmt` or detected; DataError naming the columns otherwise."""
     cols = list(ds.column_names)
-    if _RAW in cols:
-        return _RAW
-    wanted = [_COLUMN[fmt]] if fmt != "auto" else [_COLUMN["openai"], _COLUMN["sharegpt"]]
+    if RAW_JSON_COLUMN in cols:
+        return RAW_JSON_COLUMN
+    wanted = [FORMAT_COLUMN[fmt]] if fmt != "auto" else [FORMAT_COLUMN["openai"], FORMAT_COLUMN["sharegpt"]]
     for col in wanted:
         if col in cols:
             return col
@@ -284,5 +282,3 @@ def slice_indices(
 
 
 # ---- conversations ---------------------------------------------------------------------------------
-
-

@@ -144,7 +144,10 @@ def fingerprint_of(embed: torch.Tensor, lm_head: torch.Tensor | None) -> str:
     of the same shape with other weights (another fine-tune) decodes with a drafter that never saw it; and
     64 rows are read in milliseconds from a 2.5 GB embedding, where hashing all of it takes seconds."""
     return _digest(
-        [None if t is None else (tuple(t.shape), t[torch.from_numpy(_rows(t.shape[0]))].cpu()) for t in (embed, lm_head)]
+        [
+            None if t is None else (tuple(t.shape), t[torch.from_numpy(_rows(t.shape[0]))].cpu())
+            for t in (embed, lm_head)
+        ]
     )
 
 

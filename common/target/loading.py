@@ -84,4 +84,6 @@ def load_target(path: str, *, dtype: torch.dtype, device: str) -> tuple[nn.Modul
             path, type(model).__name__, vision / 1e6, config.model_type,
         )  # fmt: skip
     kernels = prepare_kernels(model, "cuda" if device.startswith("cuda") else "cpu")
-    return model, TargetInfo(cls=type(model).__name__, multimodal=multimodal, vision_params=vision, kernels=kernels)
+    return model, TargetInfo(
+        cls=type(model).__name__, multimodal=multimodal, vision_params=vision, kernels=kernels
+    )

@@ -8,12 +8,12 @@ lengths, random ids, unless a variant needs other batches):
 - ``hf_hidden_states`` (``--naive``): ``output_hidden_states`` gathered and copied synchronously;
 - ``forward``: the shipped producer's own forward alone (the compiled trunk cut after its last captured
   layer, inputs copied in, features gathered; no D2H, no shards): what the spool must never slow down;
-- ``producer_<variant>``: ``dflash.producer.worker.produce`` (compiled trunk warmed first, pinned D2H,
+- ``producer_<variant>``: ``dflash.producer.loop.produce`` (compiled trunk warmed first, pinned D2H,
   writer threads encoding zarr+zstd shards into a spool on /dev/shm, deleted by a drain thread that plays
   the consumers), one row per ``--variants`` entry (VARIANTS below).
 
 The JSON/markdown carry every figure, GPU memory over time per path, compile seconds, recompiles after
-warm-up, and the acceptance checks of issue 25 with their thresholds (ACCEPT). Presets (ops/bench/
+warm-up, and the producer's acceptance checks with their thresholds (ACCEPT). Presets (ops/bench/
 targets.py): ``8b`` (default), ``32b``, ``hybrid27b`` (8-layer slice; rates also scaled to 64 layers).
 
     python ops/bench/producer_bench.py --preset 8b --variants eager,full,static,trunk --out $OUT   # GPU
@@ -47,10 +47,11 @@ from dflash.common.target.capture import LayerCapture  # noqa: E402
 from dflash.common.target.data import DataConfig  # noqa: E402
 from dflash.common.target.kernels import force_reference_kernels, linear_attention_kernels  # noqa: E402
 from dflash.producer.buckets import BucketConfig, Bucketer, Sample  # noqa: E402
-from dflash.producer.config import ProducerConfig, Worker, writer_threads_for  # noqa: E402
+from dflash.producer.compile_plan import static_buckets  # noqa: E402
+from dflash.producer.config import ProducerConfig, TrunkCompileConfig, Worker, writer_threads_for  # noqa: E402
 from dflash.producer.launch import cores_per_gpu  # noqa: E402
-from dflash.producer.trunk import static_buckets, warm_trunk  # noqa: E402
-from dflash.producer.worker import _forward_batch, produce  # noqa: E402
+from dflash.producer.loop import forward_batch, produce  # noqa: E402
+from dflash.producer.trunk import warm_trunk  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "threads6": ("6 writer threads", {"writer_threads": 6}),
     "none": ("codec none (no compression)", {"codec": "none"}),
 }
-# issue 25's acceptance: (check, threshold, what); the ratio names are keys of the result's "ratios"
+# the producer's acceptance: (check, threshold, what); the ratio names are keys of the result's "ratios"
 ACCEPT = {
     "8b": [("full_vs_bare", 1.3, "producer >= 1.3x the bare eager full forward")],
     "32b": [("full_vs_bare", 1.2, "producer >= 1.2x the bare eager full forward")],
@@ -173,7 +174,7 @@ def bench_forward(trunk, batches, device) -> dict:
     def run():
         with torch.inference_mode():
             for b in batches:
-                _forward_batch(trunk, b, device, 0)
+                forward_batch(trunk, b, device, 0)
 
     return _timed(device, sum(b.num_tokens for b in batches), run)
 
@@ -188,15 +189,19 @@ def drain(ready: Path, stop: threading.Event, seen: dict) -> None:
         time.sleep(0.05)
 
 
-def _config(args, variant: str, spool: Path) -> ProducerConfig:
+def _config(args, variant: str, spool: Path) -> tuple[ProducerConfig, Worker]:
     over = dict(VARIANTS[variant][1])
     buckets = BucketConfig(batch_tokens=args.batch_tokens, pool_batches=args.pool_batches)
-    return ProducerConfig(
-        producer_id="bench", model="bench-model", spool=str(spool), device=str(args.device),
-        data=DataConfig(dataset="synthetic", max_length=args.max_length), buckets=buckets,
-        codec=over.pop("codec", args.codec), budget_bytes=int(args.budget_gb * 1e9), heartbeat_s=0.5,
-        compile_backend=args.compile_backend, writer_threads=over.pop("writer_threads", args.writer_threads or _shipped_writers(args)), **over,
+    cfg = ProducerConfig(
+        model="bench-model", data=DataConfig(dataset="synthetic", max_length=args.max_length), buckets=buckets,
+        codec=over.pop("codec", args.codec), heartbeat_s=0.5,
+        compile_options=TrunkCompileConfig(compile_backend=args.compile_backend, **{k: over.pop(k) for k in list(over) if k.startswith("compile")}),
     )  # fmt: skip
+    worker = Worker(
+        producer_id="bench", spool=str(spool), device=str(args.device), budget_bytes=int(args.budget_gb * 1e9),
+        writer_threads=over.pop("writer_threads", args.writer_threads or _shipped_writers(args)),
+    )  # fmt: skip
+    return cfg, worker
 
 
 def _shipped_writers(args) -> int:
@@ -215,7 +220,7 @@ def _shipped_writers(args) -> int:
 def bench_producer(args, model, work, spool: Path, mem: MemSampler, variant: str) -> dict:
     """One producer variant: warm its trunk on the workload's lengths, produce, report (and, for the
     shipped variant, time its own forward alone on the same batches)."""
-    cfg = _config(args, variant, spool)
+    cfg, worker = _config(args, variant, spool)
     samples, batches = work["static" if variant == "static" else "default"]
     undo = force_reference_kernels(model) if variant == "reference" else (lambda: None)
     torch._dynamo.reset()  # a variant compiles its own graphs (dynamo caches per code object)
@@ -223,7 +228,7 @@ def bench_producer(args, model, work, spool: Path, mem: MemSampler, variant: str
     drainer = threading.Thread(target=drain, args=(spool / "ready", stop, seen), daemon=True)
     drainer.start()
     t_start = time.perf_counter()  # the first-shard clock: warm-up (compile, autotune) included
-    trunk = warm_trunk(cfg, LayerCapture(model, args.layer_ids, free_unused=True), linear_attention_kernels(model),
+    trunk = warm_trunk(cfg, worker, LayerCapture(model, args.layer_ids, free_unused=True), linear_attention_kernels(model),
                        [len(s) for s in samples])  # fmt: skip
     if args.device.type == "cuda":
         torch.cuda.empty_cache()
@@ -234,7 +239,7 @@ def bench_producer(args, model, work, spool: Path, mem: MemSampler, variant: str
             import dflash.producer.writers as writers_mod
 
             real, writers_mod.write_shard = writers_mod.write_shard, lambda path, shard, codec=None, **kw: (Path(path).mkdir(), 0)[1]  # fmt: skip
-        result = produce(cfg, trunk, samples, on_heartbeat=beats.append)
+        result = produce(cfg, worker, trunk, samples, on_heartbeat=beats.append)
     finally:
         if variant == "nowrite":
             writers_mod.write_shard = real
@@ -246,7 +251,7 @@ def bench_producer(args, model, work, spool: Path, mem: MemSampler, variant: str
     # started, seconds that a long run amortizes and a 5-second one would not); seconds: the whole call
     out.update(trunk.report())
     out["first_shard_s"] = round(seen["first"] - t_start, 2) if "first" in seen else None
-    out.update(seconds=round(dt, 3), tok_s=round(result["tokens"] / result["produce_s"], 1), writer_threads=cfg.resolved_writer_threads(),
+    out.update(seconds=round(dt, 3), tok_s=round(result["tokens"] / result["produce_s"], 1), writer_threads=worker.writer_threads,
                compression_ratio=round(result["tokens"] * trunk.feature_size * 2 / result["bytes"], 3) if result["bytes"] else None,
                heartbeats=[{k: b.get(k) for k in ("elapsed_s", "tokens", "tok_s", "gpu_mem_gb", "spool_bytes")} for b in beats])  # fmt: skip
     if variant in ("full", "reference") and "forward" in args.paths:
@@ -273,7 +278,10 @@ def kernel_check(model, batch, device, layer_ids) -> dict:
     err = float((fast - ref).norm() / ref.norm())
     # per captured layer: bf16 differences compound through a random-weight stack (0.02 over 8 layers,
     # 0.07 over 64 on 2026-12-03); the kernels themselves are judged at the shallowest captured layer
-    per_layer = [float((f - r).norm() / r.norm()) for f, r in zip(fast.chunk(len(layer_ids), -1), ref.chunk(len(layer_ids), -1), strict=True)]
+    per_layer = [
+        float((f - r).norm() / r.norm())
+        for f, r in zip(fast.chunk(len(layer_ids), -1), ref.chunk(len(layer_ids), -1), strict=True)
+    ]
     return {"rel_l2_err": round(err, 5), "per_layer": {i: round(e, 5) for i, e in zip(layer_ids, per_layer, strict=True)},
             "ok": per_layer[0] < 0.05, "tokens": int(ids.numel())}  # fmt: skip
 

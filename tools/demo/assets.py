@@ -78,7 +78,6 @@ def build_tiny_target(dtype: torch.dtype = torch.float32, seed: int = 0, *, weig
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if weights == "trained":
-
         path = tiny_target_dir() / "model.safetensors"
         if not path.is_file():
             raise FileNotFoundError(

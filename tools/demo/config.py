@@ -52,7 +52,12 @@ class DemoConfig:
     """where logs, metrics and plots go (on the command line, default: runs/demo-YYYYmmdd-HHMMSS)"""
     quick: bool = False
     """the CI variant: fewer rows, epochs and held-out prompts (~1 min)"""
-    s3: bool = field(default=True, metadata=flag(name="--local-checkpoints", negate=True, help="checkpoints to a local folder, no S3 server"))
+    s3: bool = field(
+        default=True,
+        metadata=flag(
+            name="--local-checkpoints", negate=True, help="checkpoints to a local folder, no S3 server"
+        ),
+    )
     """Checkpoints to a local moto S3 server (else a local folder)."""
     producers: int = field(default=1, metadata=flag(cli=False))
     consumers: int = field(default=1, metadata=flag(cli=False))

@@ -197,11 +197,16 @@ def _train(cfg: DemoConfig, target: Path, dataset: Path, spool: Path, checkpoint
                 if stopping:
                     proc.send_signal(signal.SIGTERM)
                 stopping = True
-                print("[demo] stopping: the pipeline saves its checkpoint first (Ctrl-C again to hurry it)", flush=True)
+                print(
+                    "[demo] stopping: the pipeline saves its checkpoint first (Ctrl-C again to hurry it)",
+                    flush=True,
+                )
     finally:
         progress.stop()
     if stopping or rc == 130:
-        raise DemoStopped(f"stopped; the pipeline saved its checkpoint ({checkpoint}); logs in {cfg.run_dir / 'logs'}")
+        raise DemoStopped(
+            f"stopped; the pipeline saved its checkpoint ({checkpoint}); logs in {cfg.run_dir / 'logs'}"
+        )
     if rc != 0:
         raise RuntimeError(f"the pipeline failed (exit {rc}); logs in {cfg.run_dir / 'logs'}")
 
@@ -296,4 +301,3 @@ def run_demo(cfg: DemoConfig) -> dict:
         if s3 is not None:
             s3.close()
         shutil.rmtree(spool, ignore_errors=True)
-

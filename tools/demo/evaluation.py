@@ -37,6 +37,7 @@ class HeldOutDocs:
     """The held-out documents as the producers spooled them (the spool's eval/ shards): each one's prompt
     (the tokens before its first answer) and the length of that answer, the decode budget. The consumer's
     in-training decode-order τ walks the same documents with the same budgets."""
+
     prompts: list[torch.Tensor]
     budgets: list[int]
     sample_ids: list[int]
@@ -107,7 +108,9 @@ def evaluate_drafter(
         try:
             gens, said = [], time.monotonic()
             for i, (prompt, budget) in enumerate(zip(docs.prompts, docs.budgets, strict=True)):
-                gens.append(speculative_generate(runner, DrafterProposer(drafter), prompt, max_new_tokens=budget))
+                gens.append(
+                    speculative_generate(runner, DrafterProposer(drafter), prompt, max_new_tokens=budget)
+                )
                 # a line every few seconds (every 8 prompts once left 10 s of silence on an untrained drafter)
                 if time.monotonic() - said >= every_s or i + 1 == len(docs.prompts):
                     said = time.monotonic()

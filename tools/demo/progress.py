@@ -42,7 +42,9 @@ def consumer_steps(run_dir: Path) -> list[dict]:
 
 def consumer_phase(run_dir: Path) -> str | None:
     """What rank 0 said it is doing before its first step ("compiling", "evaluating"), if it said so."""
-    phases = [r["phase"] for r in _records(run_dir / "metrics" / "consumer-0.jsonl") if r.get("event") == "phase"]
+    phases = [
+        r["phase"] for r in _records(run_dir / "metrics" / "consumer-0.jsonl") if r.get("event") == "phase"
+    ]
     return phases[-1] if phases else None
 
 

@@ -74,7 +74,11 @@ def print_summary(s: dict) -> None:
         f"  throughput         producer {f(s['producer_tok_s'], '{:.0f}')} tok/s, "
         f"consumer {f(s['consumer_tok_s'], '{:.0f}')} tok/s   (run averages)"
     )
-    where = f"   (a copy of {s['checkpoint_s3']}: the demo's S3 server stopped with it)" if s.get("checkpoint_s3") else ""
+    where = (
+        f"   (a copy of {s['checkpoint_s3']}: the demo's S3 server stopped with it)"
+        if s.get("checkpoint_s3")
+        else ""
+    )
     print(f"  checkpoint         {s['checkpoint']}{where}")
     print(f"  drafters           {s['drafter_before']} (untrained), {s['drafter_after']} (trained)")
     print(f"  logs               {s['logs']}")

@@ -9,9 +9,7 @@ import argparse
 from dflash.common.cli.exits import fail
 from dflash.common.cli.flags import add_flags, from_args
 from dflash.common.cli.help import DefaultsHelpFormatter
-from dflash.tools.eval.config import EvalConfig, WatchConfig
-
-PROG = "dflash-eval"
+from dflash.tools.eval.config import PROG, EvalConfig, WatchConfig
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,13 +6,18 @@ the CLI imports this before parsing."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
-from dflash.common.cli.flags import flag
+from dflash.common.cli.flags import check_choices, flag
 
 SETTINGS = ("target", "dataset", "num_prompts", "max_new_tokens", "max_prompt_tokens", "block_size")
 """The fields that change τ: watch records are compared (and reused) only under equal settings."""
 SAMPLING_SETTINGS = ("temperature", "top_p", "draft_sampling", "seed")
 """Also change τ, but only when sampling: a greedy record keeps the settings it always had."""
+
+
+PROG = "dflash-eval"
+"""The program name every error line of this tool starts with."""
 
 
 @dataclass(kw_only=True)
@@ -35,7 +40,7 @@ class EvalConfig:
     """draft block size (default: the drafter's)"""
     device: str = "auto"
     """cpu, cuda, cuda:N; auto: cuda when a CUDA device is available, else cpu"""
-    dtype: str = field(default="auto", metadata=flag(choices=("auto", "bfloat16", "float16", "float32")))
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
     """auto: bfloat16 on CUDA, float32 on CPU"""
     ignore_eos: bool = False
     """always generate --max-new-tokens tokens"""
@@ -46,7 +51,7 @@ class EvalConfig:
     sampling"""
     top_p: float = 1.0
     """with --temperature: sample from the smallest set of tokens whose probability reaches top-p"""
-    draft_sampling: str = field(default="greedy", metadata=flag(choices=("greedy", "sample")))
+    draft_sampling: Literal["greedy", "sample"] = "greedy"
     """with --temperature: drafts are the drafter's argmax (greedy: vLLM's and SGLang's default) or sampled
     from its distribution (sample)"""
     seed: int = 0
@@ -58,6 +63,7 @@ class EvalConfig:
     fingerprint differs): one warning line instead of the error"""
 
     def __post_init__(self) -> None:
+        check_choices(self)
         for name in ("num_prompts", "max_new_tokens", "max_prompt_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

@@ -20,6 +20,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dflash.common.cli.exits import fail
+from dflash.common.cli.logs import log_to_console
 from dflash.common.drafter.dflash import (
     DrafterProposer,
     Sampling,
@@ -35,8 +36,7 @@ from dflash.common.target.attach import load_exported_drafter
 from dflash.common.target.checks import check_target
 from dflash.common.target.data import DataConfig, DataError, load_raw_dataset
 from dflash.common.target.head import target_fingerprint
-from dflash.tools.eval.cli import PROG
-from dflash.tools.eval.config import EvalConfig
+from dflash.tools.eval.config import PROG, EvalConfig
 
 log = logging.getLogger(__name__)
 
@@ -188,7 +188,9 @@ def evaluate(
 
 def resolve_device(cfg: EvalConfig) -> tuple[torch.device, torch.dtype]:
     """(device, dtype) from --device / --dtype (auto: CUDA when there is one); ValueError, one line."""
-    device = torch.device(cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(
+        cfg.device if cfg.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu"
+    )
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {cfg.device}: no CUDA device available")
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}.get(
@@ -197,16 +199,22 @@ def resolve_device(cfg: EvalConfig) -> tuple[torch.device, torch.dtype]:
     return device, dtype
 
 
-def load_target(cfg: EvalConfig, device: torch.device, dtype: torch.dtype) -> tuple[Any, nn.Module, list[torch.Tensor]]:
+def load_target(
+    cfg: EvalConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[Any, nn.Module, list[torch.Tensor]]:
     """(tokenizer, target in eval mode on `device`, the held-out prompts as token ids)."""
     tokenizer = AutoTokenizer.from_pretrained(cfg.target)
     target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).to(device).eval()
     check_decodable(target)  # a cache family whose state a verify cannot roll back: one line, exit 2
-    prompts = load_prompts(cfg.dataset, tokenizer, num_prompts=cfg.num_prompts, max_prompt_tokens=cfg.max_prompt_tokens)
+    prompts = load_prompts(
+        cfg.dataset, tokenizer, num_prompts=cfg.num_prompts, max_prompt_tokens=cfg.max_prompt_tokens
+    )
     return tokenizer, target, prompts
 
 
-def evaluate_with(cfg: EvalConfig, target: nn.Module, tokenizer: Any, drafter: nn.Module, prompts: list) -> EvalReport:
+def evaluate_with(
+    cfg: EvalConfig, target: nn.Module, tokenizer: Any, drafter: nn.Module, prompts: list
+) -> EvalReport:
     """`evaluate` with the decoding settings: what every ``dflash-eval`` mode (one drafter, --watch) runs."""
     return evaluate(
         target,
@@ -226,7 +234,9 @@ def sampling_of(cfg: EvalConfig, device: torch.device) -> Sampling | None:
     if not cfg.sampled:
         return None
     generator = torch.Generator(device).manual_seed(cfg.seed)
-    return Sampling(temperature=cfg.temperature, top_p=cfg.top_p, draft=cfg.draft_sampling, generator=generator)
+    return Sampling(
+        temperature=cfg.temperature, top_p=cfg.top_p, draft=cfg.draft_sampling, generator=generator
+    )
 
 
 def check_same_target(cfg: EvalConfig, target: nn.Module, drafter_config) -> None:
@@ -248,13 +258,9 @@ def check_same_target(cfg: EvalConfig, target: nn.Module, drafter_config) -> Non
     log.warning("%s; evaluating anyway (--force): acceptance will be low", text)
 
 
-def setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s eval %(levelname)s %(message)s", datefmt="%H:%M:%S")
-
-
 def run(cfg: EvalConfig) -> int:
     """``dflash-eval --drafter DIR``: decode, print the table (and JSON); exit 2 on a user error."""
-    setup_logging()
+    log_to_console("eval")
     try:
         device, dtype = resolve_device(cfg)
         check_target(cfg.target, what="--target")

@@ -40,7 +40,7 @@ from dflash.common.checkpoints.layout import (
     EVALS_DIR,
     MODEL_FILE,
     CheckpointCorruptError,
-    _check_run,
+    check_run,
     read_best_name,
     step_dir_name,
 )
@@ -52,15 +52,15 @@ from dflash.common.checkpoints.store import (
     StoreKeyNotFoundError,
     open_store,
 )
-from dflash.common.cli.exits import fail
+from dflash.common.cli.exits import fail, one_line
+from dflash.common.cli.logs import log_to_console
 from dflash.common.drafter.hf_format import ExportError
 from dflash.common.metrics import MetricsLog
 from dflash.common.redact import redact
 from dflash.common.target.attach import build_drafter
 from dflash.common.target.data import DataError
-from dflash.tools.eval.cli import PROG
-from dflash.tools.eval.config import EvalConfig, WatchConfig
-from dflash.tools.eval.run import check_same_target, evaluate_with, load_target, resolve_device, setup_logging
+from dflash.tools.eval.config import PROG, EvalConfig, WatchConfig
+from dflash.tools.eval.run import check_same_target, evaluate_with, load_target, resolve_device
 from dflash.tools.export.run import checkpoint_drafter_config
 
 log = logging.getLogger(__name__)
@@ -71,9 +71,11 @@ EVAL_LOG = "metrics/eval.jsonl"
 class WatchStopped(Exception):
     """SIGINT/SIGTERM arrived (raised from the signal handler, so it also cuts a sleep short)."""
 
+
 @dataclass(kw_only=True)
 class Watch:
     """What every pass needs: the store, the loaded target and prompts, the flags and the eval log."""
+
     cfg: EvalConfig
     watch: WatchConfig
     store: CheckpointStore
@@ -88,6 +90,7 @@ class Watch:
     warned: set[str] = field(default_factory=set)
     in_flight: int | None = None
     """The step being evaluated (a stop then exits 130: that evaluation is lost)."""
+
 
 # ------------------------------------------------------------------------------------------------ records
 
@@ -257,6 +260,7 @@ def watch_pass(w: Watch) -> int:
 @contextmanager
 def _stop_on_signals() -> Iterator[None]:
     """SIGINT/SIGTERM raise WatchStopped in the main thread (also ending a sleep); handlers restored after."""
+
     def stop(signum: int, _frame: Any) -> None:
         raise WatchStopped(signal.Signals(signum).name)
 
@@ -272,7 +276,7 @@ def open_watch(cfg: EvalConfig, watch: WatchConfig) -> Watch:
     """Check the store, load the target and prompts once (user errors raise)."""
     device, dtype = resolve_device(cfg)
     store = open_store(watch.watch)
-    _check_run(watch.run)
+    check_run(watch.run)
     store.check()  # no credentials, unreachable endpoint, missing bucket: exit 2 before loading the target
     tokenizer, target, prompts = load_target(cfg, device, dtype)
     eval_log = MetricsLog(Path(watch.run_dir) / EVAL_LOG) if watch.run_dir else None
@@ -322,7 +326,7 @@ def watch_loop(w: Watch) -> int:
 def run_watch(cfg: EvalConfig, watch: WatchConfig) -> int:
     """``dflash-eval --watch``: exit 2 on a user error (one line), 1 on a failed evaluation (one line),
     else watch_loop's code. SIGINT/SIGTERM are WatchStopped from here on."""
-    setup_logging()
+    log_to_console("eval")
     with _stop_on_signals():
         try:
             w = open_watch(cfg, watch)
@@ -337,7 +341,7 @@ def run_watch(cfg: EvalConfig, watch: WatchConfig) -> int:
             log.debug("watch failed", exc_info=True)
             step = f" evaluating step {w.in_flight}" if w.in_flight is not None else ""
             print(
-                f"{PROG}: failed{step}: {redact(str(err)).splitlines()[0] if str(err) else type(err).__name__}",
+                f"{PROG}: failed{step}: {one_line(err)}",
                 file=sys.stderr,
             )
             return 1

@@ -8,9 +8,7 @@ import argparse
 
 from dflash.common.cli.flags import add_flags, from_args
 from dflash.common.cli.help import DefaultsHelpFormatter
-from dflash.tools.export.config import ExportConfig
-
-PROG = "dflash-export"
+from dflash.tools.export.config import PROG, ExportConfig
 
 
 def build_parser() -> argparse.ArgumentParser:

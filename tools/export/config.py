@@ -4,18 +4,26 @@ library only: the CLI imports this before parsing."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
-from dflash.common.cli.flags import flag
+from dflash.common.cli.flags import check_choices, flag
 
-DTYPE_NAMES = ("bfloat16", "float16", "float32")
+ExportDtype = Literal["bfloat16", "float16", "float32"]
+DTYPE_NAMES = get_args(ExportDtype)
 """--dtype choices: the keys of dflash.tools.export.run.DTYPES (a test keeps the two equal)."""
+
+
+PROG = "dflash-export"
+"""The program name every error line of this tool starts with."""
 
 
 @dataclass(kw_only=True)
 class ExportConfig:
     """One export: which checkpoint, where to, in which dtype (or, with --check, one folder to validate)."""
 
-    checkpoint: str | None = field(default=None, metadata=flag(positional=True, metavar="CHECKPOINT", nargs="?"))
+    checkpoint: str | None = field(
+        default=None, metadata=flag(positional=True, metavar="CHECKPOINT", nargs="?")
+    )
     """checkpoint url (see below)"""
     out_dir: str | None = field(default=None, metadata=flag(positional=True, metavar="OUT_DIR", nargs="?"))
     """folder to write (config.json, model.safetensors, dflash.py, the target's tokenizer files)"""
@@ -23,7 +31,7 @@ class ExportConfig:
     """run name; CHECKPOINT is then the store url (default: CHECKPOINT's last part)"""
     step: int | None = None
     """step to export (default: the run's latest)"""
-    dtype: str = field(default="bfloat16", metadata=flag(choices=DTYPE_NAMES))
+    dtype: ExportDtype = "bfloat16"
     """dtype of the exported weights"""
     overwrite: bool = False
     """replace OUT_DIR if it exists"""
@@ -36,6 +44,7 @@ class ExportConfig:
     transformers read; prints what each would miss, exit 0 when it passes, 2 when not"""
 
     def __post_init__(self) -> None:
+        check_choices(self)
         if self.check is not None:
             if self.checkpoint is not None or self.out_dir is not None:
                 raise ValueError("--check FOLDER takes no CHECKPOINT / OUT_DIR")

@@ -11,28 +11,24 @@ failing would make a remote checkpoint unexportable from a machine without the t
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 
 import torch
 
-from dflash.common.checkpoints.layout import CheckpointError
+from dflash.common.checkpoints.layout import STEP_DIR, CheckpointError
 from dflash.common.checkpoints.load import load_checkpoint_weights
 from dflash.common.checkpoints.store import CheckpointStoreError
 from dflash.common.cli.exits import EXIT_USAGE, fail
+from dflash.common.cli.logs import log_to_console
 from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.hf_format import TOKENIZER_FILES, ExportError, export_drafter
 from dflash.common.drafter.serving_check import check_folder
-from dflash.tools.export.cli import PROG
-from dflash.tools.export.config import ExportConfig
+from dflash.tools.export.config import PROG, ExportConfig
 
 log = logging.getLogger(__name__)
 
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-_STEP_DIR = re.compile(r"^step-(\d{8,})$")
 
 
 def parse_checkpoint_url(url: str, *, run: str | None, step: int | None) -> tuple[str, str, int | None]:
@@ -44,7 +40,7 @@ def parse_checkpoint_url(url: str, *, run: str | None, step: int | None) -> tupl
     if len(parts) != 2 or not parts[1] or parts[0].endswith(":/"):
         raise ExportError(f"{url}: expected <store>/<run> or <store>/<run>/step-<n> (or pass --run)")
     head, last = parts
-    match = _STEP_DIR.match(last)
+    match = STEP_DIR.match(last)
     if match is None:
         return head, last, step
     if step is not None and step != int(match.group(1)):
@@ -105,13 +101,9 @@ def export_checkpoint(
     )  # fmt: skip
 
 
-def _setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s export %(levelname)s %(message)s", datefmt="%H:%M:%S")
-
-
 def run(cfg: ExportConfig) -> int:
     """Export, print the folder; exit 2 with one line on a user or input error."""
-    _setup_logging()
+    log_to_console("export")
     try:
         store_url, run_name, step = parse_checkpoint_url(cfg.checkpoint, run=cfg.run, step=cfg.step)
         out = export_checkpoint(
