@@ -232,6 +232,17 @@ class TrainConfig:
     def schedule_steps(self) -> int:
         return self.total_steps or self.max_steps or 10_000
 
+    def feed_settings(self) -> dict:
+        """``ShardFeed``'s settings of this run (consumer/feed.py)."""
+        return dict(
+            context_tokens=self.context_tokens,
+            bucket=self.claim_bucket,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            pool_streams=self.pool_streams,
+            min_split_tokens=self.min_split_tokens or None,
+            fill_wait_s=self.fill_wait_s,
+        )
+
     @property
     def claim_bucket(self) -> int | str | None:
         if self.bucket in (None, "oldest"):

@@ -10,8 +10,8 @@ from test_feed import finish, make_shard, publish
 
 from dflash.common.contract.spool import Spool
 from dflash.common.contract.spool_records import BUDGET_PHASE
+from dflash.consumer.agreement import StepAgreement
 from dflash.consumer.feed import ShardFeed
-from dflash.consumer.trainer import StepAgreement
 
 CONTEXT = 64
 

@@ -20,7 +20,7 @@ from pipeline_helpers import REPO, cpu_env
 
 from dflash.common.checkpoints.load import list_steps, load_checkpoint
 from dflash.common.contract.shard_reader import read_shard
-from dflash.consumer.campaign import WarmupCosine
+from dflash.consumer.schedule import WarmupCosine
 
 RUN = "resume"
 TOTAL_STEPS = 150

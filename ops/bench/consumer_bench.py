@@ -164,7 +164,7 @@ def run(
         **({"precision": precision} if precision else {}),
     )  # fmt: skip
     cast_parameters(model, tcfg.param_dtype(device.type))
-    optimizer, scheduler = build_optimizer(model, tcfg, device)
+    optimizer, schedule = build_optimizer(model, tcfg, device)
     loss_fn = make_loss(tcfg, device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     compile_drafter(model, backend)
@@ -200,7 +200,7 @@ def run(
             lce=loss_fn,
         )
         clipped_step(optimizer, trainable, tcfg.grad_clip)
-        scheduler.step()
+        schedule.step()
         optimizer.zero_grad(set_to_none=True)
         return pairs, float(weight)
 
@@ -371,7 +371,7 @@ def run_trainer(
     t0 = time.monotonic()
     trainer = Trainer(cfg)
     pairs: list[float] = []
-    train_step = trainer._train_step
+    train_step = trainer.train_step
 
     def counted_step(item, stats):  # instrumentation only: the mask's visible pairs, in the warm-up steps
         # (the batches are built in the data worker process or the input thread: counted here, on the
@@ -380,7 +380,7 @@ def run_trainer(
             pairs.append(visible_pairs(item.batch, cfg.block_size))
         return train_step(item, stats)
 
-    trainer._train_step = counted_step
+    trainer.train_step = counted_step
     if os.environ.get("DFLASH_BENCH_PYSPY"):  # "delay_s:duration_s:out": sample every thread's stacks
         delay, duration, out = os.environ["DFLASH_BENCH_PYSPY"].split(":", 2)
         subprocess.Popen(
