@@ -116,10 +116,15 @@ class ShardFeed:
         """Counters the trainer updates; written to the spool's state/ by a heartbeat thread, so a long
         first compile never makes this consumer look dead to the others (they would take its claims)."""
         self._heartbeat_every_s = max(0.5, min(5.0, heartbeat_timeout_s / 4))
-        self._thread = threading.Thread(target=self._prefetch_loop, name=f"feed-{consumer_id}", daemon=True)
-        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name=f"hb-{consumer_id}", daemon=True)
+        self._start_threads()
+
+    def _start_threads(self) -> None:
+        """The shard-deletion thread, a first spool scan and heartbeat, then the heartbeat and decode threads."""
+        name = self.consumer_id
+        self._thread = threading.Thread(target=self._prefetch_loop, name=f"feed-{name}", daemon=True)
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name=f"hb-{name}", daemon=True)
         self._trash: queue.SimpleQueue = queue.SimpleQueue()
-        self._trash_thread = threading.Thread(target=self._trash_loop, name=f"trash-{consumer_id}", daemon=True)
+        self._trash_thread = threading.Thread(target=self._trash_loop, name=f"trash-{name}", daemon=True)
         self._trash_thread.start()
         self.spool_summary: dict = {}
         try:
@@ -161,11 +166,9 @@ class ShardFeed:
     def _hb_counters(self) -> dict:
         c = self.counters
         return dict(
-            self.heartbeat_counters,
-            shards_quarantined=c.shards_quarantined,
-            samples_quarantined=c.samples_quarantined,
-            samples_duplicate=c.samples_duplicate,
-        )
+            self.heartbeat_counters, shards_quarantined=c.shards_quarantined,
+            samples_quarantined=c.samples_quarantined, samples_duplicate=c.samples_duplicate,
+        )  # fmt: skip
 
     # ---------------------------------------------------------------- background: claim + decode
     def _prefetch_loop(self) -> None:
@@ -202,7 +205,7 @@ class ShardFeed:
     def _log_waiting(self, idle_s: float) -> None:
         registered = self.spool.registered_producers()
         if not registered:
-            log.info("waiting for producers (%.0f s without a shard): none has registered on this spool yet", idle_s)
+            log.info("waiting for producers (%.0f s without a shard): none has registered on this spool yet", idle_s)  # fmt: skip
             return
         done = len(set(self.spool.done_producers()) & set(registered))
         log.info(
@@ -342,13 +345,11 @@ class ShardFeed:
         self._pool_tokens -= tokens
         self.counters.tokens_packed += tokens
         self.counters.slots_packed += self.context_tokens
+        samples = [(s.input_ids, s.loss_mask, s.hidden, s.sample_index) for s in chosen]
         return pack_samples(
-            [(s.input_ids, s.loss_mask, s.hidden, s.sample_index) for s in chosen],
-            context_tokens=self.context_tokens,
-            pin_memory=self.pin_memory,
-            position_offsets=[s.start for s in chosen],
-            epoch=epoch,
-        )
+            samples, context_tokens=self.context_tokens, pin_memory=self.pin_memory,
+            position_offsets=[s.start for s in chosen], epoch=epoch,
+        )  # fmt: skip
 
     def _best_fit(self) -> list[Sample]:
         """The pool's next stream (consumer/packing.py: ``best_fit``); the rest stays in the pool."""

@@ -96,7 +96,7 @@ if [[ "$parts" == *" ab "* ]]; then  # never part of `all`: it takes a whole cal
 fi
 if want trainer8; then bench trainer8 --mode trainer --preset 8b --steps "${TRAINER8_STEPS:-200}"; fi
 if want learning; then
-  bench learning --mode learning --preset small --steps 500 --warmup 0 --context 2048 --anchors 128 --precision mixed --precision amp
+  bench learning --mode learning --preset small --steps 500 --warmup 0 --context-tokens 2048 --num-anchors 128 --precision mixed --precision amp
 fi
 if want gpusel; then
   echo "== GPU tests of issues 26-27"
