@@ -34,6 +34,7 @@ from dflash.common.contract.spool import Spool
 from dflash.common.contract.spool_records import IDLE_PHASES
 from dflash.common.drafter.batch import PackedSamples, pack_samples
 from dflash.consumer.config import TrainConfig
+from dflash.consumer.input_pipeline import put_until_stopped
 from dflash.consumer.packing import Sample, best_fit, lowest_epoch
 
 log = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ class ShardFeed:
                 if path is None:
                     # Our own claims are in the pool already, so "drained" here ignores claimed/.
                     if self.spool.producers_done() and self._nothing_claimable():
-                        self._put(_END)
+                        put_until_stopped(self._loaded, _END, self._stop)
                         return
                     idle_since = idle_since or now
                     if now - idle_since >= WAITING_LOG_S and now - last_wait_log >= WAITING_LOG_S:
@@ -197,10 +198,10 @@ class ShardFeed:
                 self.counters.shards_claimed += 1
                 samples = self._decode(path)
                 if samples is not None:
-                    self._put((path, samples))
+                    put_until_stopped(self._loaded, (path, samples), self._stop)
         except BaseException as err:  # surfaced to the training loop by next_packed
             self._error = err
-            self._put(_END)
+            put_until_stopped(self._loaded, _END, self._stop)
 
     def _log_waiting(self, idle_s: float) -> None:
         registered = self.spool.registered_producers()
@@ -215,14 +216,6 @@ class ShardFeed:
 
     def _nothing_claimable(self) -> bool:
         return not any(self.spool.ready_dir.iterdir()) and not any(self.spool.tmp_dir.iterdir())
-
-    def _put(self, item: object) -> None:
-        while not self._stop.is_set():
-            try:
-                self._loaded.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
 
     def _decode(self, path: Path) -> list[Sample] | None:
         try:

@@ -1,4 +1,4 @@
-"""Full streams (issue 26): a stream waits for a full pool while a producer produces, and is packed short at
+"""Full streams: a stream waits for a full pool while a producer produces, and is packed short at
 once when none can give more soon (blocked on the spool budget, done); ranks step only when every rank
 holds a step or has no more data."""
 
