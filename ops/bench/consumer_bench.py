@@ -516,7 +516,7 @@ BENCH_SETS = (
 )  # fmt: skip
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", default="trainer", choices=["trainer", "step", "learning", "reference", "feed"])
     p.add_argument(
@@ -581,7 +581,7 @@ COLUMNS = (
 
 
 def main() -> None:
-    args = _parser().parse_args()
+    args = build_parser().parse_args()
     options = consumer_options(args)
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="dflash-bench-")
     results = []
