@@ -40,9 +40,12 @@ class Checkpointer:
     ``--checkpoint`` every method is a no-op: ``enabled`` is False."""
 
     def __init__(
-        self, cfg: TrainConfig, state: TrainState, *, dist: D.DistInfo, device: torch.device, metrics: MetricsLog | None
+        self, cfg: TrainConfig, state: TrainState, *, dist: D.DistInfo, device: torch.device,
+        metrics: MetricsLog | None = None,
     ) -> None:  # fmt: skip
-        self.cfg, self.state, self.dist, self.metrics = cfg, state, dist, metrics
+        self.cfg, self.state, self.dist = cfg, state, dist
+        self.metrics = metrics
+        """Where each save's event goes (the owner may attach it once the run's metrics file is open)."""
         self.store: CheckpointStore | None = None
         self.writer = AsyncCheckpointer(device)
         self.last_save_stall_s: float | None = None

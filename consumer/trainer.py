@@ -78,10 +78,12 @@ class Trainer:
         self.progress = TrainProgress()
         state = TrainState(self.model, self.optimizer, self.schedule, self.drafter_config, self.progress)
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000 + self.dist.rank)
-        self._open_metrics()
-        self.checkpoints = Checkpointer(cfg, state, dist=self.dist, device=self.device, metrics=self.metrics)
+        # the store is proven writable and the run resumed before any file of this launch is written
+        self.checkpoints = Checkpointer(cfg, state, dist=self.dist, device=self.device)
         self.checkpoints.resume()  # every rank loads the same files
         self._build_data()
+        self._open_metrics()
+        self.checkpoints.metrics = self.metrics  # its save events go to the run's metrics from here on
         self.wandb = init_wandb(cfg) if self.dist.is_main else None
         self.held_out = HeldOutEval(
             self.spool, budget=cfg.eval_budget, metrics=self.metrics, wandb=self.wandb
