@@ -298,6 +298,81 @@ def _steady_intervals(history: list[dict], *, from_step: int, save_steps: set[in
     return plain, with_save
 
 
+def prefill_spool(
+    preset: str, *, workdir: Path, context: int, max_steps: int, producers: int, learnable: bool
+) -> tuple[Path, Path, FillPlan, SpoolFiller, int, float]:
+    """A spool filled by producer processes before training starts (the consumer alone is measured, not
+    the producers' CPU load) and the preset's target head: (spool, target, plan, filler, tokens, seconds)."""
+    from dflash.common.contract.spool import Spool
+
+    shape = PRESETS[preset]
+    target = workdir / f"target-{preset}"
+    if not (target / "model.safetensors").exists():
+        write_target_head(target, shape)
+    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    spool = shm / f"dflash-bench-{preset}-{os.getpid()}"
+    shutil.rmtree(spool, ignore_errors=True)
+    plan = FillPlan(
+        spool=str(spool),
+        hidden_size=shape["hidden_size"],
+        layer_ids=default_target_layer_ids(shape["num_target_layers"], 5),
+        vocab_size=shape["vocab_size"],
+        context_tokens=context,
+        total_tokens=int((max_steps + 8) * context * 1.05),
+        budget_bytes=int(1e15),  # pre-filled: every shard is written before training starts
+        producers=producers,
+        seed=0,  # the same data whatever the trainer's seed
+        learnable=learnable,
+    )
+    Spool(spool)  # create the layout before the processes start
+    filler = SpoolFiller(plan)
+    t_fill = time.monotonic()
+    written = filler.wait()
+    return spool, target, plan, filler, written, time.monotonic() - t_fill
+
+
+def train_counting_pairs(cfg: TrainConfig, *, count_steps: int) -> tuple[Trainer, dict, list[float], float]:
+    """The real Trainer's run, the mask's visible pairs counted in its first ``count_steps`` steps:
+    (trainer, its summary, the pairs per step, seconds)."""
+    t0 = time.monotonic()
+    trainer = Trainer(cfg)
+    pairs: list[float] = []
+    train_step = trainer.train_step
+
+    def counted_step(item, stats):  # instrumentation only: the mask's visible pairs, in the warm-up steps
+        # (the batches are built in the data worker process or the input thread: counted here, on the
+        # step's own device batch; the host sync this costs stays out of the timed steps)
+        if not item.padding and trainer.step < count_steps:
+            pairs.append(visible_pairs(item.batch, cfg.block_size))
+        return train_step(item, stats)
+
+    trainer.train_step = counted_step
+    if os.environ.get("DFLASH_BENCH_PYSPY"):  # "delay_s:duration_s:out": sample every thread's stacks
+        delay, duration, out = os.environ["DFLASH_BENCH_PYSPY"].split(":", 2)
+        subprocess.Popen(
+            ["bash", "-c", f"sleep {delay}; py-spy record --pid {os.getpid()} --duration {duration} "
+             f"--rate 50 --format raw --nonblocking --threads -o {out} >/dev/null 2>&1"]
+        )  # fmt: skip
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
+    return trainer, summary, pairs, time.monotonic() - t0
+
+
+def checkpoint_events(run_dir: Path) -> list[dict]:
+    """Rank 0's checkpoint events (saved or failed) from its metrics file."""
+    metrics_file = run_dir / "metrics" / "consumer-0.jsonl"
+    if not metrics_file.exists():
+        return []
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    return [
+        {k: r.get(k) for k in ("event", "step", "stall_s", "write_s", "gb")}
+        for r in records
+        if r.get("event") in ("checkpoint", "checkpoint_failed")
+    ]
+
+
 def run_trainer(
     preset: str,
     *,
@@ -313,104 +388,46 @@ def run_trainer(
     bucket: str = "random",
     producers: int = 12,
 ) -> dict:
-    """The real Trainer over a spool that producer processes fill while it trains; ``options``: the
-    TrainConfig fields of the consumer's flags (``consumer_options``)."""
+    """The real Trainer over a spool that producer processes filled; ``options``: the TrainConfig fields
+    of the consumer's flags (``consumer_options``)."""
     context, anchors, device = options["context_tokens"], options["num_anchors"], options["device"]
-    shape = PRESETS[preset]
-    layer_ids = default_target_layer_ids(shape["num_target_layers"], 5)
-    target = workdir / f"target-{preset}"
-    if not (target / "model.safetensors").exists():
-        write_target_head(target, shape)
-    shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    spool = shm / f"dflash-bench-{preset}-{os.getpid()}"
-    shutil.rmtree(spool, ignore_errors=True)
+    max_steps = warmup + steps
+    spool, target, plan, filler, written, fill_s = prefill_spool(
+        preset,
+        workdir=workdir,
+        context=context,
+        max_steps=max_steps,
+        producers=producers,
+        learnable=learnable,
+    )
+    if feed_only:
+        return feed_throughput(spool, plan, context=context, anchors=anchors, steps=max_steps, fill_s=fill_s)
     run_dir = workdir / f"run-{preset}-{precision}-{int(time.time())}"
     ckpt = workdir / "ckpt"
     shutil.rmtree(ckpt, ignore_errors=True)
-    max_steps = warmup + steps
-    plan = FillPlan(
-        spool=str(spool),
-        hidden_size=shape["hidden_size"],
-        layer_ids=layer_ids,
-        vocab_size=shape["vocab_size"],
-        context_tokens=context,
-        total_tokens=int((max_steps + 8) * context * 1.05),
-        budget_bytes=int(1e15),  # pre-filled: every shard is written before training starts
-        producers=producers,
-        seed=0,  # the same data whatever the trainer's seed
-        learnable=learnable,
-    )
-    from dflash.common.contract.spool import Spool
-
-    Spool(spool)  # create the layout before the processes start
-    filler = SpoolFiller(plan)
-    t_fill = time.monotonic()
-    written = filler.wait()  # a pre-filled spool: the consumer alone is measured, not the producers' CPU load
-    fill_s = time.monotonic() - t_fill
-    if feed_only:
-        return feed_throughput(spool, plan, context=context, anchors=anchors, steps=max_steps, fill_s=fill_s)
     cfg = TrainConfig(
-        spool=str(spool),
-        target=str(target),
-        run="bench",
-        run_dir=str(run_dir),
-        checkpoint=str(ckpt) if save_every else None,
-        save_every=save_every or 10**9,
-        keep_last=1,
-        max_steps=max_steps,
-        total_steps=max_steps,
-        precision=precision,
-        seed=seed,
-        bucket=bucket,
-        **options,
-    )
-    t0 = time.monotonic()
-    trainer = Trainer(cfg)
-    pairs: list[float] = []
-    train_step = trainer.train_step
-
-    def counted_step(item, stats):  # instrumentation only: the mask's visible pairs, in the warm-up steps
-        # (the batches are built in the data worker process or the input thread: counted here, on the
-        # step's own device batch; the host sync this costs stays out of the timed steps)
-        if not item.padding and trainer.step < max(warmup, 3):
-            pairs.append(visible_pairs(item.batch, cfg.block_size))
-        return train_step(item, stats)
-
-    trainer.train_step = counted_step
-    if os.environ.get("DFLASH_BENCH_PYSPY"):  # "delay_s:duration_s:out": sample every thread's stacks
-        delay, duration, out = os.environ["DFLASH_BENCH_PYSPY"].split(":", 2)
-        subprocess.Popen(
-            ["bash", "-c", f"sleep {delay}; py-spy record --pid {os.getpid()} --duration {duration} "
-             f"--rate 50 --format raw --nonblocking --threads -o {out} >/dev/null 2>&1"]
-        )  # fmt: skip
+        spool=str(spool), target=str(target), run="bench", run_dir=str(run_dir),
+        checkpoint=str(ckpt) if save_every else None, save_every=save_every or 10**9, keep_last=1,
+        max_steps=max_steps, total_steps=max_steps, precision=precision, seed=seed, bucket=bucket, **options,
+    )  # fmt: skip
     try:
-        summary = trainer.train()
+        trainer, summary, pairs, total_s = train_counting_pairs(cfg, count_steps=max(warmup, 3))
     finally:
-        trainer.close()
         filler.close()
         shutil.rmtree(spool, ignore_errors=True)
-    total_s = time.monotonic() - t0
     history = summary["history"]
     save_steps = set(range(save_every, max_steps + 1, save_every)) if save_every else set()
     plain, with_save = _steady_intervals(history, from_step=warmup, save_steps=save_steps)
     step_s = statistics.median(p for p, _ in plain)
     all_steps = sum(n for _, n in plain + with_save)
     mean_all = sum(p * n for p, n in plain + with_save) / max(1, all_steps)
-    stall_from_timing = [(p - step_s) * n for p, n in with_save]
-    drafter_cfg = trainer.drafter_config
     flops = step_flops(
-        drafter_cfg, context=context, anchors=anchors, visible_pairs=statistics.mean(pairs) if pairs else 0.0
-    )
+        trainer.drafter_config, context=context, anchors=anchors,
+        visible_pairs=statistics.mean(pairs) if pairs else 0.0,
+    )  # fmt: skip
     cuda = device.startswith("cuda")
     peak = matmul_peak_tflops(torch.device(device)) if cuda else float("nan")
     mem = [r["mem_gb"] for r in history if r["step"] >= warmup and "mem_gb" in r]
-    ckpt_events = []
-    metrics_file = run_dir / "metrics" / "consumer-0.jsonl"
-    if metrics_file.exists():
-        for line in metrics_file.read_text().splitlines():
-            rec = json.loads(line)
-            if rec.get("event") in ("checkpoint", "checkpoint_failed"):
-                ckpt_events.append(rec)
     fill = summary["fill"]
     return {
         "mode": "trainer (real Trainer over a real spool)",
@@ -435,10 +452,8 @@ def run_trainer(
         "peak_mem_gb_first": round(mem[0], 2) if mem else None,
         "peak_mem_gb_last": round(mem[-1], 2) if mem else None,
         "peak_mem_drift_pct": round(100 * (mem[-1] - mem[0]) / mem[0], 2) if mem else None,
-        "checkpoints": [
-            {k: e.get(k) for k in ("event", "step", "stall_s", "write_s", "gb")} for e in ckpt_events
-        ],
-        "stall_per_save_s_from_step_times": [round(x, 2) for x in stall_from_timing],
+        "checkpoints": checkpoint_events(run_dir),
+        "stall_per_save_s_from_step_times": [round((p - step_s) * n, 2) for p, n in with_save],
         "losses": [(r["step"], round(r["loss"], 4)) for r in history],
         "ms_per_step_by_interval": [
             (b["step"], round(1e3 * (b["time"] - a["time"]) / (b["step"] - a["step"]), 1))
