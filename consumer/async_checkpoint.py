@@ -147,7 +147,7 @@ class AsyncCheckpointer:
             t = time.monotonic()
             out.url = job.write(job.state)
             out.write_s = time.monotonic() - t
-        except Exception as err:  # reported by the training loop as one line (see Trainer.save)
+        except Exception as err:  # reported by the training loop as one line (see Checkpointer.save)
             out.error = str(err).splitlines()[0] if str(err) else type(err).__name__
         with self._lock:
             self._finished.append(out)

@@ -14,6 +14,20 @@ LossImpl = Literal["auto", "chunked", "liger"]
 GcMode = Literal["python", "freeze", "interval"]
 
 
+POSITIVE_INTS = (
+    "save_every", "keep_last", "outage_saves", "num_layers", "block_size", "context_tokens", "num_anchors",
+    "max_anchors_per_doc", "loss_chunk_tokens", "log_every", "pool_streams", "prefetch_steps",
+)  # fmt: skip
+AT_LEAST_ONE_WHEN_GIVEN = ("max_steps", "total_steps", "sliding_window", "decode_threads", "cpu_threads")
+NON_NEGATIVE = ("eval_every", "fill_wait_s", "min_split_tokens")
+POSITIVE = ("outage_minutes", "lr", "gamma")
+
+
+def _flag(name: str) -> str:
+    """A field's flag name as the errors say it: save_every -> save-every."""
+    return name.replace("_", "-")
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     """Everything one consumer process needs; each field is also its ``dflash-consume`` flag
@@ -126,9 +140,13 @@ class TrainConfig:
     """parameters and Adam state: mixed (bf16 weights; fp32 master and moments in the optimizer, one fused
     update pass), amp (fp32 + bf16 autocast), bf16 (bf16 weights and moments: measured to learn worse),
     fp32; auto = amp on CUDA, fp32 on the CPU (docs/training.md, consumer/optim.py)"""
-    compile: bool = field(default=True, metadata=flag(negate=True, help="debug only: run the draft layers uncompiled"))
+    compile: bool = field(
+        default=True, metadata=flag(negate=True, help="debug only: run the draft layers uncompiled")
+    )
     """torch.compile each draft decoder layer (with flex_attention inside on CUDA) once per process"""
-    compile_backend: str = field(default="auto", metadata=flag(choices=("auto", "inductor", "aot_eager", "eager")))
+    compile_backend: str = field(
+        default="auto", metadata=flag(choices=("auto", "inductor", "aot_eager", "eager"))
+    )
     """torch.compile backend: auto = inductor on CUDA, eager on the CPU (measured at the demo's shapes: the
     same ms/step, and inductor's C++ build costs 33 s to minutes on a cold cache); aot_eager traces like
     inductor without code generation (tests)"""
@@ -141,7 +159,8 @@ class TrainConfig:
     full collection walks every tracked object while holding the GIL, so it stalls the kernel launches;
     docs/training.md, "Where a step's time goes" """
     expandable_segments: bool = field(
-        default=True, metadata=flag(negate=True, help="CUDA: the caching allocator without expandable segments")
+        default=True,
+        metadata=flag(negate=True, help="CUDA: the caching allocator without expandable segments"),
     )
     """CUDA: the caching allocator maps memory in growable segments (PYTORCH_CUDA_ALLOC_CONF
     expandable_segments), so freed blocks are not stranded in fixed segments; left alone when
@@ -154,52 +173,39 @@ class TrainConfig:
     table to run-dir/profile-r<rank>.txt (default: no profile)"""
 
     def __post_init__(self) -> None:
-        for name in (
-            "save_every",
-            "keep_last",
-            "outage_saves",
-            "num_layers",
-            "block_size",
-            "context_tokens",
-            "num_anchors",
-            "max_anchors_per_doc",
-            "loss_chunk_tokens",
-            "log_every",
-            "pool_streams",
-            "prefetch_steps",
-        ):
+        self._check_numbers()
+        self._check_choices()
+        self._check_layers()
+        if self.profile_steps is not None:
+            self.profile_window  # noqa: B018  raises ValueError on a malformed FIRST:COUNT
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    def _check_numbers(self) -> None:
+        """Every count and rate in its range: one line naming the flag and the value."""
+        for name in POSITIVE_INTS:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name.replace('_', '-')} must be a positive integer, got {value!r}")
-        if self.max_steps is not None and self.max_steps < 1:
-            raise ValueError(f"max-steps must be >= 1, got {self.max_steps}")
-        if self.total_steps is not None and self.total_steps < 1:
-            raise ValueError(f"total-steps must be >= 1, got {self.total_steps}")
-        if not self.outage_minutes > 0:
-            raise ValueError(f"outage-minutes must be > 0, got {self.outage_minutes}")
-        if self.eval_every < 0:
-            raise ValueError(f"eval-every must be >= 0, got {self.eval_every}")
+                raise ValueError(f"{_flag(name)} must be a positive integer, got {value!r}")
+        for name in AT_LEAST_ONE_WHEN_GIVEN:
+            if (value := getattr(self, name)) is not None and value < 1:
+                raise ValueError(f"{_flag(name)} must be >= 1, got {value}")
+        for name in NON_NEGATIVE:
+            if (value := getattr(self, name)) < 0:
+                raise ValueError(f"{_flag(name)} must be >= 0, got {value}")
+        for name in POSITIVE:
+            if not (value := getattr(self, name)) > 0:
+                raise ValueError(f"{_flag(name)} must be > 0, got {value}")
         if not 0.0 < self.eval_budget <= 1.0:
             raise ValueError(f"eval-budget must be in (0, 1], got {self.eval_budget}")
         if not 0.0 <= self.warmup_ratio < 1.0:
             raise ValueError(f"warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.lr <= 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        if self.gamma <= 0:
-            raise ValueError(f"gamma must be > 0, got {self.gamma}")
-        if self.resume not in ("auto", "none"):
-            raise ValueError(f"resume must be 'auto' or 'none', got {self.resume!r}")
         if self.block_size < 2:
             raise ValueError(f"block-size must be >= 2, got {self.block_size}")
-        if self.target_layer_ids is not None:
-            self.target_layer_ids = check_layer_ids(self.target_layer_ids, what="--target-layer-ids")
-        layer_types = parse_layer_types(self.draft_layer_types)
-        if layer_types is not None and len(layer_types) != self.num_layers:
-            raise ValueError(
-                f"draft-layer-types names {len(layer_types)} layers, num-layers is {self.num_layers}"
-            )
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ValueError(f"sliding-window must be >= 1, got {self.sliding_window}")
+
+    def _check_choices(self) -> None:
+        if self.resume not in ("auto", "none"):
+            raise ValueError(f"resume must be 'auto' or 'none', got {self.resume!r}")
         if self.bucket not in (None, "fullest", "random", "oldest") and not str(self.bucket).isdigit():
             raise ValueError(
                 f"bucket must be random, oldest, fullest or a bucket number, got {self.bucket!r}"
@@ -208,29 +214,36 @@ class TrainConfig:
             raise ValueError(
                 f"compile-backend must be auto, inductor, aot_eager or eager, got {self.compile_backend!r}"
             )
-        if self.fill_wait_s < 0:
-            raise ValueError(f"fill-wait-s must be >= 0, got {self.fill_wait_s}")
-        if self.min_split_tokens < 0:
-            raise ValueError(f"min-split-tokens must be >= 0, got {self.min_split_tokens}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         for name, kind in (("loss_impl", LossImpl), ("gc_mode", GcMode)):
             if getattr(self, name) not in typing.get_args(kind):
                 choices = ", ".join(typing.get_args(kind))
-                value = getattr(self, name)
-                raise ValueError(f"{name.replace('_', '-')} must be one of {choices}, got {value!r}")
-        if self.decode_threads is not None and self.decode_threads < 1:
-            raise ValueError(f"decode-threads must be >= 1, got {self.decode_threads}")
-        if self.profile_steps is not None:
-            self.profile_window  # noqa: B018  raises ValueError on a malformed FIRST:COUNT
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise ValueError(f"cpu-threads must be >= 1, got {self.cpu_threads}")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+                raise ValueError(f"{_flag(name)} must be one of {choices}, got {getattr(self, name)!r}")
+
+    def _check_layers(self) -> None:
+        if self.target_layer_ids is not None:
+            self.target_layer_ids = check_layer_ids(self.target_layer_ids, what="--target-layer-ids")
+        layer_types = parse_layer_types(self.draft_layer_types)
+        if layer_types is not None and len(layer_types) != self.num_layers:
+            raise ValueError(
+                f"draft-layer-types names {len(layer_types)} layers, num-layers is {self.num_layers}"
+            )
 
     @property
     def schedule_steps(self) -> int:
         return self.total_steps or self.max_steps or 10_000
+
+    def feed_settings(self) -> dict:
+        """``ShardFeed``'s settings of this run (consumer/feed.py)."""
+        return dict(
+            context_tokens=self.context_tokens,
+            bucket=self.claim_bucket,
+            heartbeat_timeout_s=self.heartbeat_timeout_s,
+            pool_streams=self.pool_streams,
+            min_split_tokens=self.min_split_tokens or None,
+            fill_wait_s=self.fill_wait_s,
+        )
 
     @property
     def claim_bucket(self) -> int | str | None:
@@ -276,7 +289,9 @@ class TrainConfig:
             return None
         first, sep, count = self.profile_steps.partition(":")
         if not (sep and first.isdigit() and count.isdigit() and int(first) >= 1 and int(count) >= 1):
-            raise ValueError(f"profile-steps must be FIRST:COUNT, both >= 1 (e.g. 40:5), got {self.profile_steps!r}")
+            raise ValueError(
+                f"profile-steps must be FIRST:COUNT, both >= 1 (e.g. 40:5), got {self.profile_steps!r}"
+            )
         return int(first), int(count)
 
     @property

@@ -33,11 +33,11 @@ from dflash.common.contract.shard_reader import read_shard, read_shard_meta
 from dflash.common.contract.spool import Spool
 from dflash.common.contract.spool_records import IDLE_PHASES
 from dflash.common.drafter.batch import PackedSamples, pack_samples
+from dflash.consumer.config import TrainConfig
+from dflash.consumer.input_pipeline import put_until_stopped
 from dflash.consumer.packing import Sample, best_fit, lowest_epoch
 
 log = logging.getLogger(__name__)
-
-
 
 
 @dataclass
@@ -65,7 +65,7 @@ WAITING_LOG_S = 30.0  # an empty spool: one "waiting for producers" line this of
 
 
 class ShardFeed:
-    """Claims shards for one consumer and packs their samples into fixed-shape context streams."""
+    """Claims shards for one consumer and packs them into fixed-shape streams (defaults: TrainConfig's)."""
 
     def __init__(
         self,
@@ -76,12 +76,12 @@ class ShardFeed:
         skip: SampleSet | None = None,
         bucket: int | str | None = None,
         prefetch_shards: int = 2,
-        pool_streams: int = 8,
-        min_split_tokens: int | None = 32,
-        fill_wait_s: float = 2.0,
+        pool_streams: int = TrainConfig.pool_streams,
+        min_split_tokens: int | None = TrainConfig.min_split_tokens,
+        fill_wait_s: float = TrainConfig.fill_wait_s,
         pin_memory: bool = False,
         poll_s: float = 0.05,
-        heartbeat_timeout_s: float = 60.0,
+        heartbeat_timeout_s: float = TrainConfig.heartbeat_timeout_s,
         expected_layer_ids: list[int] | None = None,
     ) -> None:
         self.expected_layer_ids = expected_layer_ids
@@ -117,10 +117,15 @@ class ShardFeed:
         """Counters the trainer updates; written to the spool's state/ by a heartbeat thread, so a long
         first compile never makes this consumer look dead to the others (they would take its claims)."""
         self._heartbeat_every_s = max(0.5, min(5.0, heartbeat_timeout_s / 4))
-        self._thread = threading.Thread(target=self._prefetch_loop, name=f"feed-{consumer_id}", daemon=True)
-        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name=f"hb-{consumer_id}", daemon=True)
+        self._start_threads()
+
+    def _start_threads(self) -> None:
+        """The shard-deletion thread, a first spool scan and heartbeat, then the heartbeat and decode threads."""
+        name = self.consumer_id
+        self._thread = threading.Thread(target=self._prefetch_loop, name=f"feed-{name}", daemon=True)
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name=f"hb-{name}", daemon=True)
         self._trash: queue.SimpleQueue = queue.SimpleQueue()
-        self._trash_thread = threading.Thread(target=self._trash_loop, name=f"trash-{consumer_id}", daemon=True)
+        self._trash_thread = threading.Thread(target=self._trash_loop, name=f"trash-{name}", daemon=True)
         self._trash_thread.start()
         self.spool_summary: dict = {}
         try:
@@ -162,11 +167,9 @@ class ShardFeed:
     def _hb_counters(self) -> dict:
         c = self.counters
         return dict(
-            self.heartbeat_counters,
-            shards_quarantined=c.shards_quarantined,
-            samples_quarantined=c.samples_quarantined,
-            samples_duplicate=c.samples_duplicate,
-        )
+            self.heartbeat_counters, shards_quarantined=c.shards_quarantined,
+            samples_quarantined=c.samples_quarantined, samples_duplicate=c.samples_duplicate,
+        )  # fmt: skip
 
     # ---------------------------------------------------------------- background: claim + decode
     def _prefetch_loop(self) -> None:
@@ -183,7 +186,7 @@ class ShardFeed:
                 if path is None:
                     # Our own claims are in the pool already, so "drained" here ignores claimed/.
                     if self.spool.producers_done() and self._nothing_claimable():
-                        self._put(_END)
+                        put_until_stopped(self._loaded, _END, self._stop)
                         return
                     idle_since = idle_since or now
                     if now - idle_since >= WAITING_LOG_S and now - last_wait_log >= WAITING_LOG_S:
@@ -195,15 +198,15 @@ class ShardFeed:
                 self.counters.shards_claimed += 1
                 samples = self._decode(path)
                 if samples is not None:
-                    self._put((path, samples))
+                    put_until_stopped(self._loaded, (path, samples), self._stop)
         except BaseException as err:  # surfaced to the training loop by next_packed
             self._error = err
-            self._put(_END)
+            put_until_stopped(self._loaded, _END, self._stop)
 
     def _log_waiting(self, idle_s: float) -> None:
         registered = self.spool.registered_producers()
         if not registered:
-            log.info("waiting for producers (%.0f s without a shard): none has registered on this spool yet", idle_s)
+            log.info("waiting for producers (%.0f s without a shard): none has registered on this spool yet", idle_s)  # fmt: skip
             return
         done = len(set(self.spool.done_producers()) & set(registered))
         log.info(
@@ -213,14 +216,6 @@ class ShardFeed:
 
     def _nothing_claimable(self) -> bool:
         return not any(self.spool.ready_dir.iterdir()) and not any(self.spool.tmp_dir.iterdir())
-
-    def _put(self, item: object) -> None:
-        while not self._stop.is_set():
-            try:
-                self._loaded.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
 
     def _decode(self, path: Path) -> list[Sample] | None:
         try:
@@ -343,13 +338,11 @@ class ShardFeed:
         self._pool_tokens -= tokens
         self.counters.tokens_packed += tokens
         self.counters.slots_packed += self.context_tokens
+        samples = [(s.input_ids, s.loss_mask, s.hidden, s.sample_index) for s in chosen]
         return pack_samples(
-            [(s.input_ids, s.loss_mask, s.hidden, s.sample_index) for s in chosen],
-            context_tokens=self.context_tokens,
-            pin_memory=self.pin_memory,
-            position_offsets=[s.start for s in chosen],
-            epoch=epoch,
-        )
+            samples, context_tokens=self.context_tokens, pin_memory=self.pin_memory,
+            position_offsets=[s.start for s in chosen], epoch=epoch,
+        )  # fmt: skip
 
     def _best_fit(self) -> list[Sample]:
         """The pool's next stream (consumer/packing.py: ``best_fit``); the rest stays in the pool."""

@@ -1,6 +1,6 @@
 """Step inputs built ahead of the GPU: pack, sample anchors, pin, copy to the device while the last step runs.
 
-Measured on one H200 at 32B-class shapes (issue 12): packing + anchor sampling + labels take ~45 ms per step
+Measured on one H200 at 32B-class shapes: packing + anchor sampling + labels take ~45 ms per step
 on one CPU thread and the hidden states are a 210 MB host->device copy; done serially before every step
 they left the GPU idle a quarter of the time. Here one background thread does all of it for step n+1 (and
 n+2) while the training loop launches step n:
@@ -31,6 +31,17 @@ from dflash.common.drafter.batch import DraftBatch, PackedSamples
 log = logging.getLogger(__name__)
 
 _END = object()
+
+
+def put_until_stopped(q: queue.Queue, item: object, stop: threading.Event) -> None:
+    """Put ``item`` on the bounded queue ``q``, waiting for room, unless ``stop`` is set first (a producer
+    thread must never block forever on a queue its consumer stopped reading)."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return
+        except queue.Full:
+            continue
 
 
 @dataclass
@@ -83,10 +94,10 @@ class InputPipeline:
                     if self._source_exhausted():
                         break
                     continue
-                self._put(self._stage(self._build(packed)))
+                put_until_stopped(self._queue, self._stage(self._build(packed)), self._stop)
         except BaseException as err:  # surfaced to the training loop by get()
             self._error = err
-        self._put(_END)
+        put_until_stopped(self._queue, _END, self._stop)
 
     def _stage(self, batch: DraftBatch) -> StepInput:
         tokens = int((batch.doc_ids >= 0).sum())
@@ -98,14 +109,6 @@ class InputPipeline:
             ready = torch.cuda.Event()
             ready.record(self._copy_stream)
         return StepInput(moved, tokens, weight, ready)
-
-    def _put(self, item: object) -> None:
-        while not self._stop.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return
-            except queue.Full:
-                continue
 
     # ------------------------------------------------------------------ training loop side
     def get(self, timeout: float) -> StepInput | None:

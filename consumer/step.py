@@ -10,14 +10,13 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch._dynamo  # noqa: F401  first import in the main thread: concurrent first imports from threads crash
 
 from dflash.common.drafter.batch import DraftBatch
 from dflash.common.drafter.loss import DraftLossOutput, LinearCrossEntropy, draft_loss, linear_cross_entropy
 from dflash.common.drafter.model import DFlashDrafter
-from dflash.consumer.campaign import WarmupCosine
 from dflash.consumer.config import TrainConfig
 from dflash.consumer.optim import MasterAdamW
+from dflash.consumer.schedule import LrSchedule
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +76,9 @@ def forward_backward(
         autocast = device_type == "cuda" and model.fc.weight.dtype == torch.float32
     with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
         hidden_out = train_model(batch, mask)
-        result = draft_loss(hidden_out, batch, model.target_head.lm_head_weight, chunk_tokens=chunk_tokens, lce=lce)
+        result = draft_loss(
+            hidden_out, batch, model.target_head.lm_head_weight, chunk_tokens=chunk_tokens, lce=lce
+        )
     (result.loss_sum * loss_scale).backward()
     return result
 
@@ -112,9 +113,11 @@ def make_loss(cfg: TrainConfig, device: torch.device) -> LinearCrossEntropy:
     return linear_cross_entropy(impl, chunk_tokens=cfg.loss_chunk_tokens)
 
 
-def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device):
+def build_optimizer(
+    model: torch.nn.Module, cfg: TrainConfig, device: torch.device
+) -> tuple[torch.optim.Optimizer, LrSchedule]:
     """The precision's AdamW + linear warm-up / cosine schedule over ``cfg.schedule_steps`` (resized to the
-    campaign's length at the first step when no length was given: consumer/campaign.py). Mixed: the
+    campaign's length at the first step when no length was given: consumer/schedule.py). Mixed: the
     master-weight AdamW (compiled with the draft layers' backend); otherwise torch's fused AdamW, whose
     kernel also applies the clip (``optim.clipped_step``)."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -125,8 +128,7 @@ def build_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.devi
     else:
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
     warmup = max(1, int(cfg.warmup_ratio * cfg.schedule_steps))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, WarmupCosine(warmup, cfg.schedule_steps))
-    return optimizer, scheduler
+    return optimizer, LrSchedule(optimizer, warmup, cfg.schedule_steps)
 
 
 def compile_drafter(model: DFlashDrafter, backend: str) -> None:
@@ -139,5 +141,3 @@ def compile_drafter(model: DFlashDrafter, backend: str) -> None:
         return
     for layer in model.layers:
         layer.compile(backend=backend, dynamic=False)
-
-

@@ -67,7 +67,7 @@ CHILD = textwrap.dedent(
 
     def init(self, cfg):
         real_init(self, cfg)
-        put_file = self.store.put_file
+        put_file = self.checkpoints.store.put_file
 
         def hanging_put_file(key, path):
             if hang_step in key:
@@ -75,7 +75,7 @@ CHILD = textwrap.dedent(
                 time.sleep(3600)
             return put_file(key, path)
 
-        self.store.put_file = hanging_put_file
+        self.checkpoints.store.put_file = hanging_put_file
 
     trainer_mod.Trainer.__init__ = init
     sys.exit(cli.main(sys.argv[3:]))

@@ -10,6 +10,7 @@ import time
 import pytest
 from pipeline_helpers import consume_cmd, cpu_env, run, write_synthetic_spool
 
+from dflash.common.cli.flags import Flag
 from dflash.common.metrics import read_metrics
 
 
@@ -151,7 +152,10 @@ def test_three_consumers_started_together_compile_and_train(tmp_path, tiny_targe
         (["--gpu", "seven"], "--gpu must be a GPU index or 'cpu'"),
         (["--gpu", "cpu", "--context-tokens", "0"], "context-tokens must be a positive integer"),
         (["--gpu", "cpu", "--lr", "-1"], "lr must be > 0"),
-        (["--gpu", "cpu", "--spool", "/nonexistent/spool", "--spool-wait-s", "0"], "--spool /nonexistent/spool: no such directory"),
+        (
+            ["--gpu", "cpu", "--spool", "/nonexistent/spool", "--spool-wait-s", "0"],
+            "--spool /nonexistent/spool: no such directory",
+        ),
         (["--gpu", "cpu", "--profile-steps", "40"], "profile-steps must be FIRST:COUNT"),
         (["--gpu", "cpu", "--loss-impl", "liger"], "loss-impl liger needs a CUDA device"),
     ],
@@ -283,3 +287,34 @@ def test_the_ab_bench_reads_variants_as_dflash_consume_flags_and_summarizes_inte
     assert out["intervals_gpu_busy"] == [0.98, 0.97, 0.99] and out["gpu_busy_median"] == 0.98
     assert out["gc_ms_total"] == 3.5  # the warm-up interval's 900 ms and the profiled tail left out
     assert out["peak_mem_gb_first_fifth"] == 41.0 and out["peak_mem_gb_last_fifth"] == 42.0
+
+
+def test_the_consumer_bench_takes_dflash_consumes_flags_from_train_config():
+    """ops/bench/consumer_bench.py: every TrainConfig field the bench does not set itself is a flag of the
+    bench, as dflash-consume spells it; --max-anchors-per-doc follows --num-anchors unless given."""
+    import dataclasses
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "ops" / "bench"))
+    import consumer_bench
+
+    parser = consumer_bench.build_parser()
+    args = parser.parse_args(
+        ["--mode", "step", "--context-tokens", "2048", "--num-anchors", "128", "--gc-mode", "python"]
+    )
+    options = consumer_bench.consumer_options(args)
+    assert (options["context_tokens"], options["num_anchors"], options["max_anchors_per_doc"]) == (
+        2048,
+        128,
+        128,
+    )
+    assert options["gc_mode"] == "python" and options["device"] == "cuda"
+    flags = {
+        f.name for f in dataclasses.fields(consumer_bench.TrainConfig) if f.metadata.get("flag", Flag()).cli
+    }
+    assert set(options) - {"device"} == flags - set(consumer_bench.BENCH_SETS)
+    given = consumer_bench.consumer_options(parser.parse_args(["--max-anchors-per-doc", "64"]))
+    assert (given["num_anchors"], given["max_anchors_per_doc"]) == (256, 64)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--data-workers", "1"])  # no such consumer flag: refused before any prefill

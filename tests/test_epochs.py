@@ -11,7 +11,7 @@ from dflash.common.contract.epochs import Campaign, Epochs
 from dflash.common.contract.sample_set import SampleSet
 from dflash.common.target.data import slice_indices
 from dflash.common.target.drops import campaign_counts
-from dflash.consumer.campaign import WarmupCosine
+from dflash.consumer.schedule import WarmupCosine
 from dflash.producer.slice_plan import plan_epochs
 
 

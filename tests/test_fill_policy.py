@@ -1,4 +1,4 @@
-"""Full streams (issue 26): a stream waits for a full pool while a producer produces, and is packed short at
+"""Full streams: a stream waits for a full pool while a producer produces, and is packed short at
 once when none can give more soon (blocked on the spool budget, done); ranks step only when every rank
 holds a step or has no more data."""
 
@@ -10,8 +10,8 @@ from test_feed import finish, make_shard, publish
 
 from dflash.common.contract.spool import Spool
 from dflash.common.contract.spool_records import BUDGET_PHASE
+from dflash.consumer.agreement import StepAgreement
 from dflash.consumer.feed import ShardFeed
-from dflash.consumer.trainer import StepAgreement
 
 CONTEXT = 64
 

@@ -4,7 +4,8 @@ import math
 import pytest
 
 from dflash.tools import plan
-from dflash.tools.plan import PlanConfig, best_split, ddp_efficiency, measure_rates, plan_splits, steady_rate
+from dflash.tools.plan import PlanConfig, best_split, plan_splits
+from dflash.tools.plan_rates import ddp_efficiency, measure_rates, steady_rate
 
 
 def _best(**kw):

@@ -1,4 +1,4 @@
-"""Issue 5: kill -9 the whole pipeline mid-run, restart, resume from `latest` on a real S3 endpoint —
+"""Crash recovery: kill -9 the whole pipeline mid-run, restart, resume from `latest` on a real S3 endpoint —
 with exact sample accounting across both runs.
 
 Cost: the first ROWS rows of the bundled chat data (about 32 steps of 512 tokens), a checkpoint every 4
@@ -20,7 +20,7 @@ from pipeline_helpers import REPO, cpu_env
 
 from dflash.common.checkpoints.load import list_steps, load_checkpoint
 from dflash.common.contract.shard_reader import read_shard
-from dflash.consumer.campaign import WarmupCosine
+from dflash.consumer.schedule import WarmupCosine
 
 RUN = "resume"
 TOTAL_STEPS = 150

@@ -10,22 +10,7 @@ Model. A node has N GPUs sharing one spool: p producers and c = N - p consumers 
   ``end_to_end = nodes * min(p * P, c * C * eff(c * nodes))``. The plan picks the p that maximizes it
   (ties: the one with more headroom on the other side, then fewer consumers).
 
-Rates from a run dir: per process, the median ``tok_s`` of its metrics records after dropping the first
-``warmup_frac`` of them (compile, cache warm-up); per GPU, the mean over processes. A consumer file whose
-records carry ``world_size`` > 1 holds the all-reduced rate of the whole group (rank 0 logs for all):
-it is divided by ``world_size``; without it, each ``consumer-<rank>.jsonl`` is one rank. A measured consumer
-rank rate already includes ``eff(c0)`` of its c0-rank group, so it is divided by that to get C. In a
-coupled run the faster side is throttled (producers by spool backpressure, consumers by an empty spool),
-so its measured rate is only a lower bound — the tool says so when the two totals are close. Producers
-say how long they waited on the spool's byte budget (``budget_wait_s``, ``main_wait_s`` in their metrics):
-their rate is taken over the time they did not wait (tokens / unblocked seconds), and the plan names the
-share of time they were throttled.
-
-Rates from benchmarks (``--bench a.json,b.json``): the ``figures`` of ``ops/bench/pipeline_bench.py`` (per
-target shape: one producer GPU's and one consumer GPU's rate alone, the producer's scaled to the shape's
-full depth when the bench ran a slice) and ``ops/bench/producer_bench.py`` results (its shipped producer's
-rate, at full depth); a later file overrides an earlier one's figure for the same shape. Every shape with
-both rates gets its own plan: the split of a node and the predicted node tok/s (``nodes`` = 1: the node).
+Rates, from a run dir or from benchmark files: tools/plan_rates.py.
 """
 
 from __future__ import annotations
@@ -34,27 +19,26 @@ import argparse
 import json
 import logging
 import math
-import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 from dflash.common.cli.exits import fail
 from dflash.common.cli.flags import add_flags, flag, from_args
 from dflash.common.cli.help import DefaultsHelpFormatter
-from dflash.common.metrics import format_rate, read_run_metrics
+from dflash.common.metrics import format_rate
+from dflash.tools.plan_rates import (
+    DEFAULT_DDP_EFFICIENCY,
+    MeasuredRates,
+    ddp_efficiency,
+    measure_rates,
+    read_bench_figures,
+)
 
 log = logging.getLogger(__name__)
 
 PROG = "dflash-plan"
-DEFAULT_DDP_EFFICIENCY = 0.95
 THROTTLE_NOTE_RATIO = 0.85  # measured totals closer than this: one side was probably throttled
 THROTTLED_SHARE_NOTE = 0.05  # producers that waited on the spool budget this share of the time: said
-
-
-def ddp_efficiency(num_consumers: int, per_doubling: float) -> float:
-    """Fraction of per-GPU consumer throughput kept in a DDP group of ``num_consumers`` (1.0 for one)."""
-    return per_doubling ** math.log2(num_consumers)
 
 
 @dataclass(kw_only=True)
@@ -125,136 +109,6 @@ def best_split(splits: list[Split]) -> Split:
     )
 
 
-# ---- measured rates ----------------------------------------------------------------------------------
-
-
-def steady_rate(records: list[dict[str, Any]], *, warmup_frac: float = 0.25) -> float | None:
-    """Median ``tok_s`` of one process after dropping the first ``warmup_frac`` of its records."""
-    vals = [
-        r["tok_s"]
-        for r in records
-        if "event" not in r
-        and isinstance(r.get("tok_s"), int | float)
-        and math.isfinite(r["tok_s"])
-        and r["tok_s"] > 0
-    ]
-    if not vals:
-        return None
-    skip = min(len(vals) - 1, math.ceil(warmup_frac * len(vals)))
-    return statistics.median(vals[skip:])
-
-
-def _num(r: dict[str, Any], k: str) -> float | None:
-    v = r.get(k)
-    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) else None
-
-
-def producer_rate(records: list[dict[str, Any]], *, warmup_frac: float = 0.25) -> tuple[float | None, float | None]:
-    """(tok/s while not waiting on the spool budget, share of the time it waited) of one producer.
-
-    Between two metrics records, the time its main loop waited on the writers (``main_wait_s``) counts as
-    throttled when the writers waited on the budget meanwhile (``budget_wait_s`` grew); the rate is the
-    tokens over the rest. Records without these counters: ``steady_rate`` and an unknown share (None)."""
-    pts = [r for r in records if "event" not in r and _num(r, "tokens") is not None and _num(r, "elapsed_s") is not None]
-    if len(pts) < 2 or not any(_num(r, "budget_wait_s") is not None for r in pts):
-        return steady_rate(records, warmup_frac=warmup_frac), None
-    pts = pts[min(len(pts) - 2, math.ceil(warmup_frac * len(pts))) :]
-    busy = waited = tokens = 0.0
-    for a, b in zip(pts, pts[1:], strict=False):
-        dt = _num(b, "elapsed_s") - _num(a, "elapsed_s")
-        if dt <= 0:
-            continue
-        blocked = 0.0
-        if (_num(b, "budget_wait_s") or 0.0) > (_num(a, "budget_wait_s") or 0.0):
-            blocked = min(dt, max(0.0, (_num(b, "main_wait_s") or 0.0) - (_num(a, "main_wait_s") or 0.0)))
-        busy, waited, tokens = busy + dt - blocked, waited + blocked, tokens + _num(b, "tokens") - _num(a, "tokens")
-    if busy <= 0 or tokens <= 0:
-        return steady_rate(records, warmup_frac=warmup_frac), None
-    return tokens / busy, waited / (busy + waited)
-
-
-@dataclass(kw_only=True)
-class MeasuredRates:
-    producer_tok_s: float | None  # per producer GPU, while not waiting on the spool budget
-    consumer_tok_s: float | None  # per consumer GPU, normalized to a 1-GPU group
-    num_producers: int
-    num_consumers: int
-    producer_total_tok_s: float | None  # as measured, all processes (throttled time included)
-    consumer_total_tok_s: float | None
-    producer_throttled: float | None = None  # share of the producers' time spent waiting on the spool budget
-
-
-def measure_rates(
-    run_dir: str | Path,
-    *,
-    warmup_frac: float = 0.25,
-    ddp_efficiency_per_doubling: float = DEFAULT_DDP_EFFICIENCY,
-) -> MeasuredRates:
-    """Per-GPU producer and consumer rates from ``run_dir/metrics/*.jsonl`` (see the module docstring)."""
-    metrics = read_run_metrics(Path(run_dir) / "metrics")
-    prod: list[float] = []  # per producer, unthrottled
-    prod_measured: list[float] = []
-    throttled: list[float] = []
-    cons: list[float] = []  # per consumer GPU, as measured in a group of c0
-    c0, cons_total = 0, 0.0
-    for stem, recs in sorted(metrics.items()):
-        role = stem.partition("-")[0]
-        if role == "producer":
-            rate, share = producer_rate(recs, warmup_frac=warmup_frac)
-            if rate is not None:
-                prod.append(rate)
-                prod_measured.append(steady_rate(recs, warmup_frac=warmup_frac) or rate)
-                if share is not None:
-                    throttled.append(share)
-            continue
-        rate = steady_rate(recs, warmup_frac=warmup_frac) if role == "consumer" else None
-        if rate is None:
-            continue
-        ws = next((r["world_size"] for r in reversed(recs) if isinstance(r.get("world_size"), int)), 1)
-        if ws > 1:  # the all-reduced rate of the whole group: this one file stands for all ranks
-            cons, c0, cons_total = [rate / ws], ws, rate
-            break
-        cons.append(rate)
-        c0, cons_total = c0 + 1, cons_total + rate
-    eff = ddp_efficiency(c0, ddp_efficiency_per_doubling) if c0 else 1.0
-    return MeasuredRates(
-        producer_tok_s=statistics.fmean(prod) if prod else None,
-        consumer_tok_s=statistics.fmean(cons) / eff if cons else None,
-        num_producers=len(prod),
-        num_consumers=c0,
-        producer_total_tok_s=sum(prod_measured) if prod else None,
-        consumer_total_tok_s=cons_total if cons else None,
-        producer_throttled=statistics.fmean(throttled) if throttled else None,
-    )
-
-
-# ---- rates from benchmark files ------------------------------------------------------------------------
-
-
-def read_bench_figures(paths: list[str]) -> dict[str, dict[str, float]]:
-    """{shape: {"producer_tok_s", "consumer_tok_s"}} per GPU from pipeline_bench / producer_bench JSON files
-    (module docstring). Raises ValueError naming the file for anything else."""
-    shapes: dict[str, dict[str, float]] = {}
-    for path in paths:
-        try:
-            res = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(f"--bench {path}: cannot read a benchmark JSON ({type(err).__name__}: {err})") from None
-        found = False
-        for fig in res.get("figures", []) if isinstance(res, dict) else []:  # pipeline_bench
-            prod = fig.get("producer_tok_s_full_depth") or fig.get("producer_tok_s")
-            rates = {k: float(v) for k, v in (("producer_tok_s", prod), ("consumer_tok_s", fig.get("consumer_tok_s"))) if v}
-            shapes.setdefault(str(fig.get("shape")), {}).update(rates)
-            found = found or bool(rates)
-        full = (res.get("results") or {}).get("producer_full") if isinstance(res, dict) else None
-        if full and full.get("tok_s"):  # producer_bench: its shipped producer, scaled to full depth
-            shapes.setdefault(str(res.get("preset")), {})["producer_tok_s"] = float(full["tok_s"]) * float(res.get("depth_scale", 1))
-            found = True
-        if not found:
-            raise ValueError(f"--bench {path}: no producer or consumer rate in it (not a pipeline_bench/producer_bench JSON)")
-    return shapes
-
-
 def plan_shapes(shapes: dict[str, dict[str, float]], base: PlanConfig) -> list[dict]:
     """One plan per shape (``base`` gives the GPUs, nodes and DDP efficiency); raises ValueError naming a
     shape that lacks a rate."""
@@ -264,9 +118,13 @@ def plan_shapes(shapes: dict[str, dict[str, float]], base: PlanConfig) -> list[d
         if missing:
             raise ValueError(f"shape {shape}: no {' or '.join(missing)} in the --bench files (run pipeline_bench's "
                              f"phases for it, or give --{missing[0].replace('_', '-')})")  # fmt: skip
-        cfg = PlanConfig(num_gpus=base.num_gpus, nodes=base.nodes, ddp_efficiency=base.ddp_efficiency, **rates)
+        cfg = PlanConfig(
+            num_gpus=base.num_gpus, nodes=base.nodes, ddp_efficiency=base.ddp_efficiency, **rates
+        )
         best = best_split(plan_splits(cfg))
-        out.append({"shape": shape, **rates, "best": asdict(best), "node_tok_s": best.end_to_end_tok_s / cfg.nodes})
+        out.append(
+            {"shape": shape, **rates, "best": asdict(best), "node_tok_s": best.end_to_end_tok_s / cfg.nodes}
+        )
     return out
 
 
@@ -404,7 +262,11 @@ def _main_bench(args) -> None:
         plans = plan_shapes(shapes, base)
     except ValueError as e:
         fail(PROG, e)
-    print(json.dumps({"config": asdict(base), "plans": plans}, indent=2) if args.json else render_shapes(plans, base))
+    print(
+        json.dumps({"config": asdict(base), "plans": plans}, indent=2)
+        if args.json
+        else render_shapes(plans, base)
+    )
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from typing import Any
 from dflash.common.contract.liveness import HOST, heartbeat_alive
 from dflash.common.contract.spool import Spool, SpoolError
 from dflash.common.contract.spool_scan import SpoolScan
-from dflash.common.metrics import is_number
 
 log = logging.getLogger(__name__)
 STATES = SpoolScan.STATES  # ("tmp", "ready", "claimed", "quarantine")
@@ -130,4 +129,3 @@ def pid_alive(pid: int | None, host: str | None) -> bool | None:
     return True
 
 
-_isnum = is_number  # the name tools/status.py still imports; it goes once status.py imports common.metrics.is_number

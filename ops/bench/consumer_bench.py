@@ -26,10 +26,10 @@ for the frozen lm_head (no weight grad); attention counts only the (query, key) 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -164,7 +164,7 @@ def run(
         **({"precision": precision} if precision else {}),
     )  # fmt: skip
     cast_parameters(model, tcfg.param_dtype(device.type))
-    optimizer, scheduler = build_optimizer(model, tcfg, device)
+    optimizer, schedule = build_optimizer(model, tcfg, device)
     loss_fn = make_loss(tcfg, device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     compile_drafter(model, backend)
@@ -200,7 +200,7 @@ def run(
             lce=loss_fn,
         )
         clipped_step(optimizer, trainable, tcfg.grad_clip)
-        scheduler.step()
+        schedule.step()
         optimizer.zero_grad(set_to_none=True)
         return pairs, float(weight)
 
@@ -268,7 +268,10 @@ def run_reference(ref_dir: str, context: int, anchors: int, *, timeout: float = 
     """The reference step (../shared/bench/ref_consumer_step.py) in a subprocess on the same GPU."""
     script = Path(ref_dir) / "ref_consumer_step.py"
     proc = subprocess.run(
-        [sys.executable, str(script), str(context), str(anchors)], capture_output=True, text=True, timeout=timeout
+        [sys.executable, str(script), str(context), str(anchors)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
     out = proc.stdout + proc.stderr
     m = re.search(r"([\d.]+) ms/step, (\d+) TFLOP/s.*ctx tok/s (\d+)", out)
@@ -295,42 +298,24 @@ def _steady_intervals(history: list[dict], *, from_step: int, save_steps: set[in
     return plain, with_save
 
 
-def run_trainer(
-    preset: str,
-    *,
-    steps: int,
-    warmup: int,
-    context: int,
-    anchors: int,
-    precision: str,
-    workdir: Path,
-    save_every: int | None,
-    learnable: bool = False,
-    feed_only: bool = False,
-    seed: int = 0,
-    bucket: str = "random",
-    producers: int = 12,
-    log_every: int = 10,
-    device: str = "cuda",
-    overrides: dict | None = None,
-) -> dict:
-    """The real Trainer over a spool that producer processes fill while it trains."""
+def prefill_spool(
+    preset: str, *, workdir: Path, context: int, max_steps: int, producers: int, learnable: bool
+) -> tuple[Path, Path, FillPlan, SpoolFiller, int, float]:
+    """A spool filled by producer processes before training starts (the consumer alone is measured, not
+    the producers' CPU load) and the preset's target head: (spool, target, plan, filler, tokens, seconds)."""
+    from dflash.common.contract.spool import Spool
+
     shape = PRESETS[preset]
-    layer_ids = default_target_layer_ids(shape["num_target_layers"], 5)
     target = workdir / f"target-{preset}"
     if not (target / "model.safetensors").exists():
         write_target_head(target, shape)
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     spool = shm / f"dflash-bench-{preset}-{os.getpid()}"
     shutil.rmtree(spool, ignore_errors=True)
-    run_dir = workdir / f"run-{preset}-{precision}-{int(time.time())}"
-    ckpt = workdir / "ckpt"
-    shutil.rmtree(ckpt, ignore_errors=True)
-    max_steps = warmup + steps
     plan = FillPlan(
         spool=str(spool),
         hidden_size=shape["hidden_size"],
-        layer_ids=layer_ids,
+        layer_ids=default_target_layer_ids(shape["num_target_layers"], 5),
         vocab_size=shape["vocab_size"],
         context_tokens=context,
         total_tokens=int((max_steps + 8) * context * 1.05),
@@ -339,48 +324,29 @@ def run_trainer(
         seed=0,  # the same data whatever the trainer's seed
         learnable=learnable,
     )
-    from dflash.common.contract.spool import Spool
-
     Spool(spool)  # create the layout before the processes start
     filler = SpoolFiller(plan)
     t_fill = time.monotonic()
-    written = filler.wait()  # a pre-filled spool: the consumer alone is measured, not the producers' CPU load
-    fill_s = time.monotonic() - t_fill
-    if feed_only:
-        return feed_throughput(spool, plan, context=context, anchors=anchors, steps=max_steps, fill_s=fill_s)
-    cfg = TrainConfig(
-        spool=str(spool),
-        target=str(target),
-        device=device,
-        run="bench",
-        run_dir=str(run_dir),
-        checkpoint=str(ckpt) if save_every else None,
-        save_every=save_every or 10**9,
-        keep_last=1,
-        max_steps=max_steps,
-        total_steps=max_steps,
-        context_tokens=context,
-        num_anchors=anchors,
-        max_anchors_per_doc=anchors,
-        log_every=log_every,
-        precision=precision,
-        seed=seed,
-        bucket=bucket,
-        **(overrides or {}),
-    )
+    written = filler.wait()
+    return spool, target, plan, filler, written, time.monotonic() - t_fill
+
+
+def train_counting_pairs(cfg: TrainConfig, *, count_steps: int) -> tuple[Trainer, dict, list[float], float]:
+    """The real Trainer's run, the mask's visible pairs counted in its first ``count_steps`` steps:
+    (trainer, its summary, the pairs per step, seconds)."""
     t0 = time.monotonic()
     trainer = Trainer(cfg)
     pairs: list[float] = []
-    train_step = trainer._train_step
+    train_step = trainer.train_step
 
     def counted_step(item, stats):  # instrumentation only: the mask's visible pairs, in the warm-up steps
         # (the batches are built in the data worker process or the input thread: counted here, on the
         # step's own device batch; the host sync this costs stays out of the timed steps)
-        if not item.padding and trainer.step < max(warmup, 3):
+        if not item.padding and trainer.step < count_steps:
             pairs.append(visible_pairs(item.batch, cfg.block_size))
         return train_step(item, stats)
 
-    trainer._train_step = counted_step
+    trainer.train_step = counted_step
     if os.environ.get("DFLASH_BENCH_PYSPY"):  # "delay_s:duration_s:out": sample every thread's stacks
         delay, duration, out = os.environ["DFLASH_BENCH_PYSPY"].split(":", 2)
         subprocess.Popen(
@@ -391,28 +357,77 @@ def run_trainer(
         summary = trainer.train()
     finally:
         trainer.close()
+    return trainer, summary, pairs, time.monotonic() - t0
+
+
+def checkpoint_events(run_dir: Path) -> list[dict]:
+    """Rank 0's checkpoint events (saved or failed) from its metrics file."""
+    metrics_file = run_dir / "metrics" / "consumer-0.jsonl"
+    if not metrics_file.exists():
+        return []
+    records = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    return [
+        {k: r.get(k) for k in ("event", "step", "stall_s", "write_s", "gb")}
+        for r in records
+        if r.get("event") in ("checkpoint", "checkpoint_failed")
+    ]
+
+
+def run_trainer(
+    preset: str,
+    *,
+    steps: int,
+    warmup: int,
+    options: dict,
+    precision: str,
+    workdir: Path,
+    save_every: int | None,
+    learnable: bool = False,
+    feed_only: bool = False,
+    seed: int = 0,
+    bucket: str = "random",
+    producers: int = 12,
+) -> dict:
+    """The real Trainer over a spool that producer processes filled; ``options``: the TrainConfig fields
+    of the consumer's flags (``consumer_options``)."""
+    context, anchors, device = options["context_tokens"], options["num_anchors"], options["device"]
+    max_steps = warmup + steps
+    spool, target, plan, filler, written, fill_s = prefill_spool(
+        preset,
+        workdir=workdir,
+        context=context,
+        max_steps=max_steps,
+        producers=producers,
+        learnable=learnable,
+    )
+    if feed_only:
+        return feed_throughput(spool, plan, context=context, anchors=anchors, steps=max_steps, fill_s=fill_s)
+    run_dir = workdir / f"run-{preset}-{precision}-{int(time.time())}"
+    ckpt = workdir / "ckpt"
+    shutil.rmtree(ckpt, ignore_errors=True)
+    cfg = TrainConfig(
+        spool=str(spool), target=str(target), run="bench", run_dir=str(run_dir),
+        checkpoint=str(ckpt) if save_every else None, save_every=save_every or 10**9, keep_last=1,
+        max_steps=max_steps, total_steps=max_steps, precision=precision, seed=seed, bucket=bucket, **options,
+    )  # fmt: skip
+    try:
+        trainer, summary, pairs, total_s = train_counting_pairs(cfg, count_steps=max(warmup, 3))
+    finally:
         filler.close()
         shutil.rmtree(spool, ignore_errors=True)
-    total_s = time.monotonic() - t0
     history = summary["history"]
     save_steps = set(range(save_every, max_steps + 1, save_every)) if save_every else set()
     plain, with_save = _steady_intervals(history, from_step=warmup, save_steps=save_steps)
     step_s = statistics.median(p for p, _ in plain)
     all_steps = sum(n for _, n in plain + with_save)
     mean_all = sum(p * n for p, n in plain + with_save) / max(1, all_steps)
-    stall_from_timing = [(p - step_s) * n for p, n in with_save]
-    drafter_cfg = trainer.drafter_config
-    flops = step_flops(drafter_cfg, context=context, anchors=anchors, visible_pairs=statistics.mean(pairs) if pairs else 0.0)
+    flops = step_flops(
+        trainer.drafter_config, context=context, anchors=anchors,
+        visible_pairs=statistics.mean(pairs) if pairs else 0.0,
+    )  # fmt: skip
     cuda = device.startswith("cuda")
     peak = matmul_peak_tflops(torch.device(device)) if cuda else float("nan")
     mem = [r["mem_gb"] for r in history if r["step"] >= warmup and "mem_gb" in r]
-    ckpt_events = []
-    metrics_file = run_dir / "metrics" / "consumer-0.jsonl"
-    if metrics_file.exists():
-        for line in metrics_file.read_text().splitlines():
-            rec = json.loads(line)
-            if rec.get("event") in ("checkpoint", "checkpoint_failed"):
-                ckpt_events.append(rec)
     fill = summary["fill"]
     return {
         "mode": "trainer (real Trainer over a real spool)",
@@ -437,10 +452,8 @@ def run_trainer(
         "peak_mem_gb_first": round(mem[0], 2) if mem else None,
         "peak_mem_gb_last": round(mem[-1], 2) if mem else None,
         "peak_mem_drift_pct": round(100 * (mem[-1] - mem[0]) / mem[0], 2) if mem else None,
-        "checkpoints": [
-            {k: e.get(k) for k in ("event", "step", "stall_s", "write_s", "gb")} for e in ckpt_events
-        ],
-        "stall_per_save_s_from_step_times": [round(x, 2) for x in stall_from_timing],
+        "checkpoints": checkpoint_events(run_dir),
+        "stall_per_save_s_from_step_times": [round((p - step_s) * n, 2) for p, n in with_save],
         "losses": [(r["step"], round(r["loss"], 4)) for r in history],
         "ms_per_step_by_interval": [
             (b["step"], round(1e3 * (b["time"] - a["time"]) / (b["step"] - a["step"]), 1))
@@ -509,17 +522,16 @@ def feed_throughput(
     }
 
 
-def consume_overrides(flags: str) -> dict:
-    """TrainConfig fields a dflash-consume flag string sets (parsed by the flags generated from TrainConfig):
-    only those given, so the bench's own settings stand for the rest."""
-    p = argparse.ArgumentParser(prog="--consume-flags", add_help=False, argument_default=argparse.SUPPRESS)
-    add_flags(p, TrainConfig, exclude=("spool", "target"))
-    for action in p._actions:
-        action.default = argparse.SUPPRESS
-    return vars(p.parse_args(shlex.split(flags)))
+# TrainConfig fields the bench sets itself: its spool, run and checkpoint folders, the steps it times, the
+# sweeps over --precision and --seed, and each mode's claim order. Every other field is a flag of this
+# script, named, typed, defaulted and documented as on dflash-consume (the flags are made from TrainConfig).
+BENCH_SETS = (
+    "spool", "target", "run", "run_dir", "checkpoint", "save_every", "keep_last", "max_steps", "total_steps",
+    "precision", "seed", "bucket",
+)  # fmt: skip
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--mode", default="trainer", choices=["trainer", "step", "learning", "reference", "feed"])
     p.add_argument(
@@ -527,11 +539,10 @@ def main() -> None:
     )
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20, help="trainer mode: steps before timing starts")
-    p.add_argument("--context", type=int, default=4096)
-    p.add_argument("--anchors", type=int, default=256)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--backend", default="inductor", choices=["inductor", "aot_eager", "eager"])
-    p.add_argument("--precision", action="append", help="trainer/learning modes: repeatable (default auto = what dflash-consume uses)")
+    p.add_argument(
+        "--precision", action="append", help="repeatable (default auto = what dflash-consume uses)"
+    )
     p.add_argument("--save-every", type=int, default=100, help="trainer mode: checkpoint period (0 = none)")
     p.add_argument("--reference", default=None, help="folder holding ref_consumer_step.py: run it first")
     p.add_argument(
@@ -540,77 +551,75 @@ def main() -> None:
     p.add_argument("--producers", type=int, default=12, help="processes pre-filling the spool")
     p.add_argument("--seed", type=int, action="append", help="trainer seed(s): init and anchors (default 0)")
     p.add_argument("--save-runs", type=int, default=10**6, help="trainer mode: checkpoints in the first N runs only "
-                   "(a 32B-class final save writes ~31 GB: tens of seconds per run)")
-    p.add_argument("--consume-flags", default="", help="trainer mode: more dflash-consume flags, e.g. "
-                   "'--loss-impl liger --gc-mode python' (TrainConfig's own; shapes and steps are the bench's)")
+                   "(a 32B-class final save writes ~31 GB: tens of seconds per run)")  # fmt: skip
     p.add_argument("--json", default=None)
-    args = p.parse_args()
-    device = torch.device(args.device)
+    consumer = p.add_argument_group("dflash-consume's options (shapes, loss, compile, loop); --max-anchors-per-doc "
+                                    "follows --num-anchors unless given")  # fmt: skip
+    add_flags(consumer, TrainConfig, exclude=BENCH_SETS, defaults={"max_anchors_per_doc": None})
+    return p
+
+
+def consumer_options(args: argparse.Namespace) -> dict:
+    """The TrainConfig fields of the consumer's flags (and the bench's --device)."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)} - set(BENCH_SETS)
+    options = {k: getattr(args, k) for k in names if hasattr(args, k)}
+    if options["max_anchors_per_doc"] is None:
+        options["max_anchors_per_doc"] = options["num_anchors"]
+    return {**options, "device": args.device}
+
+
+def _run_one(
+    args: argparse.Namespace, options: dict, preset: str, precision: str, seed: int, run_no: int
+) -> dict:
+    if args.mode == "step":
+        device = torch.device(args.device)
+        backend = TrainConfig(spool=".", target=".", **options).resolved_compile_backend(device.type)
+        r = run(
+            preset, steps=args.steps, context=options["context_tokens"], anchors=options["num_anchors"],
+            device=device, backend=backend, precision=precision,
+        )  # fmt: skip
+        r["mode"] = "step (hand-built batches, no feed/spool/input pipeline)"
+        return r
+    return run_trainer(
+        preset, steps=args.steps, warmup=args.warmup, options=options, precision=precision,
+        workdir=Path(args.workdir), producers=args.producers, seed=seed,
+        save_every=args.save_every if args.mode == "trainer" and run_no < args.save_runs else None,
+        learnable=args.mode == "learning", feed_only=args.mode == "feed",
+        bucket="random" if args.mode == "trainer" else "oldest",
+    )  # fmt: skip
+
+
+COLUMNS = (
+    "mode", "preset", "precision", "ms_per_step_median", "context_tok_s", "fill", "mfu", "vs_reference",
+    "first_step_s", "recompiles_after_warmup", "peak_mem_drift_pct",
+)  # fmt: skip
+
+
+def main() -> None:
+    args = build_parser().parse_args()
+    options = consumer_options(args)
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="dflash-bench-")
     results = []
     if args.reference:
-        ref = {"mode": "reference", **run_reference(args.reference, args.context, args.anchors)}
+        ref = run_reference(args.reference, options["context_tokens"], options["num_anchors"])
+        ref = {"mode": "reference", **ref}
         print(json.dumps(ref), flush=True)
         results.append(ref)
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dflash-bench-"))
+    runs = [(pr, sd) for pr in args.precision or ["auto"] for sd in args.seed or [0]]
     for preset in [] if args.mode == "reference" else args.preset or ["8b", "32b"]:
-        for run_no, (precision, seed) in enumerate([
-            (pr, sd)
-            for pr in args.precision or ["auto"]
-            for sd in args.seed or [0]
-        ]):
-            if args.mode == "step":
-                r = run(
-                    preset,
-                    steps=args.steps,
-                    context=args.context,
-                    anchors=args.anchors,
-                    device=device,
-                    backend=args.backend,
-                    precision=precision,
-                )
-                r["mode"] = "step (hand-built batches, no feed/spool/input pipeline)"
-            else:
-                r = run_trainer(
-                    preset,
-                    steps=args.steps,
-                    warmup=args.warmup,
-                    context=args.context,
-                    anchors=args.anchors,
-                    precision=precision,
-                    workdir=workdir,
-                    save_every=args.save_every if args.mode == "trainer" and run_no < args.save_runs else None,
-                    learnable=args.mode == "learning",
-                    feed_only=args.mode == "feed",
-                    producers=args.producers,
-                    seed=seed,
-                    bucket="random" if args.mode == "trainer" else "oldest",
-                    device=args.device,
-                    overrides=consume_overrides(args.consume_flags),
-                )
+        for run_no, (precision, seed) in enumerate(runs):
+            r = _run_one(args, options, preset, precision, seed, run_no)
             if results and results[0]["mode"] == "reference" and "context_tok_s" in r:
                 r["vs_reference"] = round(r["context_tok_s"] / results[0]["context_tok_s"], 3)
             print(json.dumps({k: v for k, v in r.items() if k != "losses"}), flush=True)
             results.append(r)
             torch._dynamo.reset()
-            if device.type == "cuda":
+            if args.device.startswith("cuda"):
                 torch.cuda.empty_cache()
-    cols = [
-        "mode",
-        "preset",
-        "precision",
-        "ms_per_step_median",
-        "context_tok_s",
-        "fill",
-        "mfu",
-        "vs_reference",
-        "first_step_s",
-        "recompiles_after_warmup",
-        "peak_mem_drift_pct",
-    ]
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
+    print("| " + " | ".join(COLUMNS) + " |")
+    print("|" + "---|" * len(COLUMNS))
     for r in results:
-        print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+        print("| " + " | ".join(str(r.get(c, "")) for c in COLUMNS) + " |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -8,7 +8,7 @@
 #   ckpt32     trainer32 with background checkpoints every 60 steps (stall per save; warm first step)
 #   warm32     a fresh process on the warm compile cache: time to first step
 #   trainer8   the real Trainer, 8B-class drafter, default flags
-#   trainer32x3  issue 26's acceptance: the real Trainer, 32B-class, default flags, three runs (seeds 0-2:
+#   trainer32x3  the full-streams acceptance: the real Trainer, 32B-class, default flags, three runs (seeds 0-2:
 #              the same data, a fresh Trainer each, warm compile cache after the first), 150 measured steps
 #              each; the first run saves one background checkpoint (its last step's)
 #   learning   a learnable spool trained 500 steps with the default (mixed) and with amp (loss curves)
@@ -18,9 +18,9 @@
 #              ("NAME=FLAGS;NAME=FLAGS", default below) and AB_BUDGET (s, default 470) set it; run it ALONE
 #              in a call (~8 min: setup 20 s, reference ~60, prefill ~35, the first variant ~110 with a cold
 #              compile, each later one ~50-70; results in $OUT/ab/ab.jsonl as each finishes)
-#   gpusel     the GPU tests of issues 26-27 and 36 only (liger loss kernel vs the torch row pass, compiled
+#   gpusel     the GPU tests of the loss, optimizer and attention kernels only (liger loss kernel vs the torch row pass, compiled
 #              MasterAdamW, flex vs SDPA incl. sliding; liger-kernel in .whl)
-#   producer   issue 25's producer runbook, in this order (~8 min on one H200 from cold compile caches; to
+#   producer   the producer's runbook, in this order (~8 min on one H200 from cold compile caches; to
 #              stay well inside one call's 10 minutes, run `prod8 prod32 hybrid` and `pipeline1 plan` as two
 #              calls on the same warm machine):
 #     prod8      8B-shaped target (15 batches: the last shard's encode is a fixed tail, 1.23x at 5 batches
@@ -37,7 +37,7 @@
 #   prodscope  8B-shaped: compiled per layer vs the whole truncated trunk (not in `producer`; ~1.5 min)
 # Run from the repo root on the device with `.whl` carried: `bash ../shared/device/wheels.sh fla-core`
 # (zarr, zstandard, numcodecs, boto3, datasets + fla-core: ~26 MB). Every bench writes JSON + markdown to
-# $OUT with issue 25's thresholds checked (PASS/FAIL lines).
+# $OUT with the producer's thresholds checked (PASS/FAIL lines).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/dflash-inductor-cache}
@@ -96,10 +96,10 @@ if [[ "$parts" == *" ab "* ]]; then  # never part of `all`: it takes a whole cal
 fi
 if want trainer8; then bench trainer8 --mode trainer --preset 8b --steps "${TRAINER8_STEPS:-200}"; fi
 if want learning; then
-  bench learning --mode learning --preset small --steps 500 --warmup 0 --context 2048 --anchors 128 --precision mixed --precision amp
+  bench learning --mode learning --preset small --steps 500 --warmup 0 --context-tokens 2048 --num-anchors 128 --precision mixed --precision amp
 fi
 if want gpusel; then
-  echo "== GPU tests of issues 26-27"
+  echo "== GPU tests of the loss, optimizer and attention kernels"
   timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_loss.py tests/test_optim.py \
     tests/test_attention.py tests/test_drafter.py 2>&1 | tee "$OUT/gpusel.log" | tail -8
 fi

@@ -15,7 +15,7 @@ makes (fill wait, heartbeat period) divided by it, so the run's shape is the rea
 without enough samples whatever the producers were doing; the ranks stepped as soon as any had data (the
 others padded). ``--policy new`` (today's code): a stream waits for a full pool (``pool_streams``) while
 a producer produces (up to --fill-wait-s 30), and the ranks step when every rank holds a step or has no
-more data (consumer/trainer.py ``_agree``).
+more data (consumer/agreement.py).
 
     python ops/bench/fill_sim.py --context 4096 --ranks 1                       # the one-GPU run
     python ops/bench/fill_sim.py --context 4096 --ranks 3 --producer-rate 135000 --consumer-rate 23000
