@@ -57,6 +57,7 @@ def _error_lines(stderr: str) -> list[str]:
         ),
     ],
 )
+@pytest.mark.pipeline
 def test_a_dataset_with_nothing_to_train_is_one_line_and_exit_2(tmp_path, tiny_target, case, pattern):
     data = tmp_path / "data.jsonl"
     if case == "malformed":
@@ -75,6 +76,7 @@ def test_a_dataset_with_nothing_to_train_is_one_line_and_exit_2(tmp_path, tiny_t
     )
 
 
+@pytest.mark.pipeline
 def test_dropped_rows_are_counted_by_reason_with_the_first_example(tmp_path, tiny_target):
     good = _demo_rows(6)
     long_user = " ".join(["word"] * 700)  # the prompt alone passes --max-length: the answer is cut off

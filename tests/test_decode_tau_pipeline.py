@@ -41,7 +41,12 @@ def test_logged_decode_order_tau_equals_dflash_eval_on_the_same_checkpoint_and_d
         data.write_text("".join(line for _, line in zip(range(ROWS), f, strict=False)))
     spool, ckpt, run_dir = tmp_path / "spool", tmp_path / "ckpt", tmp_path / "run"
     env = cpu_env()
-    proc = run(produce_cmd(spool, tiny_target, data, "--run", "tau", "--eval-samples", str(HELD_OUT), "--epochs", str(EPOCHS)), env=env)
+    proc = run(
+        produce_cmd(
+            spool, tiny_target, data, "--run", "tau", "--eval-samples", str(HELD_OUT), "--epochs", str(EPOCHS)
+        ),
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     # --bucket oldest: shards claimed in name order (the default draws them at random, unseeded), so every
     # run trains the same steps and reaches the same τ
@@ -61,7 +66,9 @@ def test_logged_decode_order_tau_equals_dflash_eval_on_the_same_checkpoint_and_d
     # dflash-eval's loop, per held-out document: its prompt, the target live, the checkpoint's drafter, a
     # budget of the document's response length
     target = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32).eval()
-    drafter = build_drafter(final.model_state, checkpoint_drafter_config(final.meta, "tau"), target, dtype=torch.float32)
+    drafter = build_drafter(
+        final.model_state, checkpoint_drafter_config(final.meta, "tau"), target, dtype=torch.float32
+    )
     runner = TargetRunner(target, drafter.config.target_layer_ids)
     gens = []
     for path in Spool(spool, create=False).eval_shards():
@@ -71,7 +78,9 @@ def test_logged_decode_order_tau_equals_dflash_eval_on_the_same_checkpoint_and_d
             ids, mask = shard.input_ids[cu[i] : cu[i + 1]], shard.loss_mask[cu[i] : cu[i + 1]].numpy()
             start, end = first_response(mask)
             gens.append(
-                speculative_generate(runner, DrafterProposer(drafter), ids[:start], max_new_tokens=end - start)
+                speculative_generate(
+                    runner, DrafterProposer(drafter), ids[:start], max_new_tokens=end - start
+                )
             )
     decoded = summarize(gens, drafter.config.block_size)
     assert len(gens) == evals[-1]["eval_docs"] >= HELD_OUT - 1

@@ -49,6 +49,7 @@ def _metrics_averages(run_dir) -> tuple[float, float]:
     return producer, consumer
 
 
+@pytest.mark.pipeline
 def test_demo_trains_a_better_drafter_talks_checkpoints_to_s3_and_leaves_nothing_running(tmp_path):
     run_dir, summary_path = tmp_path / "demo", tmp_path / "summary.json"
     env = cpu_env()

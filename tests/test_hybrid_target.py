@@ -143,6 +143,7 @@ def fused_recurrent_gated_delta_rule(*args, **kwargs):
 
 
 @pytest.mark.skipif(Version(transformers.__version__) < Version("5.15"), reason="5.15+ resolves fla at import")
+@pytest.mark.pipeline
 def test_fla_is_detected_and_a_cpu_target_is_switched_off_it(vlm_checkpoint, tmp_path):
     """A stand-in ``fla`` package (whose kernels raise) on the path before transformers: the report names
     it; a CPU target is switched to the reference, so its forward never calls it."""

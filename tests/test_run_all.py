@@ -7,6 +7,8 @@ import subprocess
 import pytest
 from pipeline_helpers import REPO, SemaphoreSpy, cpu_env
 
+pytestmark = pytest.mark.pipeline  # every test here starts processes
+
 SCRIPT = str(REPO / "ops" / "run_all.sh")
 OK = ["--model", "m", "--dataset", "d"]
 

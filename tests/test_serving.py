@@ -188,6 +188,7 @@ def looping_target(tmp_path_factory) -> Path:
     return materialize_tiny_target(tmp_path_factory.mktemp("looping") / "target", weights="random")
 
 
+@pytest.mark.pipeline
 def test_export_loads_with_automodel_in_a_fresh_interpreter_and_matches_training(tmp_path, looping_target):
     torch.set_num_threads(1)
     cases = _prepare(tmp_path, looping_target)
