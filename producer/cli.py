@@ -24,6 +24,7 @@ import sys
 from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, fail, one_line
 from dflash.common.cli.flags import add_flags, from_args
 from dflash.common.cli.help import DefaultsHelpFormatter
+from dflash.common.target.checks import check_target
 from dflash.common.target.data import DataConfig
 from dflash.producer.buckets import BucketConfig
 from dflash.producer.config import PROG, LaunchConfig, ProducerConfig, UsageError
@@ -48,6 +49,10 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_intermixed_args(argv)
     launch = from_args(LaunchConfig, args)
     logging.basicConfig(level=launch.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # a missing or incomplete model folder is answered before torch and transformers load (seconds)
+        check_target(args.model, what="--model")
+    except ValueError as err:
+        fail(PROG, f"cannot load target {args.model!r}: {one_line(err)}")
     try:
         from dflash.producer.launch import prepare
         from dflash.producer.supervisor import supervise

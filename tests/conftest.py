@@ -35,9 +35,10 @@ through another fixture, is a pipeline test."""
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "pipeline: starts a child process (a CLI, a producer, a server): left out of the unit tier "
-        "(bash ops/test.sh --unit runs -m 'not pipeline'); set automatically for slow tests and users of "
-        "the process fixtures, and a test that spawns without it fails",
+        "pipeline: starts a child process (a CLI, a producer, a server), or runs a whole training or "
+        "producing pass in-process (tens of seconds): left out of the unit tier (bash ops/test.sh --unit "
+        "runs -m 'not pipeline'); set automatically for slow tests and users of the process fixtures, and "
+        "a test that spawns without it fails",
     )
 
 

@@ -321,6 +321,7 @@ def test_cli_errors_are_one_line(tmp_path, target, capsys):
 # ---------------------------------------------------------------------------------- train -> export -> eval
 
 
+@pytest.mark.pipeline  # a whole in-process run, tens of seconds on 2 cores: the full suite
 def test_train_export_eval_tau_agrees_with_training_tau(tmp_path, tokenizer):
     """τ of `dflash-eval` = τ of the trainer's building blocks on the same data.
 

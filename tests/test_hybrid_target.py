@@ -92,6 +92,7 @@ def test_multimodal_checkpoint_loads_the_text_model_only(vlm_checkpoint):
 
 
 @pytest.mark.parametrize("backend", ["auto", "aot_eager"])
+@pytest.mark.pipeline  # a whole in-process run, tens of seconds on 2 cores: the full suite
 def test_producer_runs_on_the_multimodal_hybrid_checkpoint(vlm_checkpoint, tmp_path, caplog, backend):
     """The worker end to end: text model only, kernels on its start line; eager by default on the CPU, and
     compiled (every layer; the linear-attention mixers run outside the graphs) when asked, 0 recompiles."""
