@@ -168,6 +168,7 @@ def test_a_rolled_back_verify_leaves_the_state_of_the_kept_tokens(hybrid):
     runner.close()
 
 
+@pytest.mark.pipeline  # its fixtures train a drafter in-process (a minute on 2 cores)
 def test_cache_families_that_cannot_be_rolled_back_are_refused_in_one_line(hybrid):
     """A conv-only (LFM2-style) layer and a layer mixing linear state with keys/values: one line each."""
     runner = TargetRunner(hybrid.target, [0])
@@ -282,6 +283,7 @@ def test_exported_spec_generate_equals_greedy_on_the_hybrid_target(hybrid, expor
     print(f"hybrid spec_generate: tau {sum(n for *_, n in steps) / len(steps):.2f} over {len(steps)} steps")
 
 
+@pytest.mark.pipeline  # its fixtures train a drafter in-process (a minute on 2 cores)
 def test_dflash_eval_refuses_a_target_it_cannot_roll_back(export, tmp_path, capsys):
     """An LFM2-style target (short-conv layers: a state, but not Gated DeltaNet's) is refused in one line:
     dflash-eval exits 2 before decoding (``spec_generate`` raises the same ValueError from ``TargetRunner``:
