@@ -1,4 +1,4 @@
-"""Issue 13: bad data is an error with reasons, and lost is said.
+"""Bad data is an error with reasons, and lost is said.
 
 - A dataset of malformed JSON lines, one whose rows have no assistant turn, and an empty file: dflash-produce
   exits 2 with one line (no traceback, no datasets ERROR lines, no misleading "mixed types" message).
@@ -215,7 +215,7 @@ def test_quarantined_samples_are_said_and_the_next_launch_trains_them(tmp_path, 
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(tmp_path))
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     assert "run 'q' continues" in res.stdout
-    # the producer's own report of its dataset reaches the terminal, not only producer.log (issue 23)
+    # the producer's own report of its dataset reaches the terminal, not only producer.log
     assert re.search(r"^dflash-produce: \d+ trainable rows; ", res.stderr, re.M), res.stderr[-3000:]
     produced = (run_dir / "logs" / "producer.log").read_text()
     assert f"samples={len(lost)} " in produced, produced[-2000:]  # exactly the lost ones were produced again

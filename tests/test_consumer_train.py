@@ -48,7 +48,7 @@ def _finish_200_steps(proc: subprocess.Popen, run_dir) -> list[dict]:
 
 
 def test_training_on_real_shards_cuts_loss_and_raises_tau(demo_spool, copy_spool, tiny_target, tmp_path):
-    """Issue 4 acceptance: ~200 CPU steps on real spool shards: the tiny target over the bundled chat data
+    """~200 CPU steps on real spool shards: the tiny target over the bundled chat data
     (human-written answers), 256-token steps, 16 anchors.
 
     The shards differ a lot in difficulty (some answers repeat one token), so a learning curve over

@@ -256,7 +256,7 @@ def test_summarize_counts_by_hand():
     assert r.tokens_per_s == pytest.approx(5.5)
     assert r.baseline["mismatched_prompts"] == 1 and r.baseline["speedup"] == pytest.approx(5.5 / (11 / 3))
     assert r.outputs == [list(range(9)), [5, 6]]
-    # the speed-up figure says what it means on the device it was measured on (issue 23)
+    # the speed-up figure says what it means on the device it was measured on
     from dflash.tools.eval.run import format_table
 
     cpu, gpu = format_table(r, "cpu"), format_table(r, "cuda:0")

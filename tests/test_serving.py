@@ -1,4 +1,4 @@
-"""Serving parity (issue 27): a trained drafter, exported by ``dflash-export``, loads in a FRESH interpreter
+"""Serving parity: a trained drafter, exported by ``dflash-export``, loads in a FRESH interpreter
 with ``AutoModel.from_pretrained(folder, trust_remote_code=True)`` (the public DFlash way), computes the
 trainer's block outputs (<= 1e-6 in fp32) and its ``spec_generate`` equals plain greedy decoding of the
 target token for token; for a full-attention and a sliding-window drafter.

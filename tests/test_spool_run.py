@@ -1,4 +1,4 @@
-"""Issue 13, the spool's parts: its run record, launch locks that die with their holder, and what a new
+"""The spool's parts: its run record, launch locks that die with their holder, and what a new
 launch discards (``dflash-spool prepare``). Fast, in-process except for the lock holders."""
 
 from __future__ import annotations
