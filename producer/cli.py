@@ -21,8 +21,9 @@ import argparse
 import logging
 import sys
 
-from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, error_line, fail
+from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, error_line, fail, one_line
 from dflash.common.cli.flags import command_parser, from_args
+from dflash.common.target.checks import check_target
 from dflash.common.target.data import DataConfig
 from dflash.producer.buckets import BucketConfig
 from dflash.producer.config import (
@@ -65,6 +66,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         fail(PROG, err, EXIT_USAGE)
     logging.basicConfig(level=cfg.launch.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:  # a missing or incomplete model folder is answered before torch and transformers load (seconds)
+        check_target(args.model, what="--model")
+    except ValueError as err:
+        fail(PROG, f"cannot load target {args.model!r}: {one_line(err)}")
     try:
         from dflash.producer.launch import prepare
         from dflash.producer.supervisor import supervise

@@ -7,6 +7,7 @@ AWS_ENDPOINT_URL and reach the same server.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -26,12 +27,97 @@ FAKE_ACCESS_KEY_ID = "AKIAFAKE0TEST0KEY000"
 FAKE_SECRET_ACCESS_KEY = "fAkE/sEcReT+Key0123456789abcdefGHIJKLMNO"
 
 
+PIPELINE_FIXTURES = frozenset({"s3_endpoint", "demo_spool"})
+"""Fixtures that start a child process (the moto server, a producer run): a test using one, directly or
+through another fixture, is a pipeline test."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "pipeline: starts a child process (a CLI, a producer, a server), or runs a whole training or "
+        "producing pass in-process (tens of seconds): left out of the unit tier (bash ops/test.sh --unit "
+        "runs -m 'not pipeline'); set automatically for slow tests and users of the process fixtures, and "
+        "a test that spawns without it fails",
+    )
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Files with slow (multi-process) tests first, each file's tests in their own order: pytest-xdist hands
-    whole files to its workers in this order (ops/test.sh), and starting the long ones first keeps one
-    worker from running the chaos test alone at the end."""
+    """Marks pipeline tests (see ``pytest_configure``), then orders: files with slow (multi-process) tests
+    first, each file's tests in their own order: pytest-xdist hands whole files to its workers in this
+    order (ops/test.sh), and starting the long ones first keeps one worker from running the chaos test
+    alone at the end."""
+    for item in items:
+        uses_process_fixture = PIPELINE_FIXTURES & set(getattr(item, "fixturenames", ()))
+        if item.get_closest_marker("slow") or uses_process_fixture:
+            item.add_marker(pytest.mark.pipeline)
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within a file is kept
+
+
+class ChildProcessStarted(BaseException):
+    """Raised where a test without the ``pipeline`` mark starts a child process (a BaseException, so code
+    under test that handles OSError or Exception cannot swallow it)."""
+
+
+@contextlib.contextmanager
+def _no_child_processes(item: pytest.Item) -> Iterator[list[str]]:
+    """Within the block, every way this process starts another (subprocess and multiprocessing's spawn and
+    forkserver go through ``_posixsubprocess.fork_exec``, subprocess through its own name for it; the fork context through ``os.fork``; posix_spawn)
+    raises ``ChildProcessStarted`` and is recorded in the yielded list."""
+    import _posixsubprocess
+
+    started: list[str] = []
+    patched = [
+        (subprocess, "_fork_exec"),  # subprocess's own reference to _posixsubprocess.fork_exec
+        (_posixsubprocess, "fork_exec"),
+        (os, "fork"),
+        (os, "posix_spawn"),
+        (os, "posix_spawnp"),
+    ]
+    originals = [(mod, name, getattr(mod, name)) for mod, name in patched if hasattr(mod, name)]
+
+    def refuse(what: str):
+        def _refuse(*_args, **_kwargs):
+            started.append(what)
+            raise ChildProcessStarted(
+                f"{item.nodeid} started a child process ({what}) without the pipeline mark: mark it "
+                "@pytest.mark.pipeline (it then runs in the full suite, not the unit tier)"
+            )
+
+        return _refuse
+
+    for mod, name, _orig in originals:
+        setattr(mod, name, refuse(f"{mod.__name__}.{name}"))
+    try:
+        yield started
+    finally:
+        for mod, name, orig in originals:
+            setattr(mod, name, orig)
+
+
+def _guarded(item: pytest.Item):
+    if item.get_closest_marker("pipeline"):
+        return contextlib.nullcontext([])
+    return _no_child_processes(item)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item):
+    with _guarded(item) as started:
+        yield
+    if started:
+        pytest.fail(
+            f"{item.nodeid}: fixture set-up started a child process ({started[0]}) without the pipeline mark"
+        )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    with _guarded(item) as started:
+        yield
+    if started:
+        pytest.fail(f"{item.nodeid} started a child process ({started[0]}) without the pipeline mark")
 
 
 def free_port() -> int:

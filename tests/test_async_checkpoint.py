@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 import torch
 from ledger_audit import read_jsonl
 from pipeline_helpers import consume_cmd, cpu_env, write_synthetic_spool
@@ -95,6 +96,7 @@ def _spool(root):
     )  # fmt: skip
 
 
+@pytest.mark.pipeline
 def test_kill9_during_background_upload_resumes_from_the_previous_checkpoint(tmp_path, tiny_target):
     spool = _spool(tmp_path / "spool")
     store, run_dir, marker = tmp_path / "ckpt", tmp_path / "run", tmp_path / "uploading"

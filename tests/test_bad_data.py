@@ -57,6 +57,7 @@ def _error_lines(stderr: str) -> list[str]:
         ),
     ],
 )
+@pytest.mark.pipeline
 def test_a_dataset_with_nothing_to_train_is_one_line_and_exit_2(tmp_path, tiny_target, case, pattern):
     data = tmp_path / "data.jsonl"
     if case == "malformed":
@@ -75,6 +76,7 @@ def test_a_dataset_with_nothing_to_train_is_one_line_and_exit_2(tmp_path, tiny_t
     )
 
 
+@pytest.mark.pipeline
 def test_dropped_rows_are_counted_by_reason_with_the_first_example(tmp_path, tiny_target):
     good = _demo_rows(6)
     long_user = " ".join(["word"] * 700)  # the prompt alone passes --max-length: the answer is cut off
@@ -214,7 +216,7 @@ def test_quarantined_samples_are_said_and_the_next_launch_trains_them(tmp_path, 
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(tmp_path))
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     assert "run 'q' continues" in res.stdout
-    # the producer's own report of its dataset reaches the terminal, not only producer.log (ops/run_all.sh's user reads the terminal)
+    # the producer's own report of its dataset reaches the terminal, not only producer.log
     assert re.search(r"^dflash-produce: \d+ trainable rows; ", res.stderr, re.M), res.stderr[-3000:]
     produced = (run_dir / "logs" / "producer.log").read_text()
     assert f"samples={len(lost)} " in produced, produced[-2000:]  # exactly the lost ones were produced again

@@ -379,7 +379,9 @@ def _eligible(data: Path, target: Path, cache: Path) -> set[int]:
 
 @pytest.mark.slow
 def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(tmp_path, tiny_target):
-    seed = int(os.environ.get("DFLASH_CHAOS_SEED", random.randrange(1 << 30)))
+    # A fixed plan by default, so a verdict never depends on which plan a run happened to draw; set
+    # DFLASH_CHAOS_SEED to explore others (the failure message names the seed to replay).
+    seed = int(os.environ.get("DFLASH_CHAOS_SEED", "0"))
     rng = random.Random(seed)
     data = tmp_path / "data.jsonl"
     rows = _write_dataset(data)

@@ -38,7 +38,7 @@ RUN = "run1"
 FAST = S3Options(max_attempts=3, backoff_s=0.01, max_backoff_s=0.05)
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.pipeline)])  # moto: a process
 def store(request, tmp_path):
     if request.param == "local":
         return open_store(tmp_path / "ckpt")

@@ -22,7 +22,7 @@ from dflash.common.redact import redact, redact_config
 FAST = S3Options(backoff_s=0.01, max_backoff_s=0.05, multipart_threshold_mb=5, multipart_chunk_mb=5)
 
 
-@pytest.fixture(params=["local", "s3"])
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.pipeline)])  # moto: a process
 def store(request, tmp_path):
     if request.param == "local":
         return open_store(tmp_path / "store")

@@ -82,6 +82,7 @@ def _owned(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
+@pytest.mark.pipeline
 def test_help_exits_0_without_torch(probes, name):
     p = probes[name]
     assert p["exit"] == 0, f"{name} --help exited {p['exit']}"
@@ -90,6 +91,7 @@ def test_help_exits_0_without_torch(probes, name):
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
+@pytest.mark.pipeline
 def test_every_option_has_help_and_default(probes, name):
     for parser in probes[name]["parsers"]:
         for a in parser["actions"]:
@@ -104,6 +106,7 @@ def test_every_option_has_help_and_default(probes, name):
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
+@pytest.mark.pipeline
 def test_help_is_plain_text(probes, name):
     _owned(name)
     for parser in probes[name]["parsers"]:

@@ -49,7 +49,7 @@ def _finish_200_steps(proc: subprocess.Popen, run_dir) -> list[dict]:
 
 
 def test_training_on_real_shards_cuts_loss_and_raises_tau(demo_spool, copy_spool, tiny_target, tmp_path):
-    """Issue 4 acceptance: ~200 CPU steps on real spool shards: the tiny target over the bundled chat data
+    """~200 CPU steps on real spool shards: the tiny target over the bundled chat data
     (human-written answers), 256-token steps, 16 anchors.
 
     The shards differ a lot in difficulty (some answers repeat one token), so a learning curve over
@@ -139,6 +139,7 @@ def _three_consumers_at_once(tmp_path, tiny_target, *, gpu: str, extra: list[str
     assert not failures, failures
 
 
+@pytest.mark.pipeline
 def test_three_consumers_started_together_compile_and_train(tmp_path, tiny_target):
     """The failure this product exists to remove: concurrent first torch.compile calls. Three processes,
     started at the same moment, each compile (aot_eager on CPU: dynamo tracing + AOTAutograd, the part
@@ -160,6 +161,7 @@ def test_three_consumers_started_together_compile_and_train(tmp_path, tiny_targe
         (["--gpu", "cpu", "--loss-impl", "liger"], "loss-impl liger needs a CUDA device"),
     ],
 )
+@pytest.mark.pipeline
 def test_bad_arguments_are_one_clear_line(tmp_path, tiny_target, args, message):
     base = {"--spool": str(tmp_path), "--target": str(tiny_target)}
     for i in range(0, len(args), 2):
@@ -174,6 +176,7 @@ def test_bad_arguments_are_one_clear_line(tmp_path, tiny_target, args, message):
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.pipeline
 def test_layer_mismatch_between_shards_and_drafter_is_a_clear_error(tmp_path, tiny_target):
     spool = write_synthetic_spool(
         tmp_path / "spool",
@@ -202,6 +205,7 @@ def test_three_consumers_share_one_gpu_with_compiled_flex(tmp_path, tiny_target)
     _three_consumers_at_once(tmp_path, tiny_target, gpu="0", extra=[])
 
 
+@pytest.mark.pipeline
 def test_each_log_line_says_where_the_interval_went_and_the_profile_is_written(tmp_path, tiny_target):
     """Every metrics record carries the loop's own figures (host wait and launch per step, the garbage
     collector's time and count; on the CPU no GPU figures), --gc-mode interval collects once per log line

@@ -1,4 +1,4 @@
-"""Issue 6 + 17 acceptance: the README's first command runs end to end (shortened with --quick), talks
+"""The README's first command runs end to end (shortened with --quick), talks
 while it works, and the drafter it trains decodes held-out prompts clearly better than its initialization."""
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ def _metrics_averages(run_dir) -> tuple[float, float]:
     return producer, consumer
 
 
+@pytest.mark.pipeline
 def test_demo_trains_a_better_drafter_talks_checkpoints_to_s3_and_leaves_nothing_running(tmp_path):
     run_dir, summary_path = tmp_path / "demo", tmp_path / "summary.json"
     env = cpu_env()
@@ -110,7 +111,7 @@ def test_demo_trains_a_better_drafter_talks_checkpoints_to_s3_and_leaves_nothing
 
 @pytest.mark.slow
 def test_ctrl_c_stops_the_demo_cleanly_after_its_stop_checkpoint(tmp_path):
-    """Issue 23: Ctrl-C mid-training (SIGINT to the whole process group, as a terminal sends it): the
+    """Ctrl-C mid-training (SIGINT to the whole process group, as a terminal sends it): the
     pipeline's consumer saves its stop checkpoint into the demo's S3 server BEFORE the server stops, the
     demo says so in one line and exits 130, no traceback, nothing left running."""
     run_dir = tmp_path / "demo"

@@ -147,6 +147,7 @@ def test_materialize_roundtrip(tmp_path):
     assert materialize_tiny_target(path) == path and (path / "model.safetensors").stat().st_mtime_ns == mtime
 
 
+@pytest.mark.pipeline
 def test_assets_rebuild_identically():
     recorded = re.search(r"Python (\d+\.\d+\.\d+)", (tiny_target_dir().parent / "README.md").read_text())
     if recorded is None or recorded.group(1) != sys.version.split()[0]:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -18,6 +19,8 @@ from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.model import DFlashDrafter, TargetHead
 from dflash.consumer.config import TrainConfig
 from dflash.consumer.step import build_optimizer, forward_backward
+
+pytestmark = pytest.mark.pipeline  # every test here starts processes
 
 CFG = dict(
     hidden_size=32,

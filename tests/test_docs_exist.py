@@ -8,6 +8,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 CITED = re.compile(r"\bdocs/([A-Za-z0-9_.-]+\.md)\b")
 
@@ -20,6 +22,7 @@ def _tracked_text_files() -> list[Path]:
     return [ROOT / f for f in files if f.endswith((".py", ".md", ".sh", ".toml")) and (ROOT / f).is_file()]
 
 
+@pytest.mark.pipeline
 def test_cited_docs_exist():
     missing = []
     for path in _tracked_text_files():
@@ -29,6 +32,7 @@ def test_cited_docs_exist():
     assert not missing, "\n".join(missing)
 
 
+@pytest.mark.pipeline
 def test_no_citation_of_a_document_outside_the_repository():
     here = Path(__file__).resolve()
     stale = [

@@ -256,7 +256,7 @@ def test_summarize_counts_by_hand():
     assert r.tokens_per_s == pytest.approx(5.5)
     assert r.baseline["mismatched_prompts"] == 1 and r.baseline["speedup"] == pytest.approx(5.5 / (11 / 3))
     assert r.outputs == [list(range(9)), [5, 6]]
-    # the speed-up figure says what it means on the device it was measured on (issue 23)
+    # the speed-up figure says what it means on the device it was measured on
     from dflash.tools.eval.run import format_table
 
     cpu, gpu = format_table(r, "cpu"), format_table(r, "cuda:0")
@@ -321,6 +321,7 @@ def test_cli_errors_are_one_line(tmp_path, target, capsys):
 # ---------------------------------------------------------------------------------- train -> export -> eval
 
 
+@pytest.mark.pipeline  # a whole in-process run, tens of seconds on 2 cores: the full suite
 def test_train_export_eval_tau_agrees_with_training_tau(tmp_path, tokenizer):
     """τ of `dflash-eval` = τ of the trainer's building blocks on the same data.
 

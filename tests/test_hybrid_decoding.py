@@ -142,6 +142,7 @@ def _partial(steps) -> int:
 # ------------------------------------------------------------------------------------------- the runner
 
 
+@pytest.mark.pipeline
 def test_a_rolled_back_verify_leaves_the_state_of_the_kept_tokens(hybrid):
     """Prefill, verify 16 tokens, keep k of them: the next logits are a no-cache forward's (fp32 noise);
     keeping a part costs one re-run, keeping all or none costs nothing."""
@@ -167,6 +168,7 @@ def test_a_rolled_back_verify_leaves_the_state_of_the_kept_tokens(hybrid):
     runner.close()
 
 
+@pytest.mark.pipeline  # its fixtures train a drafter in-process (a minute on 2 cores)
 def test_cache_families_that_cannot_be_rolled_back_are_refused_in_one_line(hybrid):
     """A conv-only (LFM2-style) layer and a layer mixing linear state with keys/values: one line each."""
     runner = TargetRunner(hybrid.target, [0])
@@ -206,6 +208,7 @@ class CheckedRunner(TargetRunner):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.005])
+@pytest.mark.pipeline
 def test_every_verify_sees_the_targets_true_distribution(hybrid, temperature):
     """Greedy and sampled (rejection sampling) alike: at every verify the logits of the whole block equal a
     no-cache forward over the committed tokens, so the rejection rule is applied to the true p (lossless by
@@ -241,6 +244,7 @@ def test_every_verify_sees_the_targets_true_distribution(hybrid, temperature):
         ),
     ],
 )
+@pytest.mark.pipeline
 def test_dflash_eval_baseline_equals_greedy_on_the_hybrid_target(hybrid, export, tmp_path, capsys, device):
     """``dflash-eval --baseline`` (fp32, 8 prompts, 64 tokens): 0 prompts differ from greedy; τ > 1 with
     blocks accepted in part. On CUDA the linear-attention kernels are fla's / causal-conv1d's when installed."""
@@ -260,6 +264,7 @@ def test_dflash_eval_baseline_equals_greedy_on_the_hybrid_target(hybrid, export,
         print(f"\nhybrid dflash-eval ({device}): tau {report['tau']:.2f}, accept_length_hist {hist}")
 
 
+@pytest.mark.pipeline
 def test_exported_spec_generate_equals_greedy_on_the_hybrid_target(hybrid, export, tmp_path, monkeypatch):
     """The export's own code (AutoModel + trust_remote_code) on the same prompts: token for token
     transformers' greedy ``generate`` of the target, with blocks accepted in part."""
@@ -278,6 +283,7 @@ def test_exported_spec_generate_equals_greedy_on_the_hybrid_target(hybrid, expor
     print(f"hybrid spec_generate: tau {sum(n for *_, n in steps) / len(steps):.2f} over {len(steps)} steps")
 
 
+@pytest.mark.pipeline  # its fixtures train a drafter in-process (a minute on 2 cores)
 def test_dflash_eval_refuses_a_target_it_cannot_roll_back(export, tmp_path, capsys):
     """An LFM2-style target (short-conv layers: a state, but not Gated DeltaNet's) is refused in one line:
     dflash-eval exits 2 before decoding (``spec_generate`` raises the same ValueError from ``TargetRunner``:

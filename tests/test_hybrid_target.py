@@ -94,6 +94,7 @@ def test_multimodal_checkpoint_loads_the_text_model_only(vlm_checkpoint):
 
 
 @pytest.mark.parametrize("backend", ["auto", "aot_eager"])
+@pytest.mark.pipeline  # a whole in-process run, tens of seconds on 2 cores: the full suite
 def test_producer_runs_on_the_multimodal_hybrid_checkpoint(vlm_checkpoint, tmp_path, caplog, backend):
     """The worker end to end: text model only, kernels on its start line; eager by default on the CPU, and
     compiled (every layer; the linear-attention mixers run outside the graphs) when asked, 0 recompiles."""
@@ -150,6 +151,7 @@ def fused_recurrent_gated_delta_rule(*args, **kwargs):
 @pytest.mark.skipif(
     Version(transformers.__version__) < Version("5.15"), reason="5.15+ resolves fla at import"
 )
+@pytest.mark.pipeline
 def test_fla_is_detected_and_a_cpu_target_is_switched_off_it(vlm_checkpoint, tmp_path):
     """A stand-in ``fla`` package (whose kernels raise) on the path before transformers: the report names
     it; a CPU target is switched to the reference, so its forward never calls it."""

@@ -7,6 +7,7 @@ measurement on the 2-core CPU box (see the asserts)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from draft_reference import one_thread  # noqa: F401  (autouse fixture)
 
@@ -75,6 +76,7 @@ def _train(dtype: torch.dtype, batches: list, *, autocast: bool = False, precisi
     return losses
 
 
+@pytest.mark.pipeline  # a whole in-process run, tens of seconds on 2 cores: the full suite
 def test_mixed_and_amp_learn_as_fp32_does_and_pure_bf16_does_not():
     """The CUDA default (amp: fp32 parameters and Adam state, bf16 autocast) against fp32 and pure bf16.
 

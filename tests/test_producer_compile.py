@@ -72,6 +72,7 @@ def _assert_same_as_eager(trunk: Trunk, arch: str, shapes) -> None:
         ("trunk", [(4, 96)], [(3, 72), (2, 264), (5, 96)]),  # one graph (the 1-row one: as layers)
     ],
 )
+@pytest.mark.pipeline  # a whole in-process run, tens of seconds on 2 cores: the full suite
 def test_dynamic_compile_equals_eager_and_never_recompiles(scope, warm, shapes, caplog):
     """Warmed on a few shapes (1-row batches are their own graph: dynamo specializes sizes of 1), batches
     of other rows and lengths reuse those graphs."""
@@ -118,6 +119,7 @@ def test_a_failed_compile_warns_once_and_runs_eagerly(caplog):
     assert not any("forward" in vars(m) for m in trunk.capture.layers)  # back to the plain layers
 
 
+@pytest.mark.pipeline  # a whole in-process run, tens of seconds on 2 cores: the full suite
 def test_hybrid_linear_attention_mixers_run_outside_the_graphs():
     """A hybrid target: every layer is compiled, but each Gated DeltaNet token mixer runs eagerly between
     the graphs (fla's kernels are its work; the torch reference's loop over 64-token chunks would make one
@@ -222,6 +224,7 @@ def test_fixed_shapes_pad_every_batch_to_its_bucket():
     assert len({bk.bucket_of(int(n)) for n in lengths}) <= 16  # 4 per octave from 64: a few graphs
 
 
+@pytest.mark.pipeline  # a whole in-process run, tens of seconds on 2 cores: the full suite
 def test_produce_with_static_shapes_stores_the_eager_states(tmp_path):
     """The whole producer loop, compiled with static shapes: padding rows and lengths never reach a shard,
     every sample's states equal an eager forward of it alone, 0 recompiles."""

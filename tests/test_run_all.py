@@ -7,6 +7,8 @@ import subprocess
 import pytest
 from pipeline_helpers import REPO, SemaphoreSpy, cpu_env
 
+pytestmark = pytest.mark.pipeline  # every test here starts processes
+
 SCRIPT = str(REPO / "ops" / "run_all.sh")
 OK = ["--model", "m", "--dataset", "d"]
 
@@ -174,7 +176,7 @@ def _pipeline(tmp_path, tiny_target, *extra: str) -> list[str]:
 
 
 def test_a_consumer_failing_at_start_up_leaves_nothing_in_shm(tmp_path, tiny_target):
-    """Issue 23: a consumer that fails at start-up (here: at its first shard, built for other target layers)
+    """A consumer that fails at start-up (here: at its first shard, built for other target layers)
     leaves nothing behind: no named semaphore in any process of the launch (each is a file in /dev/shm that
     outlives the process-group kill that stops the producers), and no spool (this launch created it;
     ``tmp_path/shm`` stands in for /dev/shm)."""

@@ -1,4 +1,4 @@
-"""Serving parity (issue 27): a trained drafter, exported by ``dflash-export``, loads in a FRESH interpreter
+"""Serving parity: a trained drafter, exported by ``dflash-export``, loads in a FRESH interpreter
 with ``AutoModel.from_pretrained(folder, trust_remote_code=True)`` (the public DFlash way), computes the
 trainer's block outputs (<= 1e-6 in fp32) and its ``spec_generate`` equals plain greedy decoding of the
 target token for token; for a full-attention and a sliding-window drafter.
@@ -188,6 +188,7 @@ def looping_target(tmp_path_factory) -> Path:
     return materialize_tiny_target(tmp_path_factory.mktemp("looping") / "target", weights="random")
 
 
+@pytest.mark.pipeline
 def test_export_loads_with_automodel_in_a_fresh_interpreter_and_matches_training(tmp_path, looping_target):
     torch.set_num_threads(1)
     cases = _prepare(tmp_path, looping_target)

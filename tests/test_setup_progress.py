@@ -7,6 +7,10 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.pipeline  # every test here starts processes
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

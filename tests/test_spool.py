@@ -212,6 +212,7 @@ def test_claim_by_bucket(tmp_path):
             sp.claim("c", bucket=bad)
 
 
+@pytest.mark.pipeline
 def test_ack_interrupted_mid_delete_is_never_a_shard(tmp_path):
     sp = Spool(tmp_path)
     put_dummy(sp, 0, "p0", 0, [1], pad=10)
@@ -231,6 +232,7 @@ def test_ack_interrupted_mid_delete_is_never_a_shard(tmp_path):
     assert not (sp.claimed_dir / "dead").exists()
 
 
+@pytest.mark.pipeline
 def test_an_acked_shard_counts_until_deleted_and_a_dead_consumers_are_finished(tmp_path):
     """The ack moves the shard into acked/ (not beside the claim: a listing during a rename within a
     folder can miss the entry, and the budget scan must never miss 1.6 GB being freed); its bytes count in
@@ -316,6 +318,7 @@ def _claim_two(sp: Spool, cid: str, seq0: int) -> None:
     sp.claim(cid)
 
 
+@pytest.mark.pipeline
 def test_recover_dead_claims_by_pid_reuse_staleness_and_missing_heartbeat(tmp_path):
     sp = Spool(tmp_path)
     claimer = Spool(tmp_path)
@@ -349,6 +352,7 @@ def test_recover_dead_claims_by_pid_reuse_staleness_and_missing_heartbeat(tmp_pa
     zombie.wait()
 
 
+@pytest.mark.pipeline
 def test_heartbeat_alive_rules():
     me = {"pid": os.getpid(), "host": liveness.HOST, "boot_id": liveness.BOOT_ID, "time": time.time()}
     assert heartbeat_alive(me, timeout_s=10)
@@ -522,6 +526,7 @@ def test_writer_killed_mid_write_in_process_simulation_leaves_ready_clean(tmp_pa
     assert Spool(tmp_path).clean_tmp("p0") == 1 and os.listdir(sp.tmp_dir) == []
 
 
+@pytest.mark.pipeline
 def test_zombie_detection_sees_a_killed_unreaped_child():
     p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     hb = {"pid": p.pid, "host": liveness.HOST, "boot_id": liveness.BOOT_ID, "time": time.time()}

@@ -168,6 +168,7 @@ def test_user_errors_are_one_line_and_exit_2(tmp_path: Path, capsys, argv, messa
     ), err
 
 
+@pytest.mark.pipeline
 def test_installed_entry_point(spool: Spool, tmp_path: Path):
     ok = subprocess.run([CLI, "stats", str(spool.root)], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and ok.stdout.startswith(f"spool {spool.root}")

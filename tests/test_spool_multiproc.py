@@ -18,8 +18,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from dflash.common.contract.names import parse_shard_name, shard_name
 from dflash.common.contract.spool import Spool
+
+pytestmark = pytest.mark.pipeline  # every test here starts processes
 
 PAD = 16384
 TIMEOUT_S = 120  # hang guard only (every wait below ends on a condition)

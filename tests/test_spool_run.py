@@ -1,4 +1,4 @@
-"""Issue 13, the spool's parts: its run record, launch locks that die with their holder, and what a new
+"""The spool's parts: its run record, launch locks that die with their holder, and what a new
 launch discards (``dflash-spool prepare``). Fast, in-process except for the lock holders."""
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def _hold(path_root, name: str) -> subprocess.Popen:
     return child
 
 
+@pytest.mark.pipeline
 def test_a_lock_is_refused_while_its_holder_lives_and_free_once_it_is_killed(tmp_path):
     sp = Spool(tmp_path / "s")
     child = _hold(sp.root, "producer-n0")
@@ -95,6 +96,7 @@ def _publish(sp: Spool, producer: str, seq: int, where: str = "ready") -> None:
         sp.quarantine(sp.ready_dir / tmp.name, "test: corrupt")
 
 
+@pytest.mark.pipeline
 def test_prepare_refuses_another_run_and_discards_a_previous_launch(tmp_path, capsys):
     root = tmp_path / "s"
     assert spool_main(["prepare", str(root), "--run", "alpha"]) == 0

@@ -9,6 +9,8 @@ import pytest
 from dflash.common.contract.spool import Spool
 from dflash.tools import status
 
+pytestmark = pytest.mark.pipeline  # every test here starts processes
+
 
 def _dead_pid() -> int:
     p = subprocess.Popen(["true"])
