@@ -149,7 +149,9 @@ def _deadline(seconds: float | None) -> Iterator[None]:
         raise CompileTimeout(f"still compiling after {seconds:g} s")
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    # and again every second after the bound: dynamo swallows an exception raised while it traces (the frame
+    # then runs eagerly and the next layer compiles), so one alarm could be lost and the bound with it
+    signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)
     try:
         yield
     finally:
