@@ -1,4 +1,4 @@
-"""Issue 13: one error convention for every CLI (README "Errors and exit codes"): a user or input error is
+"""One error convention for every CLI (README "Errors and exit codes"): a user or input error is
 one line ``<prog>: error: ...`` and exit status 2, never a traceback. Here: dflash-produce and
 dflash-consume on the errors users actually hit (a GPU that does not exist, no S3 credentials, an
 unreachable endpoint, no usable checkpoint, a spool of another run or in use), and the consumer's
@@ -66,7 +66,7 @@ CASES = {
     "consume_no_credentials": "no usable AWS credentials",
     "consume_unreachable_endpoint": "cannot reach the S3 endpoint",
     "consume_no_usable_checkpoint": "start over with --resume none",
-    # issue 23: errors that now say what is wrong and what to do
+    # errors that now say what is wrong and what to do
     "produce_missing_model": "--model /nonexistent/models/target: no such folder (give a model folder, or a hub id",
     "produce_config_only": "is incomplete: no tokenizer (tokenizer.json, tokenizer_config.json); no weights (model.safetensors",
     "consume_missing_target": "--target /nonexistent/models/target: no such folder",

@@ -21,50 +21,50 @@ SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scrip
 RECORDED = json.loads((ROOT / "tests" / "data" / "cli_options.json").read_text())
 ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
     "dflash-produce": {
-        "--no-compile": "issue 25: the target trunk is torch.compiled on CUDA by default; this keeps it eager",
-        "--compile-backend": "issue 25: auto = inductor on CUDA, eager on the CPU (as the consumer's)",
-        "--compile-scope": "issue 25: compile each decoder layer (default) or the whole truncated trunk",
-        "--compile-shapes": "issue 25: one dynamic graph (default) or one static graph per bucket shape",
+        "--no-compile": "the target trunk is torch.compiled on CUDA by default; this keeps it eager",
+        "--compile-backend": "auto = inductor on CUDA, eager on the CPU (as the consumer's)",
+        "--compile-scope": "compile each decoder layer (default) or the whole truncated trunk",
+        "--compile-shapes": "one dynamic graph (default) or one static graph per bucket shape",
         "--no-train-reasoning": "chat data: assistant reasoning_content is trained by default; this renders rows without it",
         "--compile-timeout-s": "the compiled trunk's warm-up is bounded: past it, the eager path with one warning line",
     },
-    "dflash-plan": {"--bench": "issue 25: plan each target shape from pipeline_bench / producer_bench figures"},
+    "dflash-plan": {"--bench": "plan each target shape from pipeline_bench / producer_bench figures"},
     "dflash-consume": {
-        "--draft-layer-types": "issue 27: sliding-window draft layers (auto: the public layout for hybrid targets)",
-        "--sliding-window": "issue 27: the window of the sliding draft layers",
-        "--loss-impl": "issue 26, changed by issue 36: chunked (default) or liger's one-pass Triton kernel; the "
+        "--draft-layer-types": "sliding-window draft layers (auto: the public layout for hybrid targets)",
+        "--sliding-window": "the window of the sliding draft layers",
+        "--loss-impl": "chunked (default) or liger's one-pass Triton kernel; the "
         "compiled whole-graph 'fused' choice was removed (0.73x the reference step on the H200, RESULTS.md)",
-        "--gc-mode": "issue 36: Python's collector frozen after warm-up and run at log lines only (interval)",
-        "--no-expandable-segments": "issue 36: the CUDA caching allocator's expandable segments (on by default)",
-        "--decode-threads": "issue 36: zarr's chunk-decoding threads in the training process",
-        "--profile-steps": "issue 36: torch.profiler kernel table of a few steps, written to the run dir",
+        "--gc-mode": "Python's collector frozen after warm-up and run at log lines only (interval)",
+        "--no-expandable-segments": "the CUDA caching allocator's expandable segments (on by default)",
+        "--decode-threads": "zarr's chunk-decoding threads in the training process",
+        "--profile-steps": "torch.profiler kernel table of a few steps, written to the run dir",
         "--spool-wait-s": "a consumer started before its producers waits for the spool (bounded), not exit 2 at once",
         "--outage-saves": "a store outage is trained through for this many failed saves, then the state goes to local disk",
         "--outage-minutes": "the same bound in minutes since the first failed save",
         "--fallback-dir": "where the state goes when the store refuses it (the same command uploads it later)",
     },
     "dflash-eval": {
-        "--temperature": "issue 27: lossless speculative rejection sampling",
-        "--top-p": "issue 27: nucleus sampling with --temperature",
-        "--draft-sampling": "issue 27: drafts greedy (one-hot q) or sampled from the drafter",
-        "--seed": "issue 27: repeatable sampled evaluations",
-        "--force": "issue 23: evaluate a target whose weights differ from the drafter's",
+        "--temperature": "lossless speculative rejection sampling",
+        "--top-p": "nucleus sampling with --temperature",
+        "--draft-sampling": "drafts greedy (one-hot q) or sampled from the drafter",
+        "--seed": "repeatable sampled evaluations",
+        "--force": "evaluate a target whose weights differ from the drafter's",
     },
     "dflash-export": {
-        "--check": "issue 27: validate any drafter folder against what vLLM, SGLang and transformers read",
-        "--target": "issue 27: where the tokenizer files come from when the recorded target is not here",
+        "--check": "validate any drafter folder against what vLLM, SGLang and transformers read",
+        "--target": "where the tokenizer files come from when the recorded target is not here",
     },
 }
 # prog -> {option: why it was removed}: once added (ADDED), measured, and taken out again
 REMOVED: dict[str, dict[str, str]] = {
     "dflash-consume": {
-        "--data-workers": "issue 36: the data path in a spawned worker process measured 0.86x the reference "
+        "--data-workers": "the data path in a spawned worker process measured 0.86x the reference "
         "step against the in-thread path's 1.04x (H200, 32B-class real loop, RESULTS.md); no bug found to explain it",
     },
 }
 SUBCOMMANDS_ADDED = {
-    "dflash-spool gc": "issue 23: list and remove abandoned spools",
-    "dflash-spool free": "issue 23: a stopped or failed run's shards freed (ops/run_all.sh)",
+    "dflash-spool gc": "list and remove abandoned spools",
+    "dflash-spool free": "a stopped or failed run's shards freed (ops/run_all.sh)",
     "dflash-spool audit": "the exactly-once audit of a run's sample ledgers, for users (tests had their own)",
 }
 # prog -> {option: (what it is now, why it changed)}: a deliberate change of a recorded option
@@ -72,35 +72,35 @@ CHANGED: dict[str, dict[str, tuple[dict, str]]] = {
     "dflash-produce": {
         "--writer-threads": (
             {"default": "None", "choices": None, "required": False, "kind": "_StoreAction"},
-            "issue 25: default sized from the cores per GPU (producer/config.py writer_threads_for), 2 to 6",
+            "default sized from the cores per GPU (producer/config.py writer_threads_for), 2 to 6",
         ),
     },
     "dflash-consume": {
         "--compile-backend": (
             {"default": "'auto'", "choices": ["aot_eager", "auto", "eager", "inductor"], "required": False, "kind": "_StoreAction"},
-            "issue 23: auto = inductor on CUDA, eager on the CPU (same CPU step time, no cold C++ build)",
+            "auto = inductor on CUDA, eager on the CPU (same CPU step time, no cold C++ build)",
         ),
         "--fill-wait-s": (
             {"default": "30.0", "choices": None, "required": False, "kind": "_StoreAction"},
-            "issue 26: a stream waits for a full pool while a producer produces (costs no throughput)",
+            "a stream waits for a full pool while a producer produces (costs no throughput)",
         ),
         "--min-split-tokens": (
             {"default": "32", "choices": None, "required": False, "kind": "_StoreAction"},
-            "issue 26: 99 % fill at 1024 and 4096 tokens (256 left up to a quarter of a 1024 stream empty)",
+            "99 % fill at 1024 and 4096 tokens (256 left up to a quarter of a 1024 stream empty)",
         ),
         "--precision": (
             {"default": "'auto'", "choices": ["amp", "auto", "bf16", "fp32", "mixed"], "required": False, "kind": "_StoreAction"},
-            "issue 26: mixed (bf16 weights, fp32 master in the optimizer), the CUDA default",
+            "mixed (bf16 weights, fp32 master in the optimizer), the CUDA default",
         ),
     },
     "dflash-export": {
         "checkpoint": (
             {"default": "None", "choices": None, "required": False, "kind": "_StoreAction"},
-            "issue 27: optional, as --check FOLDER takes none (without --check it is still needed: exit 2)",
+            "optional, as --check FOLDER takes none (without --check it is still needed: exit 2)",
         ),
         "out_dir": (
             {"default": "None", "choices": None, "required": False, "kind": "_StoreAction"},
-            "issue 27: optional, as --check FOLDER takes none (without --check it is still needed: exit 2)",
+            "optional, as --check FOLDER takes none (without --check it is still needed: exit 2)",
         ),
     },
 }

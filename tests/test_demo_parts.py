@@ -44,7 +44,7 @@ def test_progress_line_says_what_the_metrics_say(tmp_path):
     )
     line = format_progress(snapshot(tmp_path), 42.0)
     assert "96 samples" in line and "31.2K tok" in line and "1.2K tok/s" in line and "waiting" in line
-    # what the consumer said it does before its first step (issue 23: a compile must not look like a hang)
+    # what the consumer said it does before its first step (a compile must not look like a hang)
     _write(metrics / "consumer-0.jsonl", [{"event": "phase", "phase": "compiling", "step": 0}])
     assert "consumer compiling its kernels" in format_progress(snapshot(tmp_path), 42.0)
     (metrics / "consumer-0.jsonl").unlink()

@@ -1,4 +1,4 @@
-"""Issue 23: epochs are trained in order and no step trains one row twice.
+"""epochs are trained in order and no step trains one row twice.
 
 A 3-epoch campaign through ``ops/run_all.sh`` with two CPU producers (their epoch barrier) and one
 consumer; verdicts from the consumer's sample ledger, where a sample id is ``epoch x rows + row``:

@@ -1,4 +1,4 @@
-"""Issue 16: a two-epoch campaign on the user's path. ``ops/run_all.sh --epochs 2`` with 2 CPU producers and
+"""a two-epoch campaign on the user's path. ``ops/run_all.sh --epochs 2`` with 2 CPU producers and
 2 CPU consumers (one gloo group) is killed (-9, a consumer) once it trains epoch 2, then run again with the
 same command. Verdicts from the ledgers and checkpoints (tests/ledger_audit.py): every eligible row trained
 exactly once per epoch along the final timeline; the consumer's printed plan matches the steps taken.
@@ -84,7 +84,7 @@ def test_two_epochs_kill9_mid_epoch_2_then_the_same_command_trains_each_row_once
     resumed = got["resumed"][max(got["resumed"])]
     assert resumed > 0, got  # the second launch resumed mid-campaign, not from scratch
     assert set(final.trained.indices().tolist()) == eligible
-    # issue 23: no step of the group (both ranks' samples of one step, in any life) mixes epochs or trains
+    # no step of the group (both ranks' samples of one step, in any life) mixes epochs or trains
     # a row twice: a rank whose step is of a later epoch than another's holds it and pads
     life_of = {launch[f"consumer-{r}"]: i for i, launch in enumerate(launches) for r in (0, 1)}
     group_steps: dict[tuple[int, int], list[int]] = {}

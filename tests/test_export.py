@@ -193,7 +193,7 @@ def test_weights_have_the_public_names_and_no_target_tensors(tmp_path, config, t
         names = set(f.keys())
         assert all(f.get_tensor(n).dtype == torch.bfloat16 for n in names)
     assert names == _public_names(2)
-    assert sorted(p.name for p in out.iterdir()) == [CONFIG_FILE, CODE_FILE, WEIGHTS_FILE]  # issue 27: + remote code
+    assert sorted(p.name for p in out.iterdir()) == [CONFIG_FILE, CODE_FILE, WEIGHTS_FILE]  # + remote code
     assert not list(tmp_path.glob(".out.tmp-*"))
 
 
@@ -324,7 +324,7 @@ def test_weights_that_do_not_fit_the_config_are_refused(tmp_path, config, target
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-# ------------------------------------------------------------------------------------- issue 27: serving
+# ------------------------------------------------------------------------------------- serving
 
 
 def test_the_export_ships_the_drafter_module_as_remote_code(tmp_path, config, target):

@@ -1,4 +1,4 @@
-"""Issue 13: a consumer refuses a second copy of a sample it holds (pooled, in a step) or trained in this
+"""a consumer refuses a second copy of a sample it holds (pooled, in a step) or trained in this
 life, e.g. a leftover shard of an earlier launch and its re-produced twin; each sample is trained once and
 the shard holding only copies is acked, not trained."""
 

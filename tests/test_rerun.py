@@ -1,4 +1,4 @@
-"""Issue 13: the user's path, not a harness. ``ops/run_all.sh`` on the CPU is stopped the ways a user stops
+"""the user's path, not a harness. ``ops/run_all.sh`` on the CPU is stopped the ways a user stops
 it (Ctrl-C, a crash of the consumer, a crash of the producer) and then simply run again with the same
 command; a second run pointed at a live run's spool, and the same run launched twice at once, are refused.
 Every verdict comes from the consumers' sample ledgers and the checkpoints (tests/ledger_audit.py: 0

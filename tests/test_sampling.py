@@ -1,4 +1,4 @@
-"""Sampling (issue 27): speculative rejection sampling is lossless in distribution.
+"""Sampling: speculative rejection sampling is lossless in distribution.
 
 What "lossless" means here: every token the draft -> verify loop emits is distributed exactly as the
 target's own sampling (softmax(logits / T), cut to the top-p nucleus), whatever the drafter proposes.
