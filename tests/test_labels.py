@@ -1,4 +1,4 @@
-"""label alignment. A synthetic task the drafter can only solve with the RIGHT alignment.
+"""Label alignment. A synthetic task the drafter can only solve with the RIGHT alignment.
 
 Task: documents of i.i.d. random tokens. The "target hidden state" at position p encodes the tokens at
 p+2 .. p+B (one random code per offset), the way a real target's state at p carries information about what
