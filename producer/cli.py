@@ -11,8 +11,9 @@ another run or in use by a live launch), one line; 1 for a runtime failure, one 
 worker(s) (traceback only with --log-level DEBUG); 130 when stopped by SIGINT/SIGTERM (no DONE markers).
 
 The flags are the fields of LaunchConfig, DataConfig, BucketConfig, ProducerConfig and TrunkCompileConfig
-(producer/config.py); they are parsed into one ``ProduceConfig``, the only thing the launch reads. The launch (transformers, datasets, the spool) is imported only after the flags
-parsed: ``--help`` and a bad flag answer at once.
+(producer/config.py); they are parsed into one ``ProduceConfig``, the only thing the launch reads. The
+launch (transformers, datasets, the spool) is imported only after the flags are parsed and the model folder
+checked: ``--help``, a bad flag and a missing model answer at once.
 """
 
 from __future__ import annotations
