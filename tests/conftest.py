@@ -46,10 +46,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Marks pipeline tests (see ``pytest_configure``), then orders: files with slow (multi-process) tests
     first, each file's tests in their own order: pytest-xdist hands whole files to its workers in this
     order (ops/test.sh), and starting the long ones first keeps one worker from running the chaos test
-    alone at the end."""
+    alone at the end.
+
+    A GPU test is a pipeline test too: on CUDA, inductor and Triton start compiler processes (compile
+    workers, ptxas) whenever a test compiles, and a GPU test never belongs to the CPU unit tier (it skips
+    there); the device runs them with ``-m gpu``."""
     for item in items:
         uses_process_fixture = PIPELINE_FIXTURES & set(getattr(item, "fixturenames", ()))
-        if item.get_closest_marker("slow") or uses_process_fixture:
+        if item.get_closest_marker("slow") or item.get_closest_marker("gpu") or uses_process_fixture:
             item.add_marker(pytest.mark.pipeline)
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within a file is kept
