@@ -19,7 +19,6 @@ import pytest
 import torch
 from transformers import (
     AutoModel,
-    AutoModelForCausalLM,
     AutoTokenizer,
     Lfm2Config,
     Lfm2ForCausalLM,
@@ -43,6 +42,7 @@ from dflash.common.drafter.dflash import (
 from dflash.common.drafter.loss import draft_loss
 from dflash.common.drafter.model import DFlashDrafter
 from dflash.common.target.head import load_target_head
+from dflash.common.target.loading import load_target
 from dflash.tools.demo.assets import demo_dataset_path, tiny_target_dir
 from dflash.tools.eval.cli import main as eval_main
 from dflash.tools.eval.run import load_prompts
@@ -62,12 +62,13 @@ def _one_thread():
 
 
 def _config() -> Qwen3_5Config:
-    """Qwen3.5's multimodal layout at tiny sizes: layers linear, linear, full, linear, linear, full."""
+    """Qwen3.5's multimodal layout at tiny sizes: layers linear, linear, full, linear, linear, full. Linear
+    head dims of 32: fla's kernels' smallest (the CUDA parametrization runs them)."""
     return Qwen3_5Config(
         text_config=dict(
             vocab_size=4096, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS,
             num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
-            linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+            linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
             full_attention_interval=3, max_position_embeddings=1024,
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
                                  mrope_section=[1, 1, 0], mrope_interleaved=True),
@@ -87,7 +88,8 @@ def hybrid(tmp_path_factory) -> SimpleNamespace:
     Qwen3_5ForConditionalGeneration(_config()).eval().save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tiny_target_dir() / name, path / name)
-    target = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # the project's loader: the CPU kernels also where fla is installed (a GPU box with the hybrid extra)
+    target, _ = load_target(str(path), dtype=torch.float32, device="cpu")
     assert "linear_attention" in target.config.layer_types and "full_attention" in target.config.layer_types
     prompts = load_prompts(str(demo_dataset_path()), AutoTokenizer.from_pretrained(path), num_prompts=PROMPTS)
     config = DrafterConfig.from_target_config(target.config, num_layers=2, block_size=BLOCK, mask_token_id=3)

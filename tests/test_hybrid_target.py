@@ -152,9 +152,13 @@ def fused_recurrent_gated_delta_rule(*args, **kwargs):
     Version(transformers.__version__) < Version("5.15"), reason="5.15+ resolves fla at import"
 )
 @pytest.mark.pipeline
-def test_fla_is_detected_and_a_cpu_target_is_switched_off_it(vlm_checkpoint, tmp_path):
+def test_fla_is_detected_and_a_cpu_target_runs_the_reference_while_cuda_inputs_keep_fla(
+    vlm_checkpoint, tmp_path
+):
     """A stand-in ``fla`` package (whose kernels raise) on the path before transformers: the report names
-    it; a CPU target is switched to the reference, so its forward never calls it."""
+    it; a CPU target runs the reference, so its forward never calls it (a CPU eval on a GPU box with the
+    hybrid extra); and the process-wide kernel globals still hand a CUDA input to fla, so a CUDA target of
+    the same process is not silently put on the slow path."""
     path, _ = vlm_checkpoint
     pkg = tmp_path / "fakefla" / "fla" / "ops" / "gated_delta_rule"
     pkg.mkdir(parents=True)
@@ -163,6 +167,7 @@ def test_fla_is_detected_and_a_cpu_target_is_switched_off_it(vlm_checkpoint, tmp
     (pkg / "__init__.py").write_text(FAKE_FLA)
     script = textwrap.dedent(f"""
         import json, sys, torch
+        from types import SimpleNamespace
         sys.path.insert(0, {str(tmp_path / "fakefla")!r})
         from transformers import AutoModelForCausalLM
         from dflash.common.target.kernels import linear_attention_kernels, prepare_kernels
@@ -171,13 +176,21 @@ def test_fla_is_detected_and_a_cpu_target_is_switched_off_it(vlm_checkpoint, tmp
         cpu = prepare_kernels(model, "cpu")
         with torch.inference_mode():
             model(input_ids=torch.ones(1, 70, dtype=torch.long), use_cache=False)
-        print(json.dumps({{"fast": fast.kernels, "cpu": cpu.kernels}}))
+        module = sys.modules[type(model.model.layers[0].linear_attn).__module__]
+        cuda_input = SimpleNamespace(is_cuda=True, device=torch.device("cuda"))
+        try:
+            module.torch_chunk_gated_delta_rule(cuda_input, cuda_input, cuda_input, g=None, beta=None)
+            routed = "reference"
+        except AssertionError as err:
+            routed = str(err)
+        print(json.dumps({{"fast": fast.kernels, "cpu": cpu.kernels, "cuda_input": routed}}))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["fast"]["chunk_gated_delta_rule"].startswith("fla.ops")
     assert got["cpu"]["chunk_gated_delta_rule"] == REFERENCE
+    assert got["cuda_input"] == "the fake fla kernel ran"
 
 
 def test_text_only_config_is_not_multimodal(tmp_path):

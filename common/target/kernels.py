@@ -12,18 +12,22 @@ How transformers chooses (read in its source, docs/producer.md "Hybrid targets")
 - 5.15 and later: module-level functions of the modeling module (``torch_chunk_gated_delta_rule``,
   ``causal_conv1d_fn``, ...) are wrappers whose closure cell ``implementation`` is fla's / causal-conv1d's
   function or the wrapped torch reference (``__wrapped__``); it is resolved once, at import, and the
-  device is not checked: on a CPU with fla installed the forward would call a Triton kernel and fail, so
-  a CPU target is switched to the reference (`prepare_kernels`). 5.15/5.16 miss fla when ``fla.ops`` is
-  not imported yet, which importing it first (`prefer_fast_kernels`) avoids.
+  device is not checked: on a CPU with fla installed the forward would call a Triton kernel and fail. A
+  global is process-wide (every model of the module calls it), so it is not switched to the reference for
+  a CPU target, which would put a CUDA target of the same process on the slow path without a word: it is
+  routed by the device of its input instead (`route_kernels_by_device`: fla on CUDA tensors, the torch
+  reference on any other). 5.15/5.16 miss fla when ``fla.ops`` is not imported yet, which importing it
+  first (`prefer_fast_kernels`) avoids.
 - 5.25 and later (with the ``kernels`` package, a dependency of transformers then): each such wrapper is
-  itself wrapped in a hub-kernel ``Func`` module (``_unwrap_hub_func``), and the wrapper checks the device,
-  so fla's kernels no longer run on CPU inputs; the switch stays for the versions before.
+  itself wrapped in a hub-kernel ``Func`` module (``_unwrap_hub_func``), and the wrapper checks the device
+  itself; the routing stays for the versions before and changes nothing here.
 - 5.2 to 5.14: each GDN layer holds the functions as attributes (``chunk_gated_delta_rule``,
   ``causal_conv1d_fn`` None when absent); fla is used only on CUDA.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import logging
@@ -40,6 +44,13 @@ PREFILL_KERNELS = {
     "chunk_gated_delta_rule": ("torch_chunk_gated_delta_rule", "chunk_gated_delta_rule"),
     "causal_conv1d": ("causal_conv1d_fn", "causal_conv1d_fn"),
 }
+# every kernel global a 5.15+ modeling module resolves to fla / causal-conv1d at import (decoding runs the last two)
+ROUTED_GLOBALS = (
+    "torch_chunk_gated_delta_rule",
+    "causal_conv1d_fn",
+    "torch_recurrent_gated_delta_rule",
+    "causal_conv1d_update",
+)
 # transformers' own fallback notices: replaced by the one line of `KernelReport.warning`
 _FALLBACK_NOTICES = ("falling back to its reference PyTorch implementation", "The fast path is not available")
 _NOTICE_LOGGERS = (
@@ -92,8 +103,24 @@ def _unwrap_hub_func(fn: Callable | None) -> Callable | None:
     return fn
 
 
-def _origin(fn: Callable | None) -> str:
-    """Where a kernel function comes from: its module (fla, causal_conv1d) or REFERENCE."""
+class DeviceRouted:
+    """A kernel global that runs ``fast`` (transformers' wrapper around fla / causal-conv1d) on CUDA inputs
+    and ``reference`` (the torch function that wrapper was made from) on any other device: what
+    transformers 5.25 does inside its wrapper, for the versions whose wrapper does not look."""
+
+    def __init__(self, fast: Callable, reference: Callable):
+        self.fast, self.reference = fast, reference
+        functools.update_wrapper(self, reference)
+
+    def __call__(self, *args, **kwargs):
+        first = next((a for a in (*args, *kwargs.values()) if hasattr(a, "is_cuda")), None)
+        return (self.fast if first is not None and first.is_cuda else self.reference)(*args, **kwargs)
+
+
+def _origin(fn: Callable | None, device_type: str = "cuda") -> str:
+    """Where a kernel function comes from on ``device_type``: its module (fla, causal_conv1d) or REFERENCE."""
+    if isinstance(fn, DeviceRouted):
+        return _origin(fn.fast) if device_type == "cuda" else REFERENCE
     fn = _unwrap_hub_func(fn)
     if fn is None:
         return REFERENCE
@@ -108,19 +135,41 @@ def _modeling_module(gdn: nn.Module):
     return sys.modules[type(gdn).__module__]
 
 
-def linear_attention_kernels(model: nn.Module) -> KernelReport | None:
-    """The report of a hybrid target (None when the model has no linear-attention layer)."""
+def _device_type(model: nn.Module) -> str:
+    param = next(model.parameters(), None)
+    return param.device.type if param is not None else "cpu"
+
+
+def linear_attention_kernels(model: nn.Module, device_type: str | None = None) -> KernelReport | None:
+    """The report of a hybrid target on ``device_type`` (default: where its parameters are); None when the
+    model has no linear-attention layer. 5.2 - 5.14 use fla only on CUDA, whatever their attributes hold."""
     gdns = _gdn_modules(model)
     if not gdns:
         return None
     first, mod = gdns[0], _modeling_module(gdns[0])
+    device_type = device_type or _device_type(model)
     kernels = {}
     for name, (global_name, attr) in PREFILL_KERNELS.items():
         if hasattr(first, attr):  # transformers 5.2 - 5.14: per-layer attributes
-            kernels[name] = _origin(getattr(first, attr))
+            origin = _origin(getattr(first, attr))
+            kernels[name] = origin if device_type == "cuda" else REFERENCE
         else:
-            kernels[name] = _origin(getattr(mod, global_name, None))
+            kernels[name] = _origin(getattr(mod, global_name, None), device_type)
     return KernelReport(layers=len(gdns), kernels=kernels)
+
+
+def route_kernels_by_device(model: nn.Module) -> None:
+    """Route the model's modeling module's fast kernel globals (5.15+) by the device of their input: fla /
+    causal-conv1d on CUDA tensors, the torch reference elsewhere (`DeviceRouted`). Once per module;
+    globals on the reference, and 5.2 - 5.14's per-layer attributes, are left as they are."""
+    for mod in {_modeling_module(gdn) for gdn in _gdn_modules(model)}:
+        for global_name in ROUTED_GLOBALS:
+            fn = getattr(mod, global_name, None)
+            if fn is None or isinstance(fn, DeviceRouted) or _origin(fn) == REFERENCE:
+                continue
+            reference = getattr(_unwrap_hub_func(fn), "__wrapped__", None)
+            if reference is not None:
+                setattr(mod, global_name, DeviceRouted(fn, reference))
 
 
 def prefer_fast_kernels() -> bool:
@@ -152,10 +201,11 @@ def force_reference_kernels(model: nn.Module) -> Callable[[], None]:
             done.add(mod.__name__)
             for global_name, _ in PREFILL_KERNELS.values():
                 fn = getattr(mod, global_name, None)
-                inner = _unwrap_hub_func(fn)
-                if inner is not None and hasattr(inner, "__wrapped__"):
+                inner = fn.reference if isinstance(fn, DeviceRouted) else _unwrap_hub_func(fn)
+                reference = inner if isinstance(fn, DeviceRouted) else getattr(inner, "__wrapped__", None)
+                if reference is not None:
                     undo.append((mod, global_name, fn))
-                    setattr(mod, global_name, inner.__wrapped__)
+                    setattr(mod, global_name, reference)
 
     def restore() -> None:
         for obj, name, value in reversed(undo):
@@ -178,16 +228,16 @@ def quiet_fallback_notices() -> None:
 
 
 def prepare_kernels(model: nn.Module, device_type: str) -> KernelReport | None:
-    """Report the hybrid target's kernels, switching a CPU target off fla (its kernels need a GPU), and
-    log the one-line warning for the reference path. None for a model without linear attention."""
-    report = linear_attention_kernels(model)
-    if report is None:
+    """Route the hybrid target's kernels by device (a CPU target runs the torch reference, fla's kernels
+    need a GPU; a CUDA target of the same process keeps fla), report them for ``device_type``, and log the
+    one-line warning for the reference path on CUDA. None for a model without linear attention."""
+    if linear_attention_kernels(model) is None:
         return None
     quiet_fallback_notices()
-    if device_type != "cuda" and report.fast:
-        force_reference_kernels(model)
-        log.info("CPU target: linear attention switched to the torch reference (fla's kernels need a GPU)")
-        report = linear_attention_kernels(model)
+    route_kernels_by_device(model)
+    report = linear_attention_kernels(model, device_type)
+    if device_type != "cuda" and linear_attention_kernels(model, "cuda").fast:
+        log.info("CPU target: linear attention on the torch reference (fla's kernels need a GPU)")
     if (warning := report.warning()) is not None and device_type == "cuda":
         log.warning(warning)
     return report
