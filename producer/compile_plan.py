@@ -92,13 +92,15 @@ def warmup_shapes(cfg: BucketConfig, spec: CompileSpec, lengths) -> list[tuple[i
 
 
 def mixer_shapes(cfg: BucketConfig, lengths) -> list[tuple[int, int]]:
-    """[rows, length] inputs that make a linear-attention mixer build the fla kernel variants that depend
-    on the batch row count (every power of two up to the largest full batch, ``round_rows``) and on a
-    length divisible by 16 or not (64 and 72 tokens). Measured on an H200: 1.6 s at the 27B shape. fla's
-    l2norm also compiles per class of token count (every 64K rows of heads x tokens): those few variants
-    are built by the first batches (docs/producer.md: ~35 s over the first three, at 64 layers)."""
+    """[rows, length] inputs that make a linear-attention mixer build the fla kernel variants of a run:
+    first a full batch of the longest bucket (fla tunes each kernel at the first shape it sees, and that
+    choice is reused at every other token count: common/target/fla_configs.py), then every row count (a
+    power of two up to the largest full batch, ``round_rows``: the chunk cumsum specializes on it) at a
+    length divisible by 16 or not (64 and 72 tokens). Measured on an H200: 1.6 s at the 27B shape."""
     if len(lengths) == 0:
         return []
     bk = Bucketer(cfg)
-    full = max(bk.rows_per_batch(b) for b in {bk.bucket_of(int(n)) for n in lengths})
-    return [(1 << k, 64) for k in range(full.bit_length())] + [(1, 72)]
+    buckets = {bk.bucket_of(int(n)) for n in lengths}
+    full = max(bk.rows_per_batch(b) for b in buckets)
+    longest = max(buckets)
+    return [bk.shape_of(longest)] + [(1 << k, 64) for k in range(full.bit_length())] + [(1, 72)]

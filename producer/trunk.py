@@ -53,6 +53,7 @@ from torch._inductor.exc import InductorError
 from dflash.common.cli.exits import error_line
 from dflash.common.drafter.dflash import recompile_count
 from dflash.common.target.capture import LayerCapture
+from dflash.common.target.fla_configs import save_tuned_configs
 from dflash.common.target.kernels import KernelReport
 from dflash.producer.buckets import BucketConfig
 from dflash.producer.compile_plan import CompileSpec, compile_spec, mixer_shapes, shape_buckets, warmup_shapes
@@ -285,7 +286,15 @@ class Trunk:
         if mixer_inputs and torch.device(device).type == "cuda" and self._fla:
             t_mixers = time.monotonic()
             self._warm_mixers(mixer_inputs, device)
-            log.info("linear-attention kernels warmed on %d input shapes in %.1f s", len(mixer_inputs), time.monotonic() - t_mixers)  # fmt: skip
+            tuned = save_tuned_configs()
+            log.info(
+                "linear-attention kernels warmed on %d input shapes in %.1f s; %s",
+                len(mixer_inputs),
+                time.monotonic() - t_mixers,
+                f"{tuned} fla kernels' tuned configs reused at every other token count"
+                if tuned
+                else "fla retunes per token count class (FLA_CACHE_MODE set by the user, or fla imported early)",
+            )
         self.compile_s = time.monotonic() - t0
         self._baseline = recompile_count()
         return self.compile_s

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from dflash.common.target.fla_configs import reuse_tuned_configs
+
 log = logging.getLogger(__name__)
 
 # the prefill (no cache) kernels: what a producer's forward runs. name -> (5.15+ module global, layer attr)
@@ -174,7 +176,9 @@ def route_kernels_by_device(model: nn.Module) -> None:
 
 def prefer_fast_kernels() -> bool:
     """Import fla's delta-rule ops before transformers resolves its kernels (5.15/5.16 otherwise miss
-    them when ``fla.ops`` is not imported yet). True when they import (fla and triton installed)."""
+    them when ``fla.ops`` is not imported yet), set to reuse what it tunes at every token count
+    (fla_configs.py). True when they import (fla and triton installed)."""
+    reuse_tuned_configs()
     try:
         importlib.import_module("fla.ops.gated_delta_rule")
     except Exception:  # noqa: BLE001 - not installed, or no triton / no driver: the reference path then
