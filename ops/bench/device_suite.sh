@@ -28,8 +28,10 @@
 #                dynamic shapes: the default), compiled with static shapes, and its own forward alone (~2 min)
 #     prod32     32B-class target (64 layers): bare eager full forward vs the compiled producer (~1.5 min)
 #     hybrid     hybrid-27B-shaped target at full depth (64 layers, 54 GB; HYBRID_LAYERS=8 for the slice): fla
-#                checked against the torch reference, then the producer as shipped (fla), on the reference
-#                kernels, and eager; first-shard times (needs fla-core in .whl)
+#                and the reference kernels (bf16) checked against an fp32 forward on an 8-layer slice
+#                (HYBRID_CHECK_LAYERS; ops/bench/kernel_check.py), then the producer as shipped (fla), on the
+#                reference kernels, and eager; first-shard times; HYBRID_PROFILE=FIRST:COUNT writes kernel
+#                tables of those batches of each variant and of its own forward (needs fla-core in .whl)
 #     pipeline1  pipeline_bench.py: 8B-shaped, one producer + one consumer sharing GPU 0 (~3 min: the
 #                consumer's cold compile, the 16 GB target saved and loaded twice)
 #     pipelineh  pipeline_bench.py: the hybrid-27B slice (8 layers), one producer + one consumer sharing GPU 0
@@ -42,9 +44,13 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/dflash-inductor-cache}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  && export PYTHONPATH=/tmp/site:$PWD || exit 1
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
+if [ ! -f /tmp/site/.installed ]; then  # once per machine: a second suite call in the same command skips it
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 || { tail "$OUT/install.log"; exit 1; }
+  touch /tmp/site/.installed
+fi
+export PYTHONPATH=/tmp/site:$PWD
 export PATH="/tmp/site/bin:$(python3 -c 'import sysconfig; print(sysconfig.get_path("scripts"))'):$PATH"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers, zarr; print(torch.__version__, transformers.__version__, zarr.__version__)" | tee -a "$OUT/gpu.txt"
@@ -68,7 +74,7 @@ bench() {  # name, args...
 if want tests; then
   echo "== GPU tests"
   # the files that hold GPU tests (the others import packages the device lacks: moto, hypothesis)
-  timeout "${GPU_TESTS_LIMIT:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=8 \
+  timeout "${GPU_TESTS_LIMIT:-420}" python3 -m pytest -q -m gpu -p no:cacheprovider --durations=20 -rA \
     $(grep -l "pytest.mark.gpu" tests/test_*.py) 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
 fi
 if want ref; then bench ref --mode reference --reference .bench/ref; fi
@@ -109,7 +115,9 @@ if want prod32; then pbench prod32 240 --preset 32b --variants full --tokens 163
 if want hybrid; then
   python3 -c "import fla.ops.gated_delta_rule" 2>/dev/null || echo "warning: fla does not import (carry fla-core in .whl): 'full' runs on the reference kernels"
   pbench hybrid "${HYBRID_LIMIT:-420}" --preset hybrid27b --layers "${HYBRID_LAYERS:-64}" \
-    --variants "${HYBRID_VARIANTS:-full,reference,eager}" --no-bare --tokens "${HYBRID_TOKENS:-98304}"
+    --variants "${HYBRID_VARIANTS:-full,reference,eager}" --no-bare --tokens "${HYBRID_TOKENS:-98304}" \
+    --forward-variants "${HYBRID_FORWARD:-full}" --kernel-check-layers "${HYBRID_CHECK_LAYERS:-8}" \
+    ${HYBRID_PROFILE:+--profile-batches "$HYBRID_PROFILE"}
 fi
 if want pipeline1; then
   echo "== pipeline bench: one producer + one consumer sharing GPU 0"
