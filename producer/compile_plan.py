@@ -91,16 +91,29 @@ def warmup_shapes(cfg: BucketConfig, spec: CompileSpec, lengths) -> list[tuple[i
     return shapes
 
 
-def mixer_shapes(cfg: BucketConfig, lengths) -> list[tuple[int, int]]:
+FLA_NORM_ROWS_PER_CLASS = 65536
+"""fla's q/k L2 norm (fla 0.6: ``NB = cdiv(rows, 2048 * 32)``, a compile-time constant) builds one kernel
+per class of this many rows, rows = tokens x heads: a new class means a Triton build (~1 s)."""
+
+
+def mixer_shapes(cfg: BucketConfig, lengths, norm_heads: int = 0) -> list[tuple[int, int]]:
     """[rows, length] inputs that make a linear-attention mixer build the fla kernel variants of a run:
     first a full batch of the longest bucket (fla tunes each kernel at the first shape it sees, and that
     choice is reused at every other token count: common/target/fla_configs.py), then every row count (a
     power of two up to the largest full batch, ``round_rows``: the chunk cumsum specializes on it) at a
-    length divisible by 16 or not (64 and 72 tokens). Measured on an H200: 1.6 s at the 27B shape."""
+    length divisible by 16 or not (64 and 72 tokens), then one row for every class of fla's L2 norm that
+    the data's batches can reach with ``norm_heads`` heads (FLA_NORM_ROWS_PER_CLASS; 0: none)."""
     if len(lengths) == 0:
         return []
     bk = Bucketer(cfg)
     buckets = {bk.bucket_of(int(n)) for n in lengths}
     full = max(bk.rows_per_batch(b) for b in buckets)
-    longest = max(buckets)
-    return [bk.shape_of(longest)] + [(1 << k, 64) for k in range(full.bit_length())] + [(1, 72)]
+    shapes = [bk.shape_of(max(buckets))] + [(1 << k, 64) for k in range(full.bit_length())] + [(1, 72)]
+    if norm_heads:
+        norm_class = lambda tokens: -(-tokens * norm_heads // FLA_NORM_ROWS_PER_CLASS)  # noqa: E731
+        most = max(bk.rows_per_batch(b) * b for b in buckets)
+        seen = {norm_class(r * n) for r, n in shapes}
+        for c in range(1, norm_class(most) + 1):
+            if c not in seen:
+                shapes.append((1, -(-((c - 1) * FLA_NORM_ROWS_PER_CLASS + 1) // norm_heads)))
+    return shapes

@@ -23,9 +23,11 @@ module: projections, conv, fla's chunked delta rule, gated norm) runs eagerly, o
 layer's norms, residuals and MLP are compiled, and attention layers are compiled whole. The mixer's
 heavy work is fla's own Triton kernels (nothing for inductor to fuse), and its compiled form never
 finished warming up on an H200 (docs/producer.md, "Hybrid targets"); with the torch reference delta rule
-its Python loop over 64-token chunks would unroll into one graph per length. fla autotunes some kernels
-per batch row count: warm-up runs the mixer once for every row count the data's buckets make, so no
-autotuning happens in the production loop.
+its Python loop over 64-token chunks would unroll into one graph per length. Its memory-bound parts, the
+causal conv and the gated norm, are small graphs of their own (common/target/mixer_kernels.py). fla
+autotunes each kernel once, at a full-size batch in warm-up, and reuses that choice at every other token
+count (common/target/fla_configs.py); warm-up also runs the mixer at every row count the data's buckets
+make and at every token-count class of fla's L2 norm, so nothing is tuned or built in the production loop.
 
 Warm-up is bounded (``CompileSpec.timeout_s``, ``--compile-timeout-s``): a compile still running past the
 bound is abandoned for the eager path with one warning line, never a silent wait. If compiling fails,
@@ -39,7 +41,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -54,7 +56,8 @@ from dflash.common.cli.exits import error_line
 from dflash.common.drafter.dflash import recompile_count
 from dflash.common.target.capture import LayerCapture
 from dflash.common.target.fla_configs import save_tuned_configs
-from dflash.common.target.kernels import KernelReport
+from dflash.common.target.kernels import REFERENCE, KernelReport
+from dflash.common.target.mixer_kernels import compile_mixer_parts
 from dflash.producer.buckets import BucketConfig
 from dflash.producer.compile_plan import CompileSpec, compile_spec, mixer_shapes, shape_buckets, warmup_shapes
 from dflash.producer.config import ProducerConfig, Worker
@@ -179,6 +182,8 @@ class Trunk:
         self._tapped: _TappedTrunk | None = None
         self._compiled_trunk = None
         self._hybrid = kernels is not None
+        self._conv_on_reference = kernels is not None and kernels.kernels.get("causal_conv1d") == REFERENCE
+        self._restore_mixer_parts: Callable[[], None] | None = None
         self._fla = kernels is not None and kernels.fast
         self.scope = spec.scope
         if spec.enabled and spec.scope == "trunk" and self._hybrid:
@@ -214,6 +219,10 @@ class Trunk:
                 mixer.forward = torch.compiler.disable(mixer.forward, recursive=True)
                 self.eager_mixers.append(mixer)
             layer.forward = self._torch_compile(layer.forward)  # instance attribute: hooks stay eager
+        if self._hybrid:  # the eager mixers' memory-bound parts, each a small graph of its own
+            self._restore_mixer_parts = compile_mixer_parts(
+                self.capture.text_model, self._torch_compile, conv_on_reference=self._conv_on_reference
+            )
 
     def _to_eager(self, why: str) -> None:
         """Give up compiling: one warning line, then the eager path for the rest of the process."""
@@ -228,6 +237,9 @@ class Trunk:
             if "forward" in vars(module):
                 del module.forward
         self.eager_mixers = []
+        if self._restore_mixer_parts is not None:
+            self._restore_mixer_parts()
+            self._restore_mixer_parts = None
 
     def _forward(self, input_ids: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
         if self._tapped is None:
@@ -359,8 +371,11 @@ def warm_trunk(
     trunk = Trunk(capture, spec, kernels)
     buckets = trunk.bucket_config(cfg.buckets)
     shapes = warmup_shapes(buckets, spec, lengths)
+    heads = max(
+        (getattr(m, "num_v_heads", 0) for layer in capture.layers for m in _linear_mixers(layer)), default=0
+    )
     seconds = trunk.warm_up(
-        shapes, worker.device, mixer_shapes(buckets, lengths) if kernels is not None else ()
+        shapes, worker.device, mixer_shapes(buckets, lengths, heads) if kernels is not None else ()
     )
     if trunk.compiled and shapes:
         log.info("producer %s: compiled %d batch shape(s) in %.1f s (%s)", worker.producer_id, len(shapes), seconds, spec.describe())  # fmt: skip

@@ -54,14 +54,19 @@ def test_tuned_configs_are_written_as_flas_config_files(monkeypatch, tmp_path):
     config = SimpleNamespace(kwargs={"BT": 32}, num_warps=8, num_stages=2, num_ctas=1, maxnreg=None)
     norm = SimpleNamespace(kernel_name="l2norm_fwd_kernel", cache={(128, 24, "torch.bfloat16"): config})
     untuned = SimpleNamespace(kernel_name="chunk_fwd_kernel_o", cache={})
+    cumsum = SimpleNamespace(kernel_name="chunk_local_cumsum_scalar_kernel", cache={(32, 48, 64): config})
     module = types.ModuleType("fla.modules.norm.l2norm")
     module.l2norm_fwd_kernel, module.chunk_fwd_kernel_o = norm, untuned
+    module.chunk_local_cumsum_scalar_kernel = SimpleNamespace(fn=cumsum)  # under triton.heuristics
     monkeypatch.setitem(sys.modules, "fla.modules.norm.l2norm", module)
     monkeypatch.setenv(fla_configs.MODE_ENV, "fuzzy")
     monkeypatch.setenv(fla_configs.DIR_ENV, str(tmp_path))
 
-    assert fla_configs.save_tuned_configs() == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["l2norm_fwd_kernel.json"]
+    assert fla_configs.save_tuned_configs() == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "chunk_local_cumsum_scalar_kernel.json",
+        "l2norm_fwd_kernel.json",
+    ]
     data = json.loads((tmp_path / "l2norm_fwd_kernel.json").read_text())
     key_hash = hashlib.md5(b'[128,24,"torch.bfloat16"]').hexdigest()  # fla's AutotuneKey.key_hash
     assert data["kernel_name"] == "l2norm_fwd_kernel" and list(data["autotune_entries"]) == [key_hash]

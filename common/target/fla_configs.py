@@ -76,9 +76,13 @@ def tuned_autotuners() -> dict[str, dict]:
         if not (name == "fla" or name.startswith("fla.")) or module is None:
             continue
         for obj in list(vars(module).values()):
-            cache, kernel = getattr(obj, "cache", None), getattr(obj, "kernel_name", None)
-            if isinstance(cache, dict) and cache and isinstance(kernel, str):
-                found.setdefault(kernel, {}).update(cache)
+            for _ in range(3):  # through Triton's wrappers (``triton.heuristics`` holds the autotuner as .fn)
+                cache, kernel = getattr(obj, "cache", None), getattr(obj, "kernel_name", None)
+                if isinstance(cache, dict) and isinstance(kernel, str):
+                    if cache:
+                        found.setdefault(kernel, {}).update(cache)
+                    break
+                obj = getattr(obj, "fn", None)
     return found
 
 

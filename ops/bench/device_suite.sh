@@ -117,7 +117,8 @@ if want hybrid; then
   pbench hybrid "${HYBRID_LIMIT:-420}" --preset hybrid27b --layers "${HYBRID_LAYERS:-64}" \
     --variants "${HYBRID_VARIANTS:-full,reference,eager}" --no-bare --tokens "${HYBRID_TOKENS:-98304}" \
     --forward-variants "${HYBRID_FORWARD:-full}" --kernel-check-layers "${HYBRID_CHECK_LAYERS:-8}" \
-    ${HYBRID_PROFILE:+--profile-batches "$HYBRID_PROFILE"}
+    ${HYBRID_PROFILE:+--profile-batches "$HYBRID_PROFILE"} ${HYBRID_FORWARD_TOKENS:+--forward-tokens "$HYBRID_FORWARD_TOKENS"} \
+    ${HYBRID_VARIANT_TOKENS:+--variant-tokens "$HYBRID_VARIANT_TOKENS"}
 fi
 if want pipeline1; then
   echo "== pipeline bench: one producer + one consumer sharing GPU 0"

@@ -17,6 +17,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+PROFILER_RECORDS = frozenset(
+    {"Command Buffer Full", "Lazy Function Loading", "Activity Buffer Request", "Buffer Flush"}
+)
+"""CUPTI records that the profiler lists among the device's events but are not kernels."""
+
 
 class KernelWindow:
     """torch.profiler over calls FIRST..FIRST+COUNT-1 of the function `wrap` returns."""
@@ -62,8 +67,19 @@ class KernelWindow:
         prof.__exit__(None, None, None)
         averages = prof.key_averages()
         cuda = self.device.type == "cuda"
-        device_us = sum(e.self_device_time_total for e in averages) if cuda else 0.0
-        top = sorted(averages, key=lambda e: e.self_device_time_total if cuda else e.self_cpu_time_total)
+        # kernels and copies only: a CPU op's device time is its kernels' again, and CUPTI's own records
+        # (a full launch queue, buffer requests) are not GPU work
+        kernels = [
+            e
+            for e in averages
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.key not in PROFILER_RECORDS
+        ]
+        device_us = sum(e.self_device_time_total for e in kernels) if cuda else 0.0
+        top = (
+            sorted(kernels, key=lambda e: e.self_device_time_total)
+            if cuda
+            else sorted(averages, key=lambda e: e.self_cpu_time_total)
+        )
         self.result = {
             "iterations": f"{self.first}..{self.first + self.count - 1}",
             "wall_ms": round(wall * 1e3, 1),

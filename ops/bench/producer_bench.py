@@ -190,12 +190,33 @@ def bench_forward(trunk, batches, device, window: KernelWindow | None = None) ->
     return _timed(device, sum(b.num_tokens for b in batches), run)
 
 
+def first_tokens(samples: list[Sample], tokens: int | None) -> list[Sample]:
+    """The leading samples holding about ``tokens`` real tokens (all of them for None)."""
+    if tokens is None:
+        return samples
+    total = np.cumsum([len(s) for s in samples])
+    return samples[: int(np.searchsorted(total, tokens)) + 1]
+
+
+def producer_batches(samples: list[Sample], buckets: BucketConfig, tokens: int | None = None) -> list:
+    """The batches produce() makes of ``samples`` under the trunk's bucket config (rows rounded for fla),
+    so the forward alone runs exactly the producer's shapes; the first ``tokens`` worth, when given."""
+    bk = Bucketer(buckets)
+    out = [b for s in samples for b in bk.add(s)] + bk.flush()
+    if tokens is not None:
+        total = np.cumsum([b.num_tokens for b in out])
+        out = out[: int(np.searchsorted(total, tokens)) + 1]
+    return out
+
+
 def _window(args, label: str) -> KernelWindow | None:
     """A kernel table over ``--profile-batches FIRST:COUNT`` of a path (None without the flag)."""
     if not args.profile_batches:
         return None
     first, count = (int(x) for x in args.profile_batches.split(":"))
-    return KernelWindow(first, count, args.device, Path(args.out) / f"profile_{args.preset}_{label}.txt", label)
+    return KernelWindow(
+        first, count, args.device, Path(args.out) / f"profile_{args.preset}_{label}.txt", label
+    )
 
 
 def drain(ready: Path, stop: threading.Event, seen: dict) -> None:
@@ -240,7 +261,9 @@ def bench_producer(args, model, work, spool: Path, mem: MemSampler, variant: str
     """One producer variant: warm its trunk on the workload's lengths, produce, report (and, for the
     shipped variant, time its own forward alone on the same batches)."""
     cfg, worker = _config(args, variant, spool)
-    samples, batches = work["static" if variant == "static" else "default"]
+    samples, _ = work["static" if variant == "static" else "default"]
+    if variant in args.variant_tokens:
+        samples = first_tokens(samples, args.variant_tokens[variant])
     undo = force_reference_kernels(model) if variant == "reference" else (lambda: None)
     torch._dynamo.reset()  # a variant compiles its own graphs (dynamo caches per code object)
     stop, beats, seen = threading.Event(), [], {}
@@ -285,7 +308,8 @@ def bench_producer(args, model, work, spool: Path, mem: MemSampler, variant: str
     if variant in args.forward_variants and "forward" in args.paths:
         mem.phase = f"forward_{variant}"
         fwd_window = _window(args, f"forward_{variant}")
-        out["own_forward"] = bench_forward(trunk, batches, args.device, fwd_window)
+        fwd_batches = producer_batches(samples, trunk.bucket_config(cfg.buckets), args.forward_tokens)
+        out["own_forward"] = bench_forward(trunk, fwd_batches, args.device, fwd_window)
         if fwd_window:
             out["own_forward"]["profile"] = fwd_window.result
     trunk.close()
@@ -383,7 +407,19 @@ def parse_args(argv=None):
     p.add_argument("--no-bare", action="store_true", help="skip the bare HF forward")
     p.add_argument("--no-forward", action="store_true", help="skip timing the producer's own forward alone")
     p.add_argument(
-        "--forward-variants", default="full", help="variants whose own forward alone is timed (comma-separated)"
+        "--forward-variants",
+        default="full",
+        help="variants whose own forward alone is timed (comma-separated)",
+    )
+    p.add_argument(
+        "--forward-tokens",
+        type=int,
+        help="time the own forward over the producer's first batches of this many tokens",
+    )
+    p.add_argument(
+        "--variant-tokens",
+        default="",
+        help="VARIANT=TOKENS,...: run those variants over the workload's first TOKENS real tokens only",
     )
     p.add_argument(
         "--profile-batches",
@@ -425,6 +461,7 @@ def parse_args(argv=None):
             setattr(args, k, v)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     args.forward_variants = {v.strip() for v in args.forward_variants.split(",") if v.strip()}
+    args.variant_tokens = {k: int(v) for k, v in (x.split("=") for x in args.variant_tokens.split(",") if x)}
     if not args.variants or any(v not in VARIANTS for v in args.variants):
         sys.exit(f"producer_bench: error: --variants {args.variants}: choose from {', '.join(VARIANTS)}")
     args.paths = {"bare"} - ({"bare"} if args.no_bare else set()) | (
