@@ -297,8 +297,7 @@ class Trunk:
         mixer_inputs = list(mixer_inputs)
         if mixer_inputs and torch.device(device).type == "cuda" and self._fla:
             t_mixers = time.monotonic()
-            self._warm_mixers(mixer_inputs, device)
-            tuned = save_tuned_configs()
+            tuned = self._warm_mixers(mixer_inputs, device)
             log.info(
                 "linear-attention kernels warmed on %d input shapes in %.1f s; %s",
                 len(mixer_inputs),
@@ -311,15 +310,21 @@ class Trunk:
         self._baseline = recompile_count()
         return self.compile_s
 
-    def _warm_mixers(self, shapes: list[tuple[int, int]], device: torch.device | str) -> None:
-        """One forward of the first linear-attention mixer per [rows, length] in ``shapes``: a mixer is
-        1/L of the trunk's work, so the whole set takes about a second once the kernels are built."""
+    def _warm_mixers(self, shapes: list[tuple[int, int]], device: torch.device | str) -> int:
+        """One forward of the first linear-attention mixer per [rows, length] in ``shapes``; returns the fla
+        kernels whose tuning is reused (fla_configs.py). What fla tuned so far (on the compiled warm-up's
+        full batches, else on ``shapes[0]``, a full batch) is saved before the other shapes run, so each of
+        them builds the chosen config once instead of tuning again: seconds per shape, not ten."""
         mixer = next(m for layer in self.capture.layers for m in _linear_mixers(layer))
         dtype = next(mixer.parameters()).dtype
+        tuned = 0
         with torch.inference_mode():
-            for rows, length in shapes:
+            for k, (rows, length) in enumerate(shapes):
+                if k == 1 or (k == 0 and self.warmed):
+                    tuned = save_tuned_configs()
                 mixer(hidden_states=torch.zeros((rows, length, self.hidden_size), dtype=dtype, device=device))
         torch.cuda.synchronize(device)
+        return max(tuned, save_tuned_configs())
 
     def run(self, input_ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """LayerCapture.run's contract (see capture.py), through the compiled trunk."""

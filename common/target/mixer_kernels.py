@@ -8,7 +8,7 @@ one H200, docs/benchmarks.md) put 28 % of the GPU's time there: the causal conv 
 the gated norm as seven fp32 passes (11 % with the gates), and copies of the conv's [B, D, T] output back
 to [B, T, D] (11 %). Compiled, each is one fused pass:
 
-- `causal_conv_shifted`: the kernel-size-W causal conv as W shifted multiply-adds plus the activation (one
+- `ShiftedCausalConv`: the kernel-size-W causal conv as W shifted multiply-adds plus the activation (one
   read and one write per element under inductor), computed in [B, T, D] and handed back as the [B, D, T]
   view transformers expects, so its transpose back is free and q/k/v are views of one buffer. Used where
   transformers would run its reference conv (the ``causal-conv1d`` package absent: it has no wheels).
@@ -35,22 +35,11 @@ _ACTIVATIONS: dict[str | None, Callable[[torch.Tensor], torch.Tensor] | None] = 
 }
 
 
-def causal_conv_shifted(
-    hidden_states: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-    activation: str | None = None,
-    **_kwargs,
+def causal_conv_btd(
+    hidden_states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None
 ) -> torch.Tensor:
-    """transformers' ``causal_conv1d_fn`` contract: ``hidden_states`` [B, D, T], ``weight`` [D, W] (one
-    filter per channel) -> activation(causal conv) [B, D, T], as a view of a [B, T, D]-contiguous result."""
-    packed = sorted(k for k, v in _kwargs.items() if "seq" in k and v is not None)  # seq_idx, cu_seqlens, ...
-    if packed:
-        raise ValueError(f"causal_conv_shifted: packed sequences are not supported ({', '.join(packed)})")
-    if activation not in _ACTIVATIONS:
-        raise ValueError(
-            f"causal conv activation {activation!r}: expected one of {sorted(map(str, _ACTIVATIONS))}"
-        )
+    """The causal conv of ``hidden_states`` [B, D, T] (a view of [B, T, D] memory) as a contiguous [B, T, D]
+    tensor: the graph torch.compile turns into one pass, reading and writing along D (coalesced)."""
     x = hidden_states.transpose(1, 2).to(weight.dtype)  # [B, T, D]: a view of the projection's output
     length, width = x.shape[1], weight.shape[-1]
     padded = F.pad(x, (0, 0, width - 1, 0))  # zeros before the first token: causal
@@ -62,7 +51,45 @@ def causal_conv_shifted(
         out = out + bias
     act = _ACTIVATIONS[activation]
     out = act(out) if act is not None else out
-    return out.to(hidden_states.dtype).transpose(1, 2)
+    return out.to(hidden_states.dtype)
+
+
+class ShiftedCausalConv:
+    """transformers' ``causal_conv1d_fn`` contract: ``hidden_states`` [B, D, T], ``weight`` [D, W] (one
+    filter per channel) -> activation(causal conv) [B, D, T], returned as the transposed view of
+    `causal_conv_btd`'s [B, T, D] result (the view outside the compiled graph, so the graph's output is
+    contiguous [B, T, D]: written along D, and transformers' transpose back to [B, T, D] is free)."""
+
+    def __init__(self, compile_fn: Callable[[Callable], Callable] = lambda fn: fn):
+        self.conv = compile_fn(causal_conv_btd)
+
+    def __call__(
+        self,
+        hidden_states: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        activation: str | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        packed = sorted(k for k, v in kwargs.items() if "seq" in k and v is not None)  # seq_idx, cu_seqlens
+        if packed:
+            raise ValueError(f"causal conv: packed sequences are not supported here ({', '.join(packed)})")
+        if activation not in _ACTIVATIONS:
+            raise ValueError(
+                f"causal conv activation {activation!r}: expected one of {sorted(map(str, _ACTIVATIONS))}"
+            )
+        return self.conv(hidden_states, weight, bias, activation).transpose(1, 2)
+
+
+def causal_conv_shifted(
+    hidden_states: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """`ShiftedCausalConv` uncompiled (tests, and the reference for its compiled form)."""
+    return ShiftedCausalConv()(hidden_states, weight, bias, activation, **kwargs)
 
 
 def _gdn_modules(model: nn.Module) -> list[nn.Module]:
@@ -84,7 +111,7 @@ def compile_mixer_parts(
             undo.append(lambda norm=norm: vars(norm).pop("forward", None))
     modules = {sys.modules[type(gdn).__module__] for gdn in gdns}
     if conv_on_reference:
-        conv = compile_fn(causal_conv_shifted)
+        conv = ShiftedCausalConv(compile_fn)
         for mod in modules:
             if hasattr(mod, CONV_GLOBAL) and not any(hasattr(g, CONV_GLOBAL) for g in gdns):
                 original = getattr(mod, CONV_GLOBAL)
