@@ -49,6 +49,19 @@ def kernel_check(preset: str, layers: int, ids: torch.Tensor, device: torch.devi
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    fast = bool(kernels and kernels.fast)
+    return {
+        "layers": layers,
+        "tokens": int(ids.numel()),
+        "kernels": kernels.kernels if kernels else None,
+        **verdict(layer_ids, truth, reference, fla, fast=fast),
+    }
+
+
+def verdict(layer_ids: list[int], truth, reference, fla, *, fast: bool) -> dict:
+    """Per captured layer (features concatenated along the last dim, as captured): each bf16 path's
+    relative L2 error against the fp32 truth and fla's pass / fail; ``ok`` is None when fla did not run
+    (nothing was checked), else whether every layer passed."""
     per_layer = {}
     for i, t, r, f in zip(
         layer_ids, *(x.chunk(len(layer_ids), -1) for x in (truth, reference, fla)), strict=True
@@ -60,14 +73,10 @@ def kernel_check(preset: str, layers: int, ids: torch.Tensor, device: torch.devi
             "ratio": round(fla_err / ref_err, 3) if ref_err else None,
             "ok": fla_err <= max(FLA_ERROR_RATIO * ref_err, ERROR_FLOOR),
         }
-    worst = max(v["ratio"] or 0.0 for v in per_layer.values())
     return {
-        "layers": layers,
-        "tokens": int(ids.numel()),
-        "kernels": kernels.kernels if kernels else None,
-        "fast": bool(kernels and kernels.fast),
+        "fast": fast,
         "per_layer": per_layer,
-        "worst_ratio": worst,
+        "worst_ratio": max(v["ratio"] or 0.0 for v in per_layer.values()),
         "bound": f"fla error <= {FLA_ERROR_RATIO} x the reference's bf16 error (floor {ERROR_FLOOR}) per layer",
-        "ok": bool(kernels and kernels.fast) and all(v["ok"] for v in per_layer.values()),
+        "ok": all(v["ok"] for v in per_layer.values()) if fast else None,
     }
