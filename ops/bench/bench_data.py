@@ -29,13 +29,15 @@ from dflash.common.contract.spool import Spool
 BUCKETS = [128, 256, 512, 1024, 2048, 4096, 8192]
 
 
-def write_target_head(root: Path, shape: dict, *, seed: int = 0) -> Path:
-    """config.json + model.safetensors (embed_tokens + lm_head only) for a Qwen3-architecture target."""
+def write_target_head(root: Path, shape: dict, *, seed: int = 0, linear: dict | None = None) -> Path:
+    """config.json + model.safetensors (embed_tokens + lm_head only) for a Qwen3-architecture target, or with
+    ``linear`` (Gated DeltaNet dims) a Qwen3.5 hybrid text target, full attention every 4th layer: the
+    consumer then builds the hybrid targets' drafter layout (all layers but the last sliding)."""
     from safetensors.torch import save_file
-    from transformers import Qwen3Config
+    from transformers import Qwen3_5TextConfig, Qwen3Config
 
     root.mkdir(parents=True, exist_ok=True)
-    cfg = Qwen3Config(
+    dims = dict(
         hidden_size=shape["hidden_size"],
         num_attention_heads=shape["num_attention_heads"],
         num_key_value_heads=shape["num_key_value_heads"],
@@ -45,6 +47,12 @@ def write_target_head(root: Path, shape: dict, *, seed: int = 0) -> Path:
         num_hidden_layers=shape["num_target_layers"],
         tie_word_embeddings=False,
     )
+    if linear:
+        n = shape["num_target_layers"]
+        types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
+        cfg = Qwen3_5TextConfig(**dims, **linear, layer_types=types)
+    else:
+        cfg = Qwen3Config(**dims)
     cfg.save_pretrained(root)
     g = torch.Generator().manual_seed(seed)
     v, h = shape["vocab_size"], shape["hidden_size"]

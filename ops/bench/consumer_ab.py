@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_data import FillPlan, SpoolFiller, write_target_head  # noqa: E402
-from consumer_bench import PRESETS, run_reference  # noqa: E402
+from consumer_bench import LINEAR_ATTENTION, PRESETS, run_reference  # noqa: E402
 
 from dflash.common.cli.flags import add_flags, from_args
 from dflash.common.drafter.layers import default_target_layer_ids
@@ -248,7 +248,7 @@ def main() -> None:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dflash-ab-"))
     target = workdir / f"target-{args.preset}"
     if not (target / "model.safetensors").exists():
-        write_target_head(target, PRESETS[args.preset])
+        write_target_head(target, PRESETS[args.preset], linear=LINEAR_ATTENTION.get(args.preset))
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     master = shm / f"dflash-ab-{os.getpid()}-master"
     copy = shm / f"dflash-ab-{os.getpid()}-run"

@@ -47,7 +47,7 @@ from dflash.common.cli.flags import add_flags
 from dflash.common.drafter.batch import build_draft_batch, pack_samples
 from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.dflash import recompile_count
-from dflash.common.drafter.layers import default_target_layer_ids
+from dflash.common.drafter.layers import FULL, HYBRID_SLIDING_WINDOW, SLIDING, default_target_layer_ids
 from dflash.common.drafter.model import DFlashDrafter, TargetHead
 from dflash.consumer.config import TrainConfig
 from dflash.consumer.optim import clipped_step
@@ -80,6 +80,16 @@ PRESETS = {
         vocab_size=151936,
         num_target_layers=64,
     ),
+    # the Qwen3.5/3.6-27B hybrid's drafter: its target's width, attention heads and 248K vocabulary
+    "hybrid27b": dict(
+        hidden_size=5120,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        intermediate_size=17408,
+        vocab_size=248320,
+        num_target_layers=64,
+    ),
     "small": dict(
         hidden_size=1024,
         num_attention_heads=16,
@@ -99,6 +109,25 @@ PRESETS = {
         num_target_layers=8,
     ),
 }
+
+
+LINEAR_ATTENTION = {
+    "hybrid27b": dict(
+        linear_num_value_heads=48,
+        linear_num_key_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+    )
+}
+"""Presets whose target is a hybrid (Gated DeltaNet dims): its drafter slides in all layers but the last."""
+
+
+def preset_layers(preset: str) -> dict:
+    """The drafter's layer layout for a preset's target (the hybrid layout where the target is one)."""
+    if preset not in LINEAR_ATTENTION:
+        return {}
+    return {"layer_types": [SLIDING] * 4 + [FULL], "sliding_window": HYBRID_SLIDING_WINDOW}
 
 
 def step_flops(cfg: DrafterConfig, *, context: int, anchors: int, visible_pairs: float) -> float:
@@ -150,8 +179,9 @@ def run(
     precision: str | None = None,
 ) -> dict:  # fmt: skip
     cfg = DrafterConfig(
-        **PRESETS[preset], num_layers=5, block_size=16, mask_token_id=0, target_layer_ids=list(range(1, 6))
-    )
+        **PRESETS[preset], num_layers=5, block_size=16, mask_token_id=0, target_layer_ids=list(range(1, 6)),
+        **preset_layers(preset),
+    )  # fmt: skip
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     head = TargetHead(
         torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device) * 0.02,
@@ -308,7 +338,7 @@ def prefill_spool(
     shape = PRESETS[preset]
     target = workdir / f"target-{preset}"
     if not (target / "model.safetensors").exists():
-        write_target_head(target, shape)
+        write_target_head(target, shape, linear=LINEAR_ATTENTION.get(preset))
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     spool = shm / f"dflash-bench-{preset}-{os.getpid()}"
     shutil.rmtree(spool, ignore_errors=True)
