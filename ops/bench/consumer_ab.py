@@ -181,27 +181,18 @@ def main() -> None:
         child(args, flags[1:] if flags[:1] == ["--"] else flags)
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--variant", action="append", required=True, help="NAME=FLAGS (dflash-consume's flags), repeatable"
-    )
+    p.add_argument("--variant", action="append", required=True, help="NAME=FLAGS (dflash-consume's flags), repeatable")
     p.add_argument("--preset", default="32b", choices=sorted(PRESETS))
     p.add_argument("--steps", type=int, default=80, help="measured steps per variant")
     p.add_argument("--warmup", type=int, default=10, help="steps before the measured ones")
-    p.add_argument(
-        "--context",
-        type=int,
-        default=4096,
-        help="the spool's context (a variant's --context-tokens must match)",
-    )
+    p.add_argument("--context", type=int, default=4096, help="the spool's context (a variant's --context-tokens must match)")
     p.add_argument("--anchors", type=int, default=256)
     p.add_argument("--device", default="cuda")
     p.add_argument("--producers", type=int, default=12)
     p.add_argument("--reference", default=None, help="folder holding ref_consumer_step.py: run it first")
     p.add_argument("--reference-timeout-s", type=int, default=120)
     p.add_argument("--variant-timeout-s", type=int, default=170)
-    p.add_argument(
-        "--min-variant-s", type=int, default=45, help="start no variant with less of the budget left"
-    )
+    p.add_argument("--min-variant-s", type=int, default=45, help="start no variant with less of the budget left")
     p.add_argument("--budget-s", type=int, default=480, help="the whole call, from this script's start")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -212,25 +203,14 @@ def main() -> None:
         try:
             variant_parser(args.context, args.anchors).parse_args(flags)
         except SystemExit:
-            raise SystemExit(
-                f"variant {name}: flags {shlex.join(flags)!r} are not dflash-consume's"
-            ) from None
+            raise SystemExit(f"variant {name}: flags {shlex.join(flags)!r} are not dflash-consume's") from None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = out / "ab.jsonl"
 
     def record(rec: dict) -> None:
-        shown = (
-            "intervals_ms",
-            "intervals_gpu_busy",
-            "intervals_host_wait_ms",
-            "intervals_gc_ms",
-            "intervals_loss",
-        )
-        print(
-            json.dumps({k: v for k, v in rec.items() if not k.startswith("intervals_") or k in shown}),
-            flush=True,
-        )
+        shown = ("intervals_ms", "intervals_gpu_busy", "intervals_host_wait_ms", "intervals_gc_ms", "intervals_loss")
+        print(json.dumps({k: v for k, v in rec.items() if not k.startswith("intervals_") or k in shown}), flush=True)
         with results.open("a") as f:
             f.write(json.dumps(rec) + "\n")
 
@@ -254,28 +234,11 @@ def main() -> None:
     copy = shm / f"dflash-ab-{os.getpid()}-run"
     try:
         max_steps = args.warmup + args.steps
-        record(
-            {
-                "variant": "prefill",
-                **fill_master(
-                    args.preset,
-                    root=master,
-                    context=args.context,
-                    steps=max_steps + 4,
-                    producers=args.producers,
-                ),
-            }
-        )
+        record({"variant": "prefill", **fill_master(args.preset, root=master, context=args.context, steps=max_steps + 4, producers=args.producers)})
         for name, flags in variants:
             left = args.budget_s - (time.monotonic() - t_start)
             if left < args.min_variant_s:
-                record(
-                    {
-                        "variant": name,
-                        "flags": shlex.join(flags),
-                        "skipped": f"{left:.0f} s of the budget left",
-                    }
-                )
+                record({"variant": name, "flags": shlex.join(flags), "skipped": f"{left:.0f} s of the budget left"})
                 continue
             link_copy(master, copy)
             limit = int(min(args.variant_timeout_s, left))

@@ -56,9 +56,7 @@ def lengths(rng: random.Random, total: int, *, median: int, sigma: float, cap: i
     return out
 
 
-def produce(
-    spool: Spool, pid: str, sizes: list[int], first_index: int, rate: float, stop: threading.Event
-) -> None:
+def produce(spool: Spool, pid: str, sizes: list[int], first_index: int, rate: float, stop: threading.Event) -> None:
     """One producer: bucket the samples as dflash-produce does, write each batch as a shard at ``rate``."""
     bucketer, t0, written = Bucketer(BucketConfig()), time.monotonic(), 0
     spool.heartbeat("producer", pid, {"phase": "produce"})
@@ -104,14 +102,7 @@ def simulate(args: argparse.Namespace, root: Path) -> dict:
     threads = [
         threading.Thread(
             target=produce,
-            args=(
-                spool,
-                pid,
-                sizes[i :: args.producers],
-                i * 10**7,
-                args.producer_rate * args.time_scale / args.producers,
-                stop,
-            ),
+            args=(spool, pid, sizes[i :: args.producers], i * 10**7, args.producer_rate * args.time_scale / args.producers, stop),
             daemon=True,
         )  # fmt: skip
         for i, pid in enumerate(pids)
@@ -119,13 +110,8 @@ def simulate(args: argparse.Namespace, root: Path) -> dict:
     old, scale = args.policy == "old", args.time_scale
     feeds = [
         ShardFeed(
-            spool,
-            f"r{r}",
-            context_tokens=args.context,
-            bucket="random",
-            heartbeat_timeout_s=60.0 / scale,
-            fill_wait_s=(2.0 if old else args.fill_wait_s) / scale,
-            poll_s=0.01,
+            spool, f"r{r}", context_tokens=args.context, bucket="random", heartbeat_timeout_s=60.0 / scale,
+            fill_wait_s=(2.0 if old else args.fill_wait_s) / scale, poll_s=0.01,
             pool_streams=1 if old else args.pool_streams,  # old: packed at one stream's worth
             min_split_tokens=256 if old else TrainConfig.min_split_tokens,
         )  # fmt: skip
@@ -176,9 +162,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--producers", type=int, default=1)
-    p.add_argument(
-        "--producer-rate", type=float, default=14_500, help="real tokens/s, all producers together"
-    )
+    p.add_argument("--producer-rate", type=float, default=14_500, help="real tokens/s, all producers together")
     p.add_argument("--consumer-rate", type=float, default=27_000, help="real context tokens/s per rank")
     p.add_argument("--time-scale", type=float, default=4.0, help="play the run this many times faster")
     p.add_argument("--tokens", type=int, default=1_910_000, help="the one-GPU run of RESULTS.md: 1.91 M")
@@ -186,9 +170,7 @@ def main() -> None:
     p.add_argument("--sigma", type=float, default=0.8)
     p.add_argument("--max-length", type=int, default=4096)
     p.add_argument("--fill-wait-s", type=float, default=30.0)
-    p.add_argument(
-        "--pool-streams", type=int, default=TrainConfig.pool_streams, help="new policy: the feed's pool"
-    )
+    p.add_argument("--pool-streams", type=int, default=TrainConfig.pool_streams, help="new policy: the feed's pool")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args()

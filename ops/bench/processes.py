@@ -30,9 +30,7 @@ def _rss_gb(pids: list[int]) -> float:
     total = 0
     for p in pids:
         try:
-            line = next(
-                x for x in Path(f"/proc/{p}/status").read_text().splitlines() if x.startswith("VmRSS")
-            )
+            line = next(x for x in Path(f"/proc/{p}/status").read_text().splitlines() if x.startswith("VmRSS"))
             total += int(line.split()[1]) * 1024
         except (OSError, StopIteration):
             pass
@@ -69,9 +67,7 @@ class Sampler(threading.Thread):
             gpu = _gpu_mem_gb() if self.gpu else {}
             for name, proc in self.procs.items():
                 tree = _tree(proc.pid)
-                rec[f"{name}_gb"] = round(
-                    sum(gpu.get(p, 0.0) for p in tree) if self.gpu else _rss_gb(tree), 3
-                )
+                rec[f"{name}_gb"] = round(sum(gpu.get(p, 0.0) for p in tree) if self.gpu else _rss_gb(tree), 3)
             self.series.append(rec)
 
     def stop(self) -> list[dict]:
