@@ -109,7 +109,9 @@ class LocalEngine:
             ):
                 for i, (ids, finish) in zip(batch, outs, strict=True):
                     text = self.tokenizer.decode(ids, skip_special_tokens=True)
-                    replies[i] = Reply(text=text, opened_think=opened[i], finish=finish, tokens=len(ids))
+                    replies[i] = Reply(
+                        text=text, opened_think=opened[i], finish=finish, tokens=len(ids), ids=ids
+                    )
         return [r if r is not None else Reply(error="no answer") for r in replies]
 
     def _generate(self, prompts: list[list[int]]) -> list[tuple[list[int], str]]:

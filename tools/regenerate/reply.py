@@ -39,6 +39,9 @@ class Reply:
     finish: str = "stop"
     """"stop" (the target ended its turn) or "length" (cut at --max-new-tokens)."""
     tokens: int = 0
+    ids: list[int] | None = None
+    """The answer's token ids where the engine has them (the local engine): a caller that must train on
+    exactly these tokens can check that the text tokenizes back to them."""
     error: str | None = None
     skip: str | None = None
 
