@@ -35,10 +35,15 @@ def main(argv: list[str] | None = None) -> int:
         cfg = from_args(RegenerateConfig, args)
     except ValueError as err:
         fail(PROG, err)
-    signal.signal(signal.SIGTERM, _sigterm)
     from dflash.tools.regenerate.run import run  # torch and transformers: only once the flags parsed
 
-    code = run(cfg)
+    previous = signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        code = run(cfg)
+    finally:
+        signal.signal(
+            signal.SIGTERM, previous
+        )  # main() called from Python (a test) leaves its caller as it was
     if code == EXIT_INTERRUPTED:  # requests still in flight would hold the exit up to --timeout-s
         sys.stdout.flush()
         sys.stderr.flush()

@@ -15,6 +15,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,30 @@ def _rows(path: Path) -> list[dict[str, Any]]:
     return out
 
 
+_TAIL = re.compile(rb'"' + OUT_KEY.encode() + rb'": \{"row": (\d+),')
+
+
+def _written_rows(path: Path) -> set[int]:
+    """The input rows in the output. Each line ends with its ``OUT_KEY`` record (rows.output_row writes it
+    last), read from the line's tail: a re-run over millions of long rows does not parse them whole."""
+    done: set[int] = set()
+    if not path.exists():
+        return done
+    with open(path, "rb") as f:
+        for no, line in enumerate(f, 1):
+            found = _TAIL.search(line, max(0, len(line) - 4096))
+            if found is None and line.strip():
+                try:
+                    found_row = json.loads(line)[OUT_KEY]["row"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    log.warning("%s:%d: not a row of this tool, ignored (its row is made again)", path, no)
+                    continue
+                done.add(int(found_row))
+            elif found is not None:
+                done.add(int(found.group(1)))
+    return done
+
+
 class _Appender:
     """One JSONL file appended one whole, fsynced line at a time."""
 
@@ -89,7 +114,7 @@ class Ledger:
         self.skipped_path, self.errors_path = Path(f"{out}.skipped.jsonl"), Path(f"{out}.errors.jsonl")
         for path in (out, self.skipped_path):
             _repair(path)
-        self.written = {r[OUT_KEY]["row"] for r in _rows(out) if isinstance(r.get(OUT_KEY), dict)}
+        self.written = _written_rows(out)
         self.skipped = {r["row"]: r.get("reason", "?") for r in _rows(self.skipped_path) if "row" in r}
         self._rows = _Appender(out)
         self._skips = _Appender(self.skipped_path)

@@ -30,8 +30,8 @@ from dflash.common.target.data import (
 )
 
 OUT_KEY = "dflash_regenerate"
-"""The key of each output row that says which input row it is and how its turns ended."""
-_CONVERSATION_KEYS = frozenset({*FORMAT_COLUMN.values(), "tools", RAW_JSON_COLUMN})
+"""The key of each output row that says which input row it is and how its turns ended (its last key)."""
+_CONVERSATION_KEYS = frozenset({*FORMAT_COLUMN.values(), "tools", RAW_JSON_COLUMN, OUT_KEY})
 _NO_ANSWER = ("no assistant turn", "only empty assistant turns")
 
 
