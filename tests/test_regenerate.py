@@ -8,12 +8,15 @@ The local engine and ``transformers serve`` (a real target, greedy) are tests/te
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
+import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
+from pipeline_helpers import cpu_env, produce_cmd
 from regenerate_helpers import scripted_server
 from transformers import AutoTokenizer
 
@@ -217,7 +220,9 @@ def _target_answers(prompt: str) -> str:
     return f"<think>\nSlicing reverses a copy; reverse() works in place.\n</think>\n\nUse reversed(). {LONG}"
 
 
-def test_thinking_and_tool_call_rows_come_out_as_the_producer_trains_them(tmp_path, capsys):
+def _regenerate_tool_and_thinking_rows(tmp_path: Path, capsys) -> tuple[Path, Path, dict]:
+    """A multi-turn row with tool calls and a ``tools`` list, and a prompt, answered by a thinking,
+    tool-calling target (scripted) through the endpoint engine: (output, tokenizer folder, requests)."""
     tok_dir = tmp_path / "qwen3-rules-tokenizer"
     shutil.copytree(tiny_target_dir(), tok_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.jinja"))
     (tok_dir / "chat_template.jinja").write_text(TEMPLATE)
@@ -244,22 +249,19 @@ def test_thinking_and_tool_call_rows_come_out_as_the_producer_trains_them(tmp_pa
     data, out = _jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
     with scripted_server(_target_answers) as server:
         code = main(["--endpoint", server.url, "--tokenizer", str(tok_dir), "--dataset", str(data), "--out", str(out), "--thinking", "on"])  # fmt: skip
-    assert code == 0 and capsys.readouterr().out.strip().endswith(
-        "regenerated 2, failed 0, skipped 0 = input 2"
-    )
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert code == 0 and last == "regenerated 2, failed 0, skipped 0 = input 2", last
+    return out, tok_dir, dict(server.requests)
+
+
+def test_thinking_and_tool_call_rows_come_out_as_the_producer_trains_them(tmp_path, capsys):
+    out, tok_dir, requests = _regenerate_tool_and_thinking_rows(tmp_path, capsys)
     written = _out_rows(out)
     tool_row, think_row = written[0], written[1]
     assert tool_row["tools"] == [WEATHER]
     msgs = tool_row["messages"]
-    assert [m["role"] for m in msgs] == [
-        "system",
-        "user",
-        "assistant",
-        "tool",
-        "assistant",
-        "user",
-        "assistant",
-    ]
+    roles = "system user assistant tool assistant user assistant".split()
+    assert [m["role"] for m in msgs] == roles
     assert msgs[2]["reasoning_content"] == "The weather tool answers this." and msgs[2]["content"] == ""
     assert msgs[2]["tool_calls"] == [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}, "id": "c1"}]  # fmt: skip
     assert msgs[4]["content"].startswith("Paris: 12 C") and msgs[6]["reasoning_content"] == "A polite close."
@@ -267,23 +269,20 @@ def test_thinking_and_tool_call_rows_come_out_as_the_producer_trains_them(tmp_pa
 
     tok = AutoTokenizer.from_pretrained(tok_dir)
     asked = 0
-    for row in (
-        written.values()
-    ):  # each turn was asked in the context the producer renders, and renders back as written
+    # each turn was asked in the context the producer renders it in, and renders back as written
+    for row in written.values():
         msgs, tools = row["messages"], row.get("tools")
         for i in (i for i, m in enumerate(msgs) if m["role"] == "assistant"):
             prompt = tok.apply_chat_template(
                 msgs[:i], tools=tools, tokenize=False, add_generation_prompt=True
             )
-            assert server.requests[prompt] == 1, (
-                f"turn {i} was not asked in the context the producer trains it in"
-            )
+            assert requests[prompt] == 1, f"turn {i} was not asked in the context it is trained in"
             turn = tok.apply_chat_template(msgs[: i + 1], tools=tools, tokenize=False)
             assert turn.startswith(prompt + _target_answers(prompt)), (
-                f"turn {i} does not render back as written"
+                f"turn {i} renders unlike it was written"
             )
             asked += 1
-    assert asked == len(server.requests) == 4
+    assert asked == len(requests) == 4
 
     cfg = DataConfig(dataset=str(out), min_loss_tokens=8)
     ds = load_raw_dataset(cfg)
@@ -322,3 +321,19 @@ def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys, extra, message):
     err = capsys.readouterr().err.strip().splitlines()  # after the datasets library's progress lines
     assert exc.value.code == 2 and err[-1].startswith("dflash-regenerate: error: "), err
     assert message in err[-1] and not any("Traceback" in line for line in err)
+
+
+@pytest.mark.pipeline
+def test_dflash_produce_trains_the_regenerated_rows_without_drops(tmp_path, tiny_target, capsys):
+    out, _, _ = _regenerate_tool_and_thinking_rows(tmp_path, capsys)
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target, target)
+    (target / "chat_template.jinja").write_text(TEMPLATE)  # the target whose answers these are
+    cmd = produce_cmd(
+        tmp_path / "spool", target, out, "--block-size", "4", "--cache-dir", str(tmp_path / "hf")
+    )
+    env = cpu_env(HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "hf"), TOKENIZERS_PARALLELISM="false")
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    said = [line for line in (res.stdout + res.stderr).splitlines() if "trainable" in line]
+    assert len(said) == 1 and re.search(r"dflash-produce: \d+ trainable samples; dropped 0 of \d+ samples \(2 rows\)$", said[0]), said  # fmt: skip
