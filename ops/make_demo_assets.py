@@ -451,7 +451,9 @@ def write_readme(out: Path, *, n_chars: int, n_convs: int, n_tokens: int, record
             "  gives the untrained seed weights.\n"
             f"- `demo_chat_distilled.jsonl`: the trained target's greedy answers (at most {r['distill_new_tokens']}\n"
             f"  new tokens) to the prompts of `demo_chat.jsonl` ({record['distilled_rows']} rows): what the demo\n"
-            "  trains its drafter on (drafters learn to predict *the target's* tokens).\n"
+            "  trains its drafter on (drafters learn to predict *the target's* tokens). Written by\n"
+            "  dflash-regenerate's local engine (each row's first question), each answer cut to its longest\n"
+            "  prefix that tokenizes back to the target's own tokens (rows with fewer than 40 left out).\n"
         )
     (out / "README.md").write_text(text)
 

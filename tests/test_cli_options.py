@@ -2,7 +2,8 @@
 equal the list recorded when the flags were still written by hand (tests/data/cli_options.json, taken
 from main at 5cf9171 before the CLIs were generated from the config dataclasses). An option added since is
 listed in ADDED with the change that added it, so a flag can never disappear or change its default
-unnoticed."""
+unnoticed. A console script added since (dflash-regenerate) is recorded in the same file with the change that
+adds it."""
 
 from __future__ import annotations
 

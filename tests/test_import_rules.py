@@ -50,6 +50,8 @@ LOCAL_IMPORTS_OK = {
     "dflash.consumer.cli": "parses its flags before importing torch and the trainer",
     "dflash.tools.eval.cli": "parses its flags before importing torch",
     "dflash.tools.export.cli": "parses its flags before importing torch",
+    "dflash.tools.regenerate.cli": "parses its flags before importing torch and transformers",
+    "dflash.tools.demo.assets": "dflash-regenerate's engine (it imports the producer's launch) only to build the assets",
     "dflash.tools.demo.cli": "parses its flags before importing torch, transformers and boto3",
     "dflash.tools.spool_cli": "torch (the checkpoint's trained set) only for `audit --checkpoint`",
     "dflash.tools.spool_view": "zarr only for `inspect`",

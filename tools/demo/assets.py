@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -121,15 +121,21 @@ def self_distill(
     max_new_tokens: int = 96,
     batch: int = 64,
 ) -> Path:
-    """Real-text prompts from the bundled dataset, assistant turns regenerated greedily by the target.
+    """Real-text prompts from the bundled dataset (each row up to its first answer), answered greedily by
+    the target through dflash-regenerate's local engine, each answer cut to its longest prefix that
+    tokenizes back to the tokens the target wrote (``_round_trip_prefix``).
 
     This is how drafters are trained in practice (DFlash, EAGLE): the drafter must predict *the target's*
     next tokens, so the responses come from the target. ops/make_demo_assets.py runs it once with the
-    trained target and ships the result (``distilled_dataset_path``), so no demo run pays for it.
+    trained target and ships the result (``distilled_dataset_path``), so no demo run pays for it; for a
+    dataset of one's own, ``dflash-regenerate`` is the command (docs/data.md).
     """
-    tok = AutoTokenizer.from_pretrained(target)
-    tok.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    # here, not at the top: the engine imports the producer's launch (zarr, the spool) for --gpus, which
+    # nothing else that loads the demo assets needs
+    from dflash.tools.regenerate.config import RegenerateConfig
+    from dflash.tools.regenerate.local_engine import LocalEngine
+    from dflash.tools.regenerate.reply import Request
+
     rows = []
     with open(src) as f:
         for line in f:
@@ -146,21 +152,22 @@ def self_distill(
     # two spin against each other (measured: 128 prompts in 5 s with 1 thread, 32 s with 2; same output).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    cfg = RegenerateConfig(
+        model=str(target),
+        dataset=str(src),
+        out=str(dst),
+        max_new_tokens=max_new_tokens,
+        batch_size=batch,
+        gpus="cpu",
+    )
+    engine = LocalEngine(cfg)
+    replies = engine.complete([Request(messages=prompt, tools=None) for _, prompt in rows])
     with open(dst, "w") as out:
-        for i in range(0, len(rows), batch):
-            chunk = rows[i : i + batch]
-            texts = [tok.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for _, p in chunk]
-            enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-            with torch.inference_mode():
-                gen = model.generate(
-                    **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id
-                )
-            special = set(tok.all_special_ids)
-            for (rid, prompt), ids in zip(chunk, gen[:, enc["input_ids"].shape[1] :].tolist(), strict=True):
-                answer = _round_trip_prefix(tok, [i for i in ids if i not in special])
-                if answer is not None:
-                    messages = [*prompt, {"role": "assistant", "content": answer}]
-                    out.write(json.dumps({"id": rid, "messages": messages}) + "\n")
+        for (rid, prompt), reply in zip(rows, replies, strict=True):
+            answer = _round_trip_prefix(engine.tokenizer, reply.ids or [])
+            if answer is not None:
+                messages = [*prompt, {"role": "assistant", "content": answer}]
+                out.write(json.dumps({"id": rid, "messages": messages}) + "\n")
     torch.set_num_threads(threads)
     return dst
 

@@ -275,6 +275,13 @@ def run_demo(cfg: DemoConfig) -> dict:
         f"{cfg.size.eval_samples} conversations held out, {cfg.size.epochs} epochs",
         flush=True,
     )
+    if not cfg.real_responses:
+        print(
+            "[demo] the target's answers are its greedy answers to the bundled prompts, written by "
+            "dflash-regenerate's local engine (ops/make_demo_assets.py); for a dataset of your own: "
+            "dflash-regenerate --model TARGET --dataset CHATS --out OUT.jsonl (docs/data.md)",
+            flush=True,
+        )
     spool = Path(tempfile.mkdtemp(prefix="dflash-spool-"))
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"

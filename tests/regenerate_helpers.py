@@ -1,0 +1,82 @@
+"""A scripted OpenAI-compatible server for dflash-regenerate's tests: a real HTTP server on 127.0.0.1 (the
+standard library's, in a thread of the test process) whose answer to each prompt a test chooses, and which
+can fail chosen rows (HTTP 500, or no answer within the client's timeout), counting every request.
+
+Why not a mock of the client: the retries, timeouts and error lines under test are the client's handling
+of real sockets and real HTTP statuses."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+Script = Callable[[str], "str | int | float"]
+"""prompt -> the answer's text, an HTTP status to fail with, or seconds to stay silent (a timeout)."""
+
+
+class ScriptedServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self, script: Script):
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.script = script
+        self.requests: Counter = Counter()  # prompt -> requests seen
+        self.lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/v1"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: ScriptedServer
+
+    def log_message(self, *_args) -> None:  # quiet
+        pass
+
+    def _send(self, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout)
+            pass
+
+    def do_GET(self) -> None:
+        self._send(200, {"object": "list", "data": [{"id": "scripted", "object": "model"}]})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        prompt = body["prompt"]
+        with self.server.lock:
+            self.server.requests[prompt] += 1
+        answer = self.server.script(prompt)
+        if isinstance(answer, float):
+            time.sleep(answer)
+            answer = 500
+        if isinstance(answer, int):
+            self._send(answer, {"error": {"message": f"scripted failure {answer}"}})
+            return
+        choice = {"index": 0, "text": answer, "finish_reason": "stop"}
+        self._send(200, {"object": "text_completion", "choices": [choice], "usage": {"completion_tokens": 3}})
+
+
+@contextmanager
+def scripted_server(script: Script) -> Iterator[ScriptedServer]:
+    server = ScriptedServer(script)
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)

@@ -1,0 +1,339 @@
+"""dflash-regenerate without a model: the answer parser, the turn-by-turn walk, the output's accounting
+and resumability, and the endpoint engine against a real HTTP server on 127.0.0.1 (tests/regenerate_helpers.py)
+that scripts the target's answers (thinking, tool calls) or fails chosen rows. The output is then read by
+the producer's own tokenization, which decides what dflash-produce trains and drops.
+
+The local engine and ``transformers serve`` (a real target, greedy) are tests/test_regenerate_serve.py."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pipeline_helpers import cpu_env, produce_cmd
+from regenerate_helpers import scripted_server
+from transformers import AutoTokenizer
+
+from dflash.common.target.chat import tokenize_slice
+from dflash.common.target.data import DataConfig, load_raw_dataset
+from dflash.tools.demo.assets import tiny_target_dir
+from dflash.tools.regenerate.cli import main
+from dflash.tools.regenerate.dialogue import Dialogue
+from dflash.tools.regenerate.ledger import Ledger, LedgerError
+from dflash.tools.regenerate.reply import assistant_message
+
+TEMPLATE = (Path(__file__).parent / "data" / "qwen3_rules.jinja").read_text()
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+LONG = "The answer is explained with care and a short example, point by point, for the reader."
+
+
+def _jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _out_rows(path: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    by_row = {r["dflash_regenerate"]["row"]: r for r in rows}
+    assert len(by_row) == len(rows), "a row written twice"
+    return by_row
+
+
+# ---- the answer's text as a message ------------------------------------------------------------------
+
+
+def test_reasoning_and_tool_calls_are_split_the_way_the_template_renders_them():
+    think = assistant_message("<think>\nLook it up.\n</think>\n\nSure.", opened_think=False, tools=False)
+    assert think == {"role": "assistant", "reasoning_content": "Look it up.", "content": "Sure."}
+    opened = assistant_message("Look it up.\n</think>\n\nSure.", opened_think=True, tools=False)
+    assert opened == think, "a template that opens <think> itself (Qwen3.5/3.6 thinking on)"
+    cut = assistant_message("Still thinking about", opened_think=True, tools=False)
+    assert cut == {"role": "assistant", "reasoning_content": "Still thinking about", "content": ""}
+    hermes = assistant_message(
+        'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+        opened_think=False,
+        tools=True,
+    )
+    assert hermes["content"] == "Checking."
+    assert hermes["tool_calls"] == [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    ]
+    xml = assistant_message(
+        "<tool_call>\n<function=search>\n<parameter=query>\nzip files\n</parameter>\n<parameter=limit>\n2\n"
+        "</parameter>\n</function>\n</tool_call>",
+        opened_think=False,
+        tools=True,
+    )
+    assert xml["tool_calls"][0]["function"] == {
+        "name": "search",
+        "arguments": {"query": "zip files", "limit": 2},
+    }
+    broken = "<tool_call>\n{not json}\n</tool_call>"
+    assert assistant_message(broken, opened_think=False, tools=True) == {
+        "role": "assistant",
+        "content": broken,
+    }
+    assert "tool_calls" not in assistant_message(
+        hermes["content"] + "\n<tool_call>", opened_think=False, tools=True
+    )
+    no_tools = assistant_message('<tool_call>\n{"name": "x"}\n</tool_call>', opened_think=False, tools=False)
+    assert "tool_calls" not in no_tools, "a row without tools: the text stays the target's words"
+
+
+def test_each_turn_sees_the_targets_earlier_answers_and_tool_results_stay_where_they_fit():
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+    }
+    source = [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "assistant", "content": "old answer"},
+        {"role": "user", "content": "Thanks!"},
+        {"role": "assistant", "content": "old reply"},
+    ]
+    d = Dialogue(source, [WEATHER])
+    first = d.next_request()
+    assert [m["role"] for m in first.messages] == ["system", "user"] and first.tools == [WEATHER]
+    new_call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    d.accept({"role": "assistant", "content": "", "tool_calls": [new_call]}, "stop")
+    second = d.next_request()
+    assert second.messages[-1] == source[3] and second.messages[-2]["tool_calls"][0]["id"] == "c1"
+    d.accept({"role": "assistant", "content": "It is sunny."}, "stop")
+    third = d.next_request()
+    assert [m.get("content") for m in third.messages[-3:]] == ["sunny", "It is sunny.", "Thanks!"]
+    d.accept({"role": "assistant", "content": "You are welcome."}, "length")
+    assert d.next_request() is None
+    assert "old" not in json.dumps(d.out) and d.record() == {"turns": 3, "finish": ["stop", "stop", "length"], "truncated": False}  # fmt: skip
+
+    answered = Dialogue(source, [WEATHER])  # the target answers where the source called the tool
+    answered.next_request()
+    answered.accept({"role": "assistant", "content": "I cannot check."}, "stop")
+    assert answered.next_request() is None and answered.truncated
+    assert [m["role"] for m in answered.out] == ["system", "user", "assistant"]
+
+    prompt_only = Dialogue([{"role": "user", "content": "Hi"}], None)  # a prompt: answered once
+    assert prompt_only.next_request().messages == [{"role": "user", "content": "Hi"}]
+    prompt_only.accept({"role": "assistant", "content": "Hello"}, "stop")
+    assert prompt_only.next_request() is None
+
+
+# ---- the output file ---------------------------------------------------------------------------------
+
+
+def test_a_torn_last_line_is_cut_and_settings_or_a_second_run_are_refused(tmp_path):
+    out = tmp_path / "out.jsonl"
+    settings = {"dataset": "d", "temperature": 0.0}
+    ledger = Ledger(out, settings, ("dataset", "temperature"))
+    ledger.write_row({"messages": [], "dflash_regenerate": {"row": 0}})
+    with pytest.raises(LedgerError, match="another dflash-regenerate"):
+        Ledger(out, settings, ("dataset", "temperature"))
+    ledger.close()
+    with open(out, "a") as f:
+        f.write('{"messages": [], "dflash_regenerate": {"ro')  # a kill while writing row 1
+    ledger = Ledger(out, settings, ("dataset", "temperature"))
+    assert ledger.written == {0} and out.read_text().count("\n") == 1 and out.read_text().endswith("}\n")
+    ledger.close()
+    with pytest.raises(LedgerError, match="temperature=0.0.*not temperature=0.7"):
+        Ledger(out, {**settings, "temperature": 0.7}, ("dataset", "temperature"))
+
+
+# ---- the command, against a scripted server ----------------------------------------------------------
+
+
+def _fails(prompt: str) -> str | int | float:
+    if "FAIL" in prompt:
+        return 500
+    if "SLOW" in prompt:
+        return 3.0  # silent past the client's --timeout-s
+    if "REFUSE" in prompt:
+        return 400
+    return LONG
+
+
+def test_failed_rows_are_counted_listed_and_only_they_are_retried(tmp_path, capsys):
+    questions = ["q0", "q1 FAIL", "q2", "q3 SLOW", "q4", "q5 REFUSE", "q6"]
+    rows = [
+        {"id": f"r{i}", "conversations": [{"from": "human", "value": q}]} for i, q in enumerate(questions)
+    ]
+    rows.insert(3, {"id": "bad", "conversations": [{"from": "wizard", "value": "?"}]})  # row 3: skipped
+    data, out = _jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    args = ["--dataset", str(data), "--out", str(out), "--tokenizer", str(tiny_target_dir())]
+    args += ["--retries", "1", "--retry-wait-s", "0.05", "--timeout-s", "1", "--concurrency", "4"]
+    failing = {"on": True}
+    with scripted_server(lambda p: _fails(p) if failing["on"] else LONG) as server:
+        assert main(["--endpoint", server.url, *args]) == 1
+        lines = capsys.readouterr().out.strip().splitlines()
+        assert lines[-1] == "regenerated 4, failed 3, skipped 1 = input 8", lines
+        errors = {e["row"]: e for e in map(json.loads, Path(f"{out}.errors.jsonl").read_text().splitlines())}
+        assert sorted(errors) == [1, 4, 6] and errors[1]["id"] == "r1"
+        assert errors[1]["error"].startswith("HTTP 500") and "(2 tries)" in errors[1]["error"]
+        assert "no answer within 1 s" in errors[4]["error"]
+        assert errors[6]["error"].startswith("HTTP 400"), "a 4xx other than 429 is not retried"
+        tries = {p.split("user\n")[1].split("<|im_end|>")[0]: n for p, n in server.requests.items()}
+        assert tries == {"q0": 1, "q1 FAIL": 2, "q2": 1, "q3 SLOW": 2, "q4": 1, "q5 REFUSE": 1, "q6": 1}
+        assert set(_out_rows(out)) == {0, 2, 5, 7}
+
+        failing["on"] = False
+        server.requests.clear()
+        assert main(["--endpoint", server.url, *args]) == 0
+        assert (
+            capsys.readouterr().out.strip().splitlines()[-1] == "regenerated 7, failed 0, skipped 1 = input 8"
+        )
+        assert sorted(server.requests.values()) == [1, 1, 1], "only the failed rows were asked again"
+        written = _out_rows(out)
+        assert set(written) == {0, 1, 2, 4, 5, 6, 7} and written[1]["id"] == "r1"
+        assert written[1]["messages"][-1] == {"role": "assistant", "content": LONG}
+        assert Path(f"{out}.errors.jsonl").read_text() == ""
+        assert main(["--endpoint", server.url, *args]) == 0, "a finished output: nothing left to do"
+        assert sum(server.requests.values()) == 3, "a finished output asks nothing"
+
+
+def _target_answers(prompt: str) -> str:
+    """What a thinking, tool-calling target writes at each point of the rows below."""
+    last = prompt.rsplit("<|im_start|>", 2)[-2]
+    if "Weather in Paris" in last:
+        return (
+            '<think>\nThe weather tool answers this.\n</think>\n\n<tool_call>\n{"name": "get_weather", '
+            '"arguments": {"city": "Paris"}}\n</tool_call>'
+        )
+    if "<tool_response>" in last:
+        return f"<think>\nThe tool says 12 C and cloudy.\n</think>\n\nParis: 12 C and cloudy. {LONG}"
+    if "Thanks" in last:
+        return f"<think>\nA polite close.\n</think>\n\nYou are welcome. {LONG}"
+    return f"<think>\nSlicing reverses a copy; reverse() works in place.\n</think>\n\nUse reversed(). {LONG}"
+
+
+def _regenerate_tool_and_thinking_rows(tmp_path: Path, capsys) -> tuple[Path, Path, dict]:
+    """A multi-turn row with tool calls and a ``tools`` list, and a prompt, answered by a thinking,
+    tool-calling target (scripted) through the endpoint engine: (output, tokenizer folder, requests)."""
+    tok_dir = tmp_path / "qwen3-rules-tokenizer"
+    shutil.copytree(tiny_target_dir(), tok_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.jinja"))
+    (tok_dir / "chat_template.jinja").write_text(TEMPLATE)
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'},
+    }
+    rows = [
+        {
+            "tools": [WEATHER],
+            "messages": [
+                {"role": "system", "content": "Answer with the tools when needed."},
+                {"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": '{"temp_c": 12, "sky": "cloudy"}'},
+                {"role": "assistant", "content": "An answer of another model."},
+                {"role": "user", "content": "Thanks!"},
+                {"role": "assistant", "content": "Another model's reply."},
+            ],
+        },
+        {"messages": [{"role": "user", "content": "How do I reverse a list?"}]},  # a prompt: answered once
+    ]
+    data, out = _jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    with scripted_server(_target_answers) as server:
+        code = main(["--endpoint", server.url, "--tokenizer", str(tok_dir), "--dataset", str(data), "--out", str(out), "--thinking", "on"])  # fmt: skip
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert code == 0 and last == "regenerated 2, failed 0, skipped 0 = input 2", last
+    return out, tok_dir, dict(server.requests)
+
+
+def test_thinking_and_tool_call_rows_come_out_as_the_producer_trains_them(tmp_path, capsys):
+    out, tok_dir, requests = _regenerate_tool_and_thinking_rows(tmp_path, capsys)
+    written = _out_rows(out)
+    tool_row, think_row = written[0], written[1]
+    assert tool_row["tools"] == [WEATHER]
+    msgs = tool_row["messages"]
+    roles = "system user assistant tool assistant user assistant".split()
+    assert [m["role"] for m in msgs] == roles
+    assert msgs[2]["reasoning_content"] == "The weather tool answers this." and msgs[2]["content"] == ""
+    assert msgs[2]["tool_calls"] == [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}, "id": "c1"}]  # fmt: skip
+    assert msgs[4]["content"].startswith("Paris: 12 C") and msgs[6]["reasoning_content"] == "A polite close."
+    assert think_row["messages"][1]["reasoning_content"].startswith("Slicing reverses")
+
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    asked = 0
+    # each turn was asked in the context the producer renders it in, and renders back as written
+    for row in written.values():
+        msgs, tools = row["messages"], row.get("tools")
+        for i in (i for i, m in enumerate(msgs) if m["role"] == "assistant"):
+            prompt = tok.apply_chat_template(
+                msgs[:i], tools=tools, tokenize=False, add_generation_prompt=True
+            )
+            assert requests[prompt] == 1, f"turn {i} was not asked in the context it is trained in"
+            turn = tok.apply_chat_template(msgs[: i + 1], tools=tools, tokenize=False)
+            assert turn.startswith(prompt + _target_answers(prompt)), (
+                f"turn {i} renders unlike it was written"
+            )
+            asked += 1
+    assert asked == len(requests) == 4
+
+    cfg = DataConfig(dataset=str(out), min_loss_tokens=8)
+    ds = load_raw_dataset(cfg)
+    samples = tokenize_slice(ds, tok, cfg, np.arange(len(ds)))
+    assert set(samples["status"]) == {"ok"}, samples["status"]
+    trained = "".join(
+        tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+        for ids, mask in zip(samples["input_ids"], samples["loss_mask"], strict=True)
+    )
+    for part in ("The weather tool answers this.", '"city": "Paris"', "Paris: 12 C", "A polite close.", "Slicing reverses"):  # fmt: skip
+        assert part in trained, f"{part!r} is not trained"
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ([], "give exactly one of --model PATH or --endpoint URL"),
+        (["--model", "/nonexistent/target", "--endpoint", "http://127.0.0.1:1"], "give exactly one of"),
+        (["--endpoint", "ENDPOINT"], "unreachable"),
+        (["--model", "/nonexistent/target"], "no such folder"),
+        (["--model", "/nonexistent/target", "--dataset", "/nonexistent.jsonl"], "does not exist"),
+    ],
+)
+def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys, extra, message):
+    data = _jsonl(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    extra = [e.replace("ENDPOINT", f"http://127.0.0.1:{_closed_port()}") for e in extra]
+    args = ["--dataset", str(data), "--out", str(tmp_path / "out.jsonl"), *extra]
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    err = capsys.readouterr().err.strip().splitlines()  # after the datasets library's progress lines
+    assert exc.value.code == 2 and err[-1].startswith("dflash-regenerate: error: "), err
+    assert message in err[-1] and not any("Traceback" in line for line in err)
+
+
+@pytest.mark.pipeline
+def test_dflash_produce_trains_the_regenerated_rows_without_drops(tmp_path, tiny_target, capsys):
+    out, _, _ = _regenerate_tool_and_thinking_rows(tmp_path, capsys)
+    target = tmp_path / "target"
+    shutil.copytree(tiny_target, target)
+    (target / "chat_template.jinja").write_text(TEMPLATE)  # the target whose answers these are
+    cmd = produce_cmd(
+        tmp_path / "spool", target, out, "--block-size", "4", "--cache-dir", str(tmp_path / "hf")
+    )
+    env = cpu_env(HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "hf"), TOKENIZERS_PARALLELISM="false")
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    said = [line for line in (res.stdout + res.stderr).splitlines() if "trainable" in line]
+    assert len(said) == 1 and re.search(r"dflash-produce: \d+ trainable samples; dropped 0 of \d+ samples \(2 rows\)$", said[0]), said  # fmt: skip

@@ -1,0 +1,186 @@
+"""``dflash-regenerate``: every row's assistant turns written again by the target, windows of rows at a
+time, turn by turn within a window (the first answer of every row, then the second, ...), so an engine
+always has a window's worth of independent requests to batch or keep in flight, and each row is written as
+soon as its last turn is in.
+
+Accounting: every input row ends in exactly one of the output (regenerated), the skipped file (a shape the
+producer cannot read, a template that raises, or with ``--on-length drop`` a cut turn) or this run's
+errors file (failed: the engine gave no answer; retried by a re-run), and the last line adds them up.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, error_line, fail, print_error
+from dflash.common.cli.logs import log_to_console
+from dflash.common.metrics import format_duration, format_rate
+from dflash.common.target.data import DataError
+from dflash.tools.regenerate.config import PROG, SETTINGS, RegenerateConfig
+from dflash.tools.regenerate.dialogue import Dialogue
+from dflash.tools.regenerate.endpoint_engine import EndpointEngine
+from dflash.tools.regenerate.ledger import Ledger, LedgerError
+from dflash.tools.regenerate.local_engine import EngineError, LocalEngine
+from dflash.tools.regenerate.reply import assistant_message
+from dflash.tools.regenerate.rows import SourceRow, output_row, read_rows
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Tally:
+    """What this run did, and the progress line it prints."""
+
+    total: int
+    before: int  # rows an earlier run settled (written or skipped)
+    progress_s: float
+    regenerated: int = 0
+    failed: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    cut_kept: int = 0  # rows kept with a turn cut at --max-new-tokens
+    truncated: int = 0  # rows ended early where the source's tool results no longer fit
+    tokens: int = 0
+    start: float = field(default_factory=time.monotonic)
+    last_line: float = field(default_factory=time.monotonic)
+
+    def done(self) -> int:
+        return self.regenerated + self.failed + sum(self.skipped.values())
+
+    def maybe_log(self) -> None:
+        now = time.monotonic()
+        if now - self.last_line < self.progress_s:
+            return
+        self.last_line = now
+        elapsed = now - self.start
+        rate = self.done() / elapsed if elapsed > 0 else 0.0
+        left = self.total - self.before - self.done()
+        eta = f", ETA {format_duration(left / rate)}" if rate > 0 else ""
+        log.info(
+            "%d/%d rows (this run: regenerated %d, failed %d, skipped %d), %.2f rows/s, %s tok/s%s",
+            self.before + self.done(), self.total, self.regenerated, self.failed, sum(self.skipped.values()),
+            rate, format_rate(self.tokens / elapsed if elapsed > 0 else 0.0), eta,
+        )  # fmt: skip
+
+
+def _windows(rows: Iterator[SourceRow], ledger: Ledger, tally: Tally, size: int) -> Iterator[list[SourceRow]]:
+    """The rows still to do, ``size`` at a time; rows that cannot be asked are written as skipped here."""
+    window: list[SourceRow] = []
+    for row in rows:
+        if ledger.settled(row.index):
+            continue
+        if row.messages is None:
+            ledger.write_skip(row.index, row.reason)
+            tally.skipped[row.reason] += 1
+            continue
+        window.append(row)
+        if len(window) == size:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+def _run_window(cfg: RegenerateConfig, engine, window: list[SourceRow], ledger: Ledger, tally: Tally) -> None:
+    """Turn by turn over the window's rows until each is written, skipped or failed."""
+    live = {row.index: (row, Dialogue(row.messages or [], row.tools)) for row in window}
+    while live:
+        asks = []
+        for index, (row, dialogue) in list(live.items()):
+            request = dialogue.next_request()
+            if request is None:  # every turn answered: the row is finished
+                ledger.write_row(output_row(row, dialogue.out, dialogue.record()))
+                tally.regenerated += 1
+                tally.cut_kept += "length" in dialogue.finish
+                tally.truncated += dialogue.truncated
+                del live[index]
+            else:
+                asks.append((index, request))
+        if not asks:
+            break
+        replies = engine.complete([request for _, request in asks])
+        for (index, request), reply in zip(asks, replies, strict=True):
+            row, dialogue = live[index]
+            tally.tokens += reply.tokens
+            if reply.error is not None:
+                ledger.write_error(index, reply.error, row.fields)
+                tally.failed += 1
+                del live[index]
+            elif reply.skip is not None or (reply.finish == "length" and cfg.on_length == "drop"):
+                reason = reply.skip or f"a turn hit --max-new-tokens {cfg.max_new_tokens}"
+                ledger.write_skip(index, reason)
+                tally.skipped[reason] += 1
+                del live[index]
+            else:
+                message = reply.message or assistant_message(
+                    reply.text or "", opened_think=reply.opened_think, tools=bool(request.tools)
+                )
+                dialogue.accept(message, reply.finish, reply.tokens)
+        tally.maybe_log()
+
+
+def accounting(tally: Tally, ledger: Ledger) -> str:
+    """``regenerated N, failed N, skipped N = input N``: the rows of the input, each counted once."""
+    written = sum(1 for i in ledger.written if i < tally.total)
+    skipped = sum(1 for i in ledger.skipped if i < tally.total)
+    line = f"regenerated {written}, failed {tally.failed}, skipped {skipped}"
+    settled = written + tally.failed + skipped
+    return (
+        f"{line} = input {tally.total}" if settled == tally.total else f"{line} of input {tally.total} so far"
+    )
+
+
+def _details(tally: Tally, ledger: Ledger) -> str:
+    parts = [
+        f"this run: regenerated {tally.regenerated} rows, {tally.tokens} tokens in {format_duration(time.monotonic() - tally.start)}"
+    ]
+    if tally.cut_kept:
+        parts.append(f"{tally.cut_kept} kept with a turn cut at --max-new-tokens")
+    if tally.truncated:
+        parts.append(
+            f"{tally.truncated} ended early (the target's tool calls left the source's tool results)"
+        )
+    if tally.skipped:
+        parts.append("skipped: " + ", ".join(f"{why} {n}" for why, n in tally.skipped.most_common()))
+    if tally.failed:
+        parts.append(f"failed rows and why: {ledger.errors_path} (the same command retries them)")
+    return "; ".join(parts)
+
+
+def open_engine(cfg: RegenerateConfig):
+    return LocalEngine(cfg) if cfg.model is not None else EndpointEngine(cfg)
+
+
+def run(cfg: RegenerateConfig) -> int:
+    log_to_console(PROG)
+    try:
+        total, rows = read_rows(cfg.dataset, split=cfg.split, fmt=cfg.format, limit=cfg.limit)
+        ledger = Ledger(Path(cfg.out), cfg.settings(), SETTINGS)
+    except (DataError, LedgerError) as err:
+        fail(PROG, err)
+    try:
+        todo = total - sum(1 for i in (*ledger.written, *ledger.skipped) if i < total)
+        tally = Tally(total=total, before=total - todo, progress_s=cfg.progress_s)
+        if todo:
+            log.info("%d of %d rows to regenerate into %s", todo, total, cfg.out)
+            engine = open_engine(cfg)
+            for window in _windows(rows, ledger, tally, engine.window):
+                _run_window(cfg, engine, window, ledger, tally)
+    except EngineError as err:
+        ledger.close()
+        fail(PROG, err)
+    except KeyboardInterrupt:
+        print(f"stopped: {accounting(tally, ledger)}; the same command continues", flush=True)
+        return EXIT_INTERRUPTED
+    except Exception as err:  # noqa: BLE001 - one line, the traceback with --log-level DEBUG
+        log.debug("regeneration failed", exc_info=True)
+        print_error(PROG, error_line(err))
+        return EXIT_FAILURE
+    print(_details(tally, ledger), flush=True)
+    print(accounting(tally, ledger), flush=True)
+    ledger.close()
+    return EXIT_FAILURE if tally.failed else EXIT_OK
