@@ -21,7 +21,7 @@ from dflash.common.metrics import MetricsLog
 from dflash.common.redact import redact
 from dflash.consumer import distributed as D
 from dflash.consumer.async_checkpoint import AsyncCheckpointer, SaveOutcome
-from dflash.consumer.config import TrainConfig
+from dflash.consumer.config import CheckpointConfig
 from dflash.consumer.optim import MasterAdamW
 from dflash.consumer.resume import restore, upload_fallback
 from dflash.consumer.state import TrainState
@@ -39,10 +39,22 @@ class Checkpointer:
     ``--checkpoint`` every method is a no-op: ``enabled`` is False."""
 
     def __init__(
-        self, cfg: TrainConfig, state: TrainState, *, dist: D.DistInfo, device: torch.device,
+        self,
+        cfg: CheckpointConfig,
+        state: TrainState,
+        *,
+        run: str,
+        run_dir: str | None = None,
+        run_config: dict | None = None,
+        dist: D.DistInfo,
+        device: torch.device,
         metrics: MetricsLog | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.cfg, self.state, self.dist = cfg, state, dist
+        self.run = run
+        """The run's folder under the store."""
+        self.run_config = run_config or {}
+        """The run's whole config, recorded in every checkpoint (``config.train``: export reads the target)."""
         self.metrics = metrics
         """Where each save's event goes (the owner may attach it once the run's metrics file is open)."""
         self.store: CheckpointStore | None = None
@@ -54,8 +66,8 @@ class Checkpointer:
         self._last_error: str | None = None
         self._saved_step: int | None = None
         self.outage = OutagePolicy(cfg.outage_saves, cfg.outage_minutes)
-        self.fallback = fallback_store(cfg.fallback_dir, cfg.run_dir)
-        if cfg.checkpoint:
+        self.fallback = fallback_store(cfg.fallback_dir, run_dir)
+        if cfg.store:
             self._open_store()
 
     @property
@@ -71,15 +83,15 @@ class Checkpointer:
         """Open the store and prove it takes checkpoints before the first step (rank 0 writes, reads back and
         deletes a probe; every rank learns the outcome): a folder or bucket that refuses writes would
         otherwise be found out at the first save, after the run's first steps, or never."""
-        self.store = open_store(self.cfg.checkpoint)
+        self.store = open_store(self.cfg.store)
         error = None
         if self.dist.is_main:
             try:
-                self.store.probe_writable(self.cfg.run)
+                self.store.probe_writable(self.run)
             except CheckpointStoreError as err:
                 error = f"{err}; no checkpoint could be saved: fix it, or pass another --checkpoint"
-                if has_state(self.fallback, self.cfg.run):
-                    error += f" (the run's latest state waits in {self.fallback.url_for(self.cfg.run)})"
+                if has_state(self.fallback, self.run):
+                    error += f" (the run's latest state waits in {self.fallback.url_for(self.run)})"
         error = D.broadcast_object(error, self.dist)
         if error is not None:
             raise CheckpointStoreError(error)
@@ -89,10 +101,10 @@ class Checkpointer:
         files), after a store outage's local state has gone to the store."""
         if self.store is None or self.cfg.resume != "auto":
             return
-        upload_fallback(self.store, self.fallback, self.cfg.run, keep_last=self.cfg.keep_last, dist=self.dist)
-        ckpt = load_latest_good(self.store, self.cfg.run)
+        upload_fallback(self.store, self.fallback, self.run, keep_last=self.cfg.keep_last, dist=self.dist)
+        ckpt = load_latest_good(self.store, self.run)
         if ckpt is None:
-            log.info("no checkpoint under %s/%s: starting fresh", redact(self.cfg.checkpoint), self.cfg.run)
+            log.info("no checkpoint under %s/%s: starting fresh", redact(self.cfg.store), self.run)
             return
         restore(ckpt, self.state, self.dist.rank)
         self._have_checkpoint = True
@@ -162,7 +174,7 @@ class Checkpointer:
             self.writer.snapshot_and_write(self.state.progress.step, self._device_state(), write)
             error = next((o.error for o in self.writer.wait() if o.error), None)
         error = D.broadcast_object(error, self.dist)
-        where = self.fallback.url_for(self.cfg.run)
+        where = self.fallback.url_for(self.run)
         if error is not None:
             raise StoreOutageError(f"{reason}; the local copy failed too ({redact(error)}): steps since the store's latest are lost")  # fmt: skip
         raise StoreOutageError(
@@ -184,11 +196,11 @@ class Checkpointer:
     def _write_job(self, store: CheckpointStore, trained: SampleSet, rng_states: list, *, keep_last: int):
         """The background write of this step's checkpoint into ``store`` (tried again once on failure)."""
         step, scheduler_state = self.state.progress.step, self.state.schedule.state_dict()
-        config = {"train": self.cfg.to_dict(), "drafter": self.state.drafter_config.to_dict()}
+        config = {"train": self.run_config, "drafter": self.state.drafter_config.to_dict()}
 
         def write(host: dict) -> str:
             return with_retries(lambda: save_checkpoint(
-                store, self.cfg.run, step, model_state=host["model"], optimizer_state=host["optimizer"],
+                store, self.run, step, model_state=host["model"], optimizer_state=host["optimizer"],
                 scheduler_state=scheduler_state, rng_state=dict(enumerate(rng_states)), trained=trained,
                 config=config, keep_last=keep_last,
             ))  # fmt: skip
@@ -253,6 +265,6 @@ class Checkpointer:
                 "%d failed in a row)", error, self.outage.failed, self.outage.max_failed_saves,
             )  # fmt: skip
         else:  # training on would lose every step if the process died: stop now and say so
-            self._fatal_error = f"{error}; no checkpoint of run {self.cfg.run!r} exists yet, so training on would lose every step"
+            self._fatal_error = f"{error}; no checkpoint of run {self.run!r} exists yet, so training on would lose every step"
             log.error("%s: stopping", self._fatal_error)
         return {"event": "checkpoint_failed", "step": out.step, "error": error}

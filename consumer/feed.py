@@ -33,7 +33,7 @@ from dflash.common.contract.shard_reader import read_shard, read_shard_meta
 from dflash.common.contract.spool import Spool
 from dflash.common.contract.spool_records import IDLE_PHASES
 from dflash.common.drafter.batch import PackedSamples, pack_samples
-from dflash.consumer.config import TrainConfig
+from dflash.consumer.config import FeedConfig
 from dflash.consumer.input_pipeline import put_until_stopped
 from dflash.consumer.packing import Sample, best_fit, lowest_epoch
 
@@ -65,7 +65,7 @@ WAITING_LOG_S = 30.0  # an empty spool: one "waiting for producers" line this of
 
 
 class ShardFeed:
-    """Claims shards for one consumer and packs them into fixed-shape streams (defaults: TrainConfig's)."""
+    """Claims shards for one consumer and packs them into fixed-shape streams (defaults: FeedConfig's)."""
 
     def __init__(
         self,
@@ -76,12 +76,12 @@ class ShardFeed:
         skip: SampleSet | None = None,
         bucket: int | str | None = None,
         prefetch_shards: int = 2,
-        pool_streams: int = TrainConfig.pool_streams,
-        min_split_tokens: int | None = TrainConfig.min_split_tokens,
-        fill_wait_s: float = TrainConfig.fill_wait_s,
+        pool_streams: int = FeedConfig.pool_streams,
+        min_split_tokens: int | None = FeedConfig.min_split_tokens,
+        fill_wait_s: float = FeedConfig.fill_wait_s,
         pin_memory: bool = False,
         poll_s: float = 0.05,
-        heartbeat_timeout_s: float = TrainConfig.heartbeat_timeout_s,
+        heartbeat_timeout_s: float = FeedConfig.heartbeat_timeout_s,
         expected_layer_ids: list[int] | None = None,
     ) -> None:
         self.expected_layer_ids = expected_layer_ids

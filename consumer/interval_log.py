@@ -16,7 +16,7 @@ import torch
 from dflash.common.metrics import MetricsLog, format_console_line
 from dflash.consumer import distributed as D
 from dflash.consumer.campaign import CampaignPlan
-from dflash.consumer.config import TrainConfig
+from dflash.consumer.config import LogConfig
 from dflash.consumer.feed import ShardFeed
 from dflash.consumer.loop_watch import LoopWatch
 from dflash.consumer.state import TrainState
@@ -25,21 +25,16 @@ from dflash.consumer.step import StepStats
 log = logging.getLogger(__name__)
 
 
-def init_wandb(cfg: TrainConfig):
-    """A wandb run when ``--wandb-project`` names one (rank 0 only: the caller decides), else None."""
-    if not cfg.wandb_project:
+def init_wandb(project: str | None, *, run: str, run_dir: str | None, config: dict):
+    """A wandb run when ``--wandb-project`` names one (rank 0 only: the caller decides), else None.
+    ``config`` is the run's config as wandb shows it (the caller leaves the store's URL out)."""
+    if not project:
         return None
 
     import wandb  # seconds to import: only for a run that logs to wandb
 
     mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-    return wandb.init(
-        project=cfg.wandb_project,
-        name=cfg.run,
-        mode=mode,
-        dir=cfg.run_dir or None,
-        config={k: v for k, v in cfg.to_dict().items() if k != "checkpoint"},
-    )
+    return wandb.init(project=project, name=run, mode=mode, dir=run_dir or None, config=config)
 
 
 def reduce_interval(stats: StepStats, block_size: int, dist: D.DistInfo, device: torch.device) -> dict:
@@ -73,10 +68,21 @@ class IntervalLogger:
     line (the last two on rank 0), and the feed's heartbeat counters brought up to date."""
 
     def __init__(
-        self, cfg: TrainConfig, state: TrainState, *, dist: D.DistInfo, device: torch.device, watch: LoopWatch,
-        feed: ShardFeed, metrics: MetricsLog | None, wandb: Any,
-    ) -> None:  # fmt: skip
+        self,
+        cfg: LogConfig,
+        state: TrainState,
+        *,
+        block_size: int,
+        context_tokens: int,
+        dist: D.DistInfo,
+        device: torch.device,
+        watch: LoopWatch,
+        feed: ShardFeed,
+        metrics: MetricsLog | None,
+        wandb: Any,
+    ) -> None:
         self.cfg, self.state, self.dist, self.device = cfg, state, dist, device
+        self.block_size, self.context_tokens = block_size, context_tokens
         self.watch, self.feed, self.metrics, self.wandb = watch, feed, metrics, wandb
         self.history: list[dict] = []
         self._t_process = time.monotonic()
@@ -108,7 +114,7 @@ class IntervalLogger:
         log.info("%s | %s", line, loop_line)
 
     def _record(self, stats: StepStats, plan: CampaignPlan | None) -> dict:
-        reduced = reduce_interval(stats, self.cfg.block_size, self.dist, self.device)
+        reduced = reduce_interval(stats, self.block_size, self.dist, self.device)
         tokens = reduced.pop("tokens")
         elapsed = time.monotonic() - stats.t0
         self.watch.at_log_line()  # gc_mode interval: the interval's one collection, counted in its own gc_ms
@@ -127,7 +133,7 @@ class IntervalLogger:
             "grad_norm": float(stats.grad_norm),
             "tok_s": tokens / max(elapsed, 1e-9),
             # share of the context slots that held real tokens (packing quality), over this interval
-            "fill": tokens / max(1.0, stats.steps * self.dist.world_size * self.cfg.context_tokens),
+            "fill": tokens / max(1.0, stats.steps * self.dist.world_size * self.context_tokens),
             "samples": len(progress.trained),
             "interval_samples": reduced["samples"],
             # the interval's raw sums: averages over a run are sum(tokens) / sum(seconds), not mean(tok_s)

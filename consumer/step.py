@@ -14,7 +14,7 @@ import torch
 from dflash.common.drafter.batch import DraftBatch
 from dflash.common.drafter.loss import DraftLossOutput, LinearCrossEntropy, draft_loss, linear_cross_entropy
 from dflash.common.drafter.model import DFlashDrafter
-from dflash.consumer.config import TrainConfig
+from dflash.consumer.config import OptimConfig, StepConfig
 from dflash.consumer.optim import MasterAdamW
 from dflash.consumer.schedule import LrSchedule
 
@@ -91,13 +91,8 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
             p.data = p.data.to(dtype)
 
 
-def _step_backend(cfg: TrainConfig, device: torch.device) -> str:
-    """The draft layers' compile backend, which the master-weight AdamW shares."""
-    return cfg.resolved_compile_backend(device.type) if cfg.compile else "eager"
-
-
-def make_loss(cfg: TrainConfig, device: torch.device) -> LinearCrossEntropy:
-    """The step's lm_head + cross-entropy for this device (``TrainConfig.loss_impl``). liger needs CUDA and
+def make_loss(cfg: StepConfig, device: torch.device) -> LinearCrossEntropy:
+    """The step's lm_head + cross-entropy for this device (``StepConfig.loss_impl``). liger needs CUDA and
     the liger-kernel package: anything else is one clear error here, before the model is compiled."""
     impl = cfg.resolved_loss_impl(device.type)
     if device.type == "cuda" and impl == "chunked" and cfg.loss_impl == "auto":
@@ -114,21 +109,26 @@ def make_loss(cfg: TrainConfig, device: torch.device) -> LinearCrossEntropy:
 
 
 def build_optimizer(
-    model: torch.nn.Module, cfg: TrainConfig, device: torch.device
+    model: torch.nn.Module,
+    cfg: OptimConfig,
+    *,
+    device: torch.device,
+    schedule_steps: int,
+    compile_backend: str = "eager",
 ) -> tuple[torch.optim.Optimizer, LrSchedule]:
-    """The precision's AdamW + linear warm-up / cosine schedule over ``cfg.schedule_steps`` (resized to the
+    """The precision's AdamW + linear warm-up / cosine schedule over ``schedule_steps`` (resized to the
     campaign's length at the first step when no length was given: consumer/schedule.py). Mixed: the
-    master-weight AdamW (compiled with the draft layers' backend); otherwise torch's fused AdamW, whose
-    kernel also applies the clip (``optim.clipped_step``)."""
+    master-weight AdamW (compiled with ``compile_backend``, the draft layers'); otherwise torch's fused
+    AdamW, whose kernel also applies the clip (``optim.clipped_step``)."""
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.resolved_precision(device.type) == "mixed":
         optimizer = MasterAdamW(
-            params, lr=cfg.lr, weight_decay=cfg.weight_decay, compile_backend=_step_backend(cfg, device)
+            params, lr=cfg.lr, weight_decay=cfg.weight_decay, compile_backend=compile_backend
         )
     else:
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
-    warmup = max(1, int(cfg.warmup_ratio * cfg.schedule_steps))
-    return optimizer, LrSchedule(optimizer, warmup, cfg.schedule_steps)
+    warmup = max(1, int(cfg.warmup_ratio * schedule_steps))
+    return optimizer, LrSchedule(optimizer, warmup, schedule_steps)
 
 
 def compile_drafter(model: DFlashDrafter, backend: str) -> None:

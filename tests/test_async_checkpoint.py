@@ -66,8 +66,8 @@ CHILD = textwrap.dedent(
     marker, hang_step = Path(sys.argv[1]), sys.argv[2]
     real_init = trainer_mod.Trainer.__init__
 
-    def init(self, cfg):
-        real_init(self, cfg)
+    def init(self, cfg, **kw):
+        real_init(self, cfg, **kw)
         put_file = self.checkpoints.store.put_file
 
         def hanging_put_file(key, path):

@@ -15,7 +15,7 @@ from dflash.common.contract.sample_set import SampleSet
 from dflash.common.metrics import MetricsLog
 from dflash.consumer import checkpointing, store_outage
 from dflash.consumer.checkpointing import Checkpointer, StoreOutageError
-from dflash.consumer.config import TrainConfig
+from dflash.consumer.config import CheckpointConfig
 from dflash.consumer.distributed import DistInfo
 from dflash.consumer.schedule import LrSchedule
 from dflash.consumer.state import TrainProgress, TrainState
@@ -33,17 +33,15 @@ def _state(seed: int = 0) -> TrainState:
     return TrainState(model, optimizer, LrSchedule(optimizer, 2, 10), drafter, TrainProgress())
 
 
-def _cfg(tmp_path, **overrides) -> TrainConfig:
-    return TrainConfig(
-        spool=".", target=".", run="r", checkpoint=str(tmp_path / "store"), run_dir=str(tmp_path / "run"),
-        save_every=2, **overrides,
-    )  # fmt: skip
+def _cfg(tmp_path, **overrides) -> CheckpointConfig:
+    return CheckpointConfig(store=str(tmp_path / "store"), save_every=2, **overrides)
 
 
 def _checkpointer(tmp_path, state: TrainState, **overrides) -> Checkpointer:
     metrics = MetricsLog(tmp_path / "run" / "metrics.jsonl")
     return Checkpointer(
-        _cfg(tmp_path, **overrides), state, dist=ONE_RANK, device=torch.device("cpu"), metrics=metrics
+        _cfg(tmp_path, **overrides), state, run="r", run_dir=str(tmp_path / "run"), dist=ONE_RANK,
+        device=torch.device("cpu"), metrics=metrics,
     )
 
 
@@ -97,7 +95,7 @@ def test_the_final_save_of_a_step_just_saved_only_waits(tmp_path):
 def test_without_a_store_every_call_is_a_no_op(tmp_path):
     state = _state()
     ckpt = Checkpointer(
-        TrainConfig(spool=".", target="."), state, dist=ONE_RANK, device=torch.device("cpu"), metrics=None
+        CheckpointConfig(), state, run="default", dist=ONE_RANK, device=torch.device("cpu"), metrics=None
     )
     ckpt.resume()
     _train(state, ckpt, 3)

@@ -12,6 +12,7 @@ from pipeline_helpers import consume_cmd, cpu_env, run, write_synthetic_spool
 
 from dflash.common.cli.flags import Flag
 from dflash.common.metrics import read_metrics
+from dflash.consumer.config import SECTIONS
 
 
 def _start_200_steps(spool, tiny_target, run_dir, lr: str) -> subprocess.Popen:
@@ -315,7 +316,10 @@ def test_the_consumer_bench_takes_dflash_consumes_flags_from_train_config():
     )
     assert options["gc_mode"] == "python" and options["device"] == "cuda"
     flags = {
-        f.name for f in dataclasses.fields(consumer_bench.TrainConfig) if f.metadata.get("flag", Flag()).cli
+        f.name
+        for cls in (consumer_bench.TrainConfig, *SECTIONS.values())
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("flag", Flag()).cli
     }
     assert set(options) - {"device"} == flags - set(consumer_bench.BENCH_SETS)
     given = consumer_bench.consumer_options(parser.parse_args(["--max-anchors-per-doc", "64"]))

@@ -100,7 +100,7 @@ def test_the_cli_configs_refuse_repeated_layer_ids():
     with pytest.raises(
         ValueError, match=r"--target-layer-ids \[2, 2\]: layer ids must be sorted and distinct"
     ):
-        TrainConfig(spool="s", target="t", target_layer_ids=[2, 2])
+        TrainConfig.from_flat(spool="s", target="t", target_layer_ids=[2, 2])
 
 
 def test_drafter_config_uses_the_producers_layer_rule():
@@ -653,11 +653,11 @@ def test_train_config_flags_for_the_layout():
     from dflash.consumer.config import TrainConfig
 
     base = {"spool": "s", "target": "t", "num_layers": 3}
-    assert TrainConfig(**base).layer_types is None  # auto
-    cfg = TrainConfig(**base, draft_layer_types="sliding, sliding,full", sliding_window=64)
-    assert cfg.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert TrainConfig.from_flat(**base).drafter.layer_types is None  # auto
+    cfg = TrainConfig.from_flat(**base, draft_layer_types="sliding, sliding,full", sliding_window=64)
+    assert cfg.drafter.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
     assert (
-        TrainConfig(**base, draft_layer_types="sliding_attention,full_attention,full").layer_types[0]
+        TrainConfig.from_flat(**base, draft_layer_types="sliding_attention,full_attention,full").drafter.layer_types[0]
         == "sliding_attention"
     )
     for bad, match in (
@@ -666,9 +666,9 @@ def test_train_config_flags_for_the_layout():
         ("", "sliding/full"),
     ):
         with pytest.raises(ValueError, match=match):
-            TrainConfig(**base, draft_layer_types=bad)
+            TrainConfig.from_flat(**base, draft_layer_types=bad)
     with pytest.raises(ValueError, match="sliding-window"):
-        TrainConfig(**base, sliding_window=0)
+        TrainConfig.from_flat(**base, sliding_window=0)
 
 
 def test_draft_spec_names_what_a_config_lacks():

@@ -48,6 +48,7 @@ ALLOWED: dict[str, set[str]] = {
 LOCAL_IMPORTS_OK = {
     "dflash.producer.cli": "parses its flags before importing the launch (transformers, datasets, torch)",
     "dflash.consumer.cli": "parses its flags before importing torch and the trainer",
+    "dflash.consumer.launch": "torch only once CUDA_VISIBLE_DEVICES names the process's one GPU",
     "dflash.tools.eval.cli": "parses its flags before importing torch",
     "dflash.tools.export.cli": "parses its flags before importing torch",
     "dflash.tools.demo.cli": "parses its flags before importing torch, transformers and boto3",
@@ -59,7 +60,7 @@ LOCAL_IMPORTS_OK = {
     "dflash.common.compile": "the CLIs build CompileConfig before parsing: torch._dynamo only in the helper that imports it",
     "dflash.common.target.data": "DataConfig is imported by the producer's CLI before parsing",
     "dflash.producer.config": "imported by the CLI before parsing: torch only in Worker.torch_dtype",
-    "dflash.consumer.config": "imported by the CLI before parsing: torch only in param_dtype",
+    "dflash.consumer.config": "imported by the CLI before parsing: torch only in OptimConfig.param_dtype",
     "dflash.producer.supervisor": "the worker entry runs in a spawned child: its imports are the child's",
     "dflash.consumer.interval_log": "wandb (seconds to import) only for a run that logs to it",
     "dflash.common.drafter.loss": "liger-kernel and Triton (CUDA only, optional) only for --loss-impl liger",

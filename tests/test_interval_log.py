@@ -14,7 +14,7 @@ from ledger_audit import read_jsonl
 from dflash.common.contract.epochs import Campaign, Epochs
 from dflash.common.metrics import MetricsLog
 from dflash.consumer.campaign import CampaignPlan
-from dflash.consumer.config import TrainConfig
+from dflash.consumer.config import LogConfig
 from dflash.consumer.distributed import DistInfo
 from dflash.consumer.interval_log import IntervalLogger
 from dflash.consumer.loop_watch import LoopWatch
@@ -40,12 +40,11 @@ def _logger(tmp_path, *, rank: int = 0, wandb=None) -> tuple[IntervalLogger, Sim
     state = TrainState(p, optimizer, LrSchedule(optimizer, 1, 100), None, TrainProgress(step=20, epoch=1))
     state.progress.trained.add(range(30))
     feed = SimpleNamespace(heartbeat_counters={}, spool_summary={"spool_shards": 3})
-    cfg = TrainConfig(spool=".", target=".", block_size=BLOCK, context_tokens=64, log_every=10)
     dist = DistInfo(rank=rank, world_size=1, local_rank=0, device=CPU)
     logger = IntervalLogger(
-        cfg, state, dist=dist, device=CPU, watch=LoopWatch(CPU), feed=feed,
-        metrics=MetricsLog(tmp_path / "metrics.jsonl"), wandb=wandb,
-    )  # fmt: skip
+        LogConfig(log_every=10), state, block_size=BLOCK, context_tokens=64, dist=dist, device=CPU,
+        watch=LoopWatch(CPU), feed=feed, metrics=MetricsLog(tmp_path / "metrics.jsonl"), wandb=wandb,
+    )
     return logger, feed
 
 

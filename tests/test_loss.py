@@ -215,10 +215,10 @@ def test_auto_loss_is_liger_on_cuda_when_installed_else_chunked_and_says_so(monk
     import importlib.util
     import logging
 
-    from dflash.consumer.config import TrainConfig
+    from dflash.consumer.config import StepConfig
     from dflash.consumer.step import make_loss
 
-    cfg = TrainConfig(spool=str(tmp_path), target=str(tmp_path))
+    cfg = StepConfig()
     real = importlib.util.find_spec
     for installed in (True, False):
         monkeypatch.setattr(

@@ -14,7 +14,7 @@ from draft_reference import one_thread  # noqa: F401  (autouse fixture)
 from dflash.common.drafter.batch import build_draft_batch, pack_samples
 from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.model import DFlashDrafter, TargetHead
-from dflash.consumer.config import TrainConfig
+from dflash.consumer.config import OptimConfig
 from dflash.consumer.optim import clipped_step
 from dflash.consumer.step import build_optimizer, cast_parameters, forward_backward
 
@@ -62,8 +62,8 @@ def _train(dtype: torch.dtype, batches: list, *, autocast: bool = False, precisi
     model = DFlashDrafter(cfg, head)
     cast_parameters(model, dtype)
     assert model.rotary_emb.inv_freq.dtype == torch.float32  # buffers keep fp32
-    tcfg = TrainConfig(spool=".", target=".", lr=1e-2, total_steps=STEPS, warmup_ratio=0.05, precision=precision)
-    opt, sched = build_optimizer(model, tcfg, torch.device("cpu"))
+    tcfg = OptimConfig(lr=1e-2, warmup_ratio=0.05, precision=precision)
+    opt, sched = build_optimizer(model, tcfg, device=torch.device("cpu"), schedule_steps=STEPS)
     losses = []
     for batch in batches:
         batch = batch.to("cpu", hidden_dtype=dtype)

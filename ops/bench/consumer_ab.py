@@ -41,11 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_data import FillPlan, SpoolFiller, write_target_head  # noqa: E402
 from consumer_bench import PRESETS, run_reference  # noqa: E402
 
-from dflash.common.cli.flags import add_flags, from_args
 from dflash.common.drafter.layers import default_target_layer_ids
-from dflash.consumer.config import TrainConfig
+from dflash.consumer.config import LogConfig, add_train_flags, train_config_from_args
 
-FIXED = ("spool", "target", "run", "run_dir", "checkpoint", "save_every", "max_steps", "total_steps")
+FIXED = ("spool", "target", "run", "run_dir", "store", "save_every", "max_steps", "total_steps")
 """TrainConfig fields the bench sets itself (a variant's flags cannot)."""
 PER_INTERVAL = (
     "loss", "gpu_busy", "gpu_ms", "gpu_gap_max_ms", "host_wait_ms", "host_launch_ms", "gc_ms", "gc_max_ms", "gc_full",
@@ -58,7 +57,7 @@ def variant_parser(context: int, anchors: int) -> argparse.ArgumentParser:
     """dflash-consume's TrainConfig flags (bar ``FIXED``), with the bench's shapes as defaults."""
     p = argparse.ArgumentParser(prog="variant flags", add_help=False)
     defaults = {"log_every": 10, "eval_every": 0, "context_tokens": context, "num_anchors": anchors}
-    add_flags(p, TrainConfig, exclude=FIXED, defaults={**defaults, "max_anchors_per_doc": anchors})
+    add_train_flags(p, exclude=FIXED, defaults={**defaults, "max_anchors_per_doc": anchors})
     return p
 
 
@@ -108,18 +107,18 @@ def child(args: argparse.Namespace, flags: list[str]) -> None:
     max_steps = args.warmup + args.steps
     steps_run = max_steps
     if parsed.profile_steps:  # profiled steps come after the measured ones: they never time an interval
-        count = TrainConfig(spool=".", target=".", profile_steps=parsed.profile_steps).profile_window[1]
+        count = LogConfig(profile_steps=parsed.profile_steps).profile_window[1]
         parsed.profile_steps = f"{max_steps + 1}:{count}"
         steps_run += count
     run_dir = Path(args.workdir) / f"run-{args.name}"
     shutil.rmtree(run_dir, ignore_errors=True)
     fixed = dict(
-        spool=args.spool, target=args.target, run="bench", run_dir=str(run_dir), checkpoint=None,
+        spool=args.spool, target=args.target, run="bench", run_dir=str(run_dir), store=None,
         save_every=10**9, max_steps=steps_run, total_steps=steps_run,
     )  # fmt: skip
-    cfg = from_args(TrainConfig, parsed, **fixed, device=args.device)
+    cfg = train_config_from_args(parsed, **fixed)
     t0 = time.monotonic()
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, device=args.device)
     try:
         summary = trainer.train()
     finally:
@@ -131,8 +130,8 @@ def child(args: argparse.Namespace, flags: list[str]) -> None:
         "fill": round(summary["fill"], 4),
         "first_step_s": round(summary["first_step_s"], 1) if summary["first_step_s"] else None,
         "recompiles_after_warmup": summary["recompiles_after_warmup"],
-        "precision": cfg.resolved_precision(trainer.device.type),
-        "loss_impl": cfg.resolved_loss_impl(trainer.device.type),
+        "precision": cfg.optim.resolved_precision(trainer.device.type),
+        "loss_impl": cfg.step.resolved_loss_impl(trainer.device.type),
         "train_s": round(time.monotonic() - t0, 1),
     }
     profile = run_dir / "profile-r0.txt"

@@ -26,7 +26,6 @@ for the frozen lm_head (no weight grad); attention counts only the (query, key) 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -43,13 +42,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_data import FillPlan, SpoolFiller, write_target_head  # noqa: E402
 
-from dflash.common.cli.flags import add_flags
 from dflash.common.drafter.batch import build_draft_batch, pack_samples
 from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.dflash import recompile_count
 from dflash.common.drafter.layers import default_target_layer_ids
 from dflash.common.drafter.model import DFlashDrafter, TargetHead
-from dflash.consumer.config import TrainConfig
+from dflash.consumer.config import TrainConfig, add_train_flags, train_flag_names
 from dflash.consumer.optim import clipped_step
 from dflash.consumer.step import (
     build_optimizer,
@@ -159,13 +157,16 @@ def run(
     )
     model = DFlashDrafter(cfg, head).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    tcfg = TrainConfig(
-        spool=".", target=".", device=str(device), total_steps=steps, compile_backend=backend,
+    tcfg = TrainConfig.from_flat(
+        spool=".", target=".", total_steps=steps, compile_backend=backend,
         **({"precision": precision} if precision else {}),
     )  # fmt: skip
-    cast_parameters(model, tcfg.param_dtype(device.type))
-    optimizer, schedule = build_optimizer(model, tcfg, device)
-    loss_fn = make_loss(tcfg, device)
+    cast_parameters(model, tcfg.optim.param_dtype(device.type))
+    optimizer, schedule = build_optimizer(
+        model, tcfg.optim, device=device, schedule_steps=tcfg.schedule_steps,
+        compile_backend=tcfg.compile_options.resolved_backend(device.type),
+    )  # fmt: skip
+    loss_fn = make_loss(tcfg.step, device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     compile_drafter(model, backend)
     width = cfg.hidden_size * cfg.num_context_layers
@@ -199,7 +200,7 @@ def run(
             loss_scale=1.0 / weight.clamp(min=1e-6).to(device),
             lce=loss_fn,
         )
-        clipped_step(optimizer, trainable, tcfg.grad_clip)
+        clipped_step(optimizer, trainable, tcfg.optim.grad_clip)
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         return pairs, float(weight)
@@ -241,8 +242,8 @@ def run(
         "first_step_s": round(first_step_s, 1),
         "recompiles_after_warmup": recompiles,
         "backend": backend,
-        "precision": tcfg.resolved_precision(device.type),
-        "loss_impl": tcfg.resolved_loss_impl(device.type),
+        "precision": tcfg.optim.resolved_precision(device.type),
+        "loss_impl": tcfg.step.resolved_loss_impl(device.type),
     }
     if device.type == "cuda":
         peak = matmul_peak_tflops(device)
@@ -331,11 +332,13 @@ def prefill_spool(
     return spool, target, plan, filler, written, time.monotonic() - t_fill
 
 
-def train_counting_pairs(cfg: TrainConfig, *, count_steps: int) -> tuple[Trainer, dict, list[float], float]:
+def train_counting_pairs(
+    cfg: TrainConfig, *, device: str, count_steps: int
+) -> tuple[Trainer, dict, list[float], float]:
     """The real Trainer's run, the mask's visible pairs counted in its first ``count_steps`` steps:
     (trainer, its summary, the pairs per step, seconds)."""
     t0 = time.monotonic()
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, device=device)
     pairs: list[float] = []
     train_step = trainer.train_step
 
@@ -343,7 +346,7 @@ def train_counting_pairs(cfg: TrainConfig, *, count_steps: int) -> tuple[Trainer
         # (the batches are built in the data worker process or the input thread: counted here, on the
         # step's own device batch; the host sync this costs stays out of the timed steps)
         if not item.padding and trainer.step < count_steps:
-            pairs.append(visible_pairs(item.batch, cfg.block_size))
+            pairs.append(visible_pairs(item.batch, cfg.drafter.block_size))
         return train_step(item, stats)
 
     trainer.train_step = counted_step
@@ -405,13 +408,14 @@ def run_trainer(
     run_dir = workdir / f"run-{preset}-{precision}-{int(time.time())}"
     ckpt = workdir / "ckpt"
     shutil.rmtree(ckpt, ignore_errors=True)
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flat(
         spool=str(spool), target=str(target), run="bench", run_dir=str(run_dir),
-        checkpoint=str(ckpt) if save_every else None, save_every=save_every or 10**9, keep_last=1,
-        max_steps=max_steps, total_steps=max_steps, precision=precision, seed=seed, bucket=bucket, **options,
+        store=str(ckpt) if save_every else None, save_every=save_every or 10**9, keep_last=1,
+        max_steps=max_steps, total_steps=max_steps, precision=precision, seed=seed, bucket=bucket,
+        **{k: v for k, v in options.items() if k != "device"},
     )  # fmt: skip
     try:
-        trainer, summary, pairs, total_s = train_counting_pairs(cfg, count_steps=max(warmup, 3))
+        trainer, summary, pairs, total_s = train_counting_pairs(cfg, device=device, count_steps=max(warmup, 3))
     finally:
         filler.close()
         shutil.rmtree(spool, ignore_errors=True)
@@ -526,7 +530,7 @@ def feed_throughput(
 # sweeps over --precision and --seed, and each mode's claim order. Every other field is a flag of this
 # script, named, typed, defaulted and documented as on dflash-consume (the flags are made from TrainConfig).
 BENCH_SETS = (
-    "spool", "target", "run", "run_dir", "checkpoint", "save_every", "keep_last", "max_steps", "total_steps",
+    "spool", "target", "run", "run_dir", "store", "save_every", "keep_last", "max_steps", "total_steps",
     "precision", "seed", "bucket",
 )  # fmt: skip
 
@@ -555,13 +559,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None)
     consumer = p.add_argument_group("dflash-consume's options (shapes, loss, compile, loop); --max-anchors-per-doc "
                                     "follows --num-anchors unless given")  # fmt: skip
-    add_flags(consumer, TrainConfig, exclude=BENCH_SETS, defaults={"max_anchors_per_doc": None})
+    add_train_flags(consumer, exclude=BENCH_SETS, defaults={"max_anchors_per_doc": None})
     return p
 
 
 def consumer_options(args: argparse.Namespace) -> dict:
     """The TrainConfig fields of the consumer's flags (and the bench's --device)."""
-    names = {f.name for f in dataclasses.fields(TrainConfig)} - set(BENCH_SETS)
+    names = train_flag_names() - set(BENCH_SETS)
     options = {k: getattr(args, k) for k in names if hasattr(args, k)}
     if options["max_anchors_per_doc"] is None:
         options["max_anchors_per_doc"] = options["num_anchors"]
@@ -573,7 +577,8 @@ def _run_one(
 ) -> dict:
     if args.mode == "step":
         device = torch.device(args.device)
-        backend = TrainConfig(spool=".", target=".", **options).resolved_compile_backend(device.type)
+        flags = {k: v for k, v in options.items() if k != "device"}
+        backend = TrainConfig.from_flat(spool=".", target=".", **flags).compile_options.resolved_backend(device.type)
         r = run(
             preset, steps=args.steps, context=options["context_tokens"], anchors=options["num_anchors"],
             device=device, backend=backend, precision=precision,

@@ -40,7 +40,7 @@ from dflash.common.contract.names import shard_name
 from dflash.common.contract.shard import Shard, ShardMeta
 from dflash.common.contract.shard_writer import write_shard
 from dflash.common.contract.spool import Spool
-from dflash.consumer.config import TrainConfig
+from dflash.consumer.config import FeedConfig
 from dflash.consumer.feed import ShardFeed
 from dflash.producer.buckets import BucketConfig, Bucketer, Sample
 
@@ -113,7 +113,7 @@ def simulate(args: argparse.Namespace, root: Path) -> dict:
             spool, f"r{r}", context_tokens=args.context, bucket="random", heartbeat_timeout_s=60.0 / scale,
             fill_wait_s=(2.0 if old else args.fill_wait_s) / scale, poll_s=0.01,
             pool_streams=1 if old else args.pool_streams,  # old: packed at one stream's worth
-            min_split_tokens=256 if old else TrainConfig.min_split_tokens,
+            min_split_tokens=256 if old else FeedConfig.min_split_tokens,
         )  # fmt: skip
         for r in range(args.ranks)
     ]
@@ -170,7 +170,7 @@ def main() -> None:
     p.add_argument("--sigma", type=float, default=0.8)
     p.add_argument("--max-length", type=int, default=4096)
     p.add_argument("--fill-wait-s", type=float, default=30.0)
-    p.add_argument("--pool-streams", type=int, default=TrainConfig.pool_streams, help="new policy: the feed's pool")
+    p.add_argument("--pool-streams", type=int, default=FeedConfig.pool_streams, help="new policy: the feed's pool")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args()
