@@ -17,7 +17,7 @@ from dflash.common.metrics import MetricsLog, format_console_line
 from dflash.consumer import distributed as D
 from dflash.consumer.campaign import CampaignPlan
 from dflash.consumer.config import LogConfig
-from dflash.consumer.feed import ShardFeed
+from dflash.consumer.heartbeat import ConsumerHeartbeat
 from dflash.consumer.loop_watch import LoopWatch
 from dflash.consumer.state import TrainState
 from dflash.consumer.step import StepStats
@@ -65,7 +65,7 @@ def reduce_interval(stats: StepStats, block_size: int, dist: D.DistInfo, device:
 
 class IntervalLogger:
     """Every ``--log-every`` steps: one record into the history, the metrics file and wandb, one console
-    line (the last two on rank 0), and the feed's heartbeat counters brought up to date."""
+    line (the last two on rank 0), and the heartbeat's training counters brought up to date."""
 
     def __init__(
         self,
@@ -77,13 +77,13 @@ class IntervalLogger:
         dist: D.DistInfo,
         device: torch.device,
         watch: LoopWatch,
-        feed: ShardFeed,
+        heartbeat: ConsumerHeartbeat,
         metrics: MetricsLog | None,
         wandb: Any,
     ) -> None:
         self.cfg, self.state, self.dist, self.device = cfg, state, dist, device
         self.block_size, self.context_tokens = block_size, context_tokens
-        self.watch, self.feed, self.metrics, self.wandb = watch, feed, metrics, wandb
+        self.watch, self.heartbeat, self.metrics, self.wandb = watch, heartbeat, metrics, wandb
         self.history: list[dict] = []
         self._t_process = time.monotonic()
 
@@ -96,7 +96,7 @@ class IntervalLogger:
             return
         rec = self._record(stats, plan)
         self.history.append(rec)
-        self.feed.heartbeat_counters.update(
+        self.heartbeat.update(
             step=rec["step"], samples=rec["samples"], tok_s=rec["tok_s"], world_size=self.dist.world_size
         )
         if not self.dist.is_main:
@@ -141,8 +141,8 @@ class IntervalLogger:
             "interval_s": elapsed,
             **campaign,
             "world_size": self.dist.world_size,
-            # spool depth and the producers' summed rate, as the feed's heartbeat thread last saw them
-            **dict(self.feed.spool_summary),
+            # spool depth and the producers' summed rate, as the heartbeat's last scan saw them
+            **self.heartbeat.spool_summary,
             # where the interval's time went (consumer/loop_watch.py): a host stall vs a slow kernel
             **loop,
         }

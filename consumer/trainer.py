@@ -38,6 +38,7 @@ from dflash.consumer.checkpointing import Checkpointer
 from dflash.consumer.config import TrainConfig
 from dflash.consumer.drafter_setup import build_drafter, set_up_device
 from dflash.consumer.feed import ShardFeed
+from dflash.consumer.heartbeat import ConsumerHeartbeat
 from dflash.consumer.held_out import HeldOutEval
 from dflash.consumer.input_pipeline import InputPipeline, StepInput
 from dflash.consumer.interval_log import IntervalLogger, init_wandb
@@ -102,7 +103,7 @@ class Trainer:
         self.watch = LoopWatch(self.device, gc_mode=cfg.host.gc_mode, freeze_at_step=WARMUP_STEPS_FOR_RECOMPILES)
         self.logger = IntervalLogger(
             cfg.logs, state, block_size=cfg.drafter.block_size, context_tokens=cfg.step.context_tokens,
-            dist=self.dist, device=self.device, watch=self.watch, feed=self.feed, metrics=self.metrics,
+            dist=self.dist, device=self.device, watch=self.watch, heartbeat=self.heartbeat, metrics=self.metrics,
             wandb=self.wandb,
         )
         window = cfg.logs.profile_window
@@ -115,10 +116,12 @@ class Trainer:
         return self.progress.step
 
     def _build_data(self) -> None:
-        """The data path, in threads of this process: the shard feed (claims, decode, packing, acks, shard
-        deletion) and the input pipeline (anchors, labels, the host->device copy)."""
+        """The data path, in threads of this process: the heartbeat (this consumer alive to the others, the
+        spool's depth), the shard feed (claims, decode, packing, acks, shard deletion) and the input
+        pipeline (anchors, labels, the host->device copy)."""
         feed = self.cfg.feed
         self._padding_input: StepInput | None = None
+        self.heartbeat = ConsumerHeartbeat(self.spool, self.consumer_id, timeout_s=feed.heartbeat_timeout_s)
         self.feed = ShardFeed(
             self.spool,
             self.consumer_id,
@@ -131,6 +134,7 @@ class Trainer:
             fill_wait_s=feed.fill_wait_s,
             pin_memory=self.device.type == "cuda",
             expected_layer_ids=list(self.drafter_config.target_layer_ids),
+            heartbeat=self.heartbeat,
         )
         self.inputs = InputPipeline(
             lambda wait_s: self.feed.next_packed(wait_s=wait_s),
@@ -162,6 +166,7 @@ class Trainer:
             self.watch.close()
             self.inputs.close()
             self.feed.close()
+            self.heartbeat.close()
         return self._summary()
 
     def _loop(self) -> None:
