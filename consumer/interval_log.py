@@ -16,10 +16,10 @@ import torch
 from dflash.common.metrics import MetricsLog, format_console_line
 from dflash.consumer import distributed as D
 from dflash.consumer.campaign import CampaignPlan
+from dflash.consumer.checkpointing.state import TrainState
 from dflash.consumer.config import LogConfig
 from dflash.consumer.heartbeat import ConsumerHeartbeat
 from dflash.consumer.loop_watch import LoopWatch
-from dflash.consumer.state import TrainState
 from dflash.consumer.step import StepStats
 
 log = logging.getLogger(__name__)

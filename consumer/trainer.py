@@ -3,16 +3,16 @@
 Build order is visible in ``Trainer.__init__`` (device -> distributed -> drafter -> optimizer and schedule
 -> checkpoint resume -> data -> logs). ``train()`` reads top to bottom: take the next staged step, agree
 across ranks whether anyone has data, step, ack, log, checkpoint. The trainer owns parts that each decide
-one thing: the ``Checkpointer`` (checkpointing.py) when to save and what a failed save means, the
+one thing: the ``Checkpointer`` (checkpointing/checkpointer.py) when to save and what a failed save means, the
 ``IntervalLogger`` (interval_log.py) when to log, the ``LrSchedule`` (schedule.py) each step's rate; they
-are handed the state they read (state.py) rather than reaching into the trainer.
+are handed the state they read (checkpointing/state.py) rather than reaching into the trainer.
 
 The GPU never waits for the host: the input pipeline (``input_pipeline.py``) packs, samples anchors and
 copies step n+1 while step n runs; nothing in a step reads a device value back (loss, accuracy and τ sums
 stay on the device until a log line); the per-step agreement between ranks goes over a gloo group on the
 CPU (a host round trip of well under a millisecond that never waits for the GPU, which is kept busy by
 the steps already launched); checkpoints copy the state to host memory on the compute stream and write
-and upload it from a background thread (``async_checkpoint.py``).
+and upload it from a background thread (``checkpointing/background.py``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from dflash.common.metrics import MetricsLog
 from dflash.consumer import distributed as D
 from dflash.consumer.agreement import StepAgreement
 from dflash.consumer.campaign import CampaignPlan, read_plan
-from dflash.consumer.checkpointing import Checkpointer
+from dflash.consumer.checkpointing.checkpointer import Checkpointer
+from dflash.consumer.checkpointing.state import TrainProgress, TrainState
 from dflash.consumer.config import TrainConfig
 from dflash.consumer.drafter_setup import build_drafter, set_up_device
 from dflash.consumer.feed import ShardFeed
@@ -44,7 +45,6 @@ from dflash.consumer.input_pipeline import InputPipeline, StepInput
 from dflash.consumer.interval_log import IntervalLogger, init_wandb
 from dflash.consumer.loop_watch import LoopWatch, StepProfiler
 from dflash.consumer.optim import clipped_step
-from dflash.consumer.state import TrainProgress, TrainState
 from dflash.consumer.step import StepStats, build_optimizer, forward_backward, make_loss
 
 import_dynamo_in_main_thread()  # before the checkpoint and feed threads start

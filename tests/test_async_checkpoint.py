@@ -16,7 +16,7 @@ from ledger_audit import read_jsonl
 from pipeline_helpers import consume_cmd, cpu_env, write_synthetic_spool
 
 from dflash.common.checkpoints.load import list_steps, load_checkpoint
-from dflash.consumer.async_checkpoint import AsyncCheckpointer
+from dflash.consumer.checkpointing.background import AsyncCheckpointer
 
 
 def test_snapshot_is_the_state_at_the_save_not_after():

@@ -13,12 +13,12 @@ from ledger_audit import read_jsonl
 
 from dflash.common.contract.sample_set import SampleSet
 from dflash.common.metrics import MetricsLog
-from dflash.consumer import checkpointing, store_outage
-from dflash.consumer.checkpointing import Checkpointer, StoreOutageError
+from dflash.consumer.checkpointing import checkpointer, outage
+from dflash.consumer.checkpointing.checkpointer import Checkpointer, StoreOutageError
+from dflash.consumer.checkpointing.state import TrainProgress, TrainState
 from dflash.consumer.config import CheckpointConfig
 from dflash.consumer.distributed import DistInfo
 from dflash.consumer.schedule import LrSchedule
-from dflash.consumer.state import TrainProgress, TrainState
 
 ONE_RANK = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
@@ -64,7 +64,7 @@ def _events(tmp_path) -> list[tuple[str, int]]:
 @pytest.fixture(autouse=True)
 def _no_retry_pause(monkeypatch):
     monkeypatch.setattr(
-        checkpointing, "with_retries", lambda write: store_outage.with_retries(write, pause_s=0)
+        checkpointer, "with_retries", lambda write: outage.with_retries(write, pause_s=0)
     )
 
 
@@ -110,14 +110,14 @@ def _written(ckpt: Checkpointer) -> None:
 
 def _refusing_store(monkeypatch) -> None:
     """The store refuses every write; the local fallback folder takes them."""
-    real = checkpointing.save_checkpoint
+    real = checkpointer.save_checkpoint
 
     def refuse(store, *args, **kwargs):
         if store.root.name == "store":
             raise OSError("bucket gone")
         return real(store, *args, **kwargs)
 
-    monkeypatch.setattr(checkpointing, "save_checkpoint", refuse)
+    monkeypatch.setattr(checkpointer, "save_checkpoint", refuse)
 
 
 def test_a_failed_save_before_any_checkpoint_stops_training(tmp_path, monkeypatch):

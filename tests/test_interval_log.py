@@ -13,12 +13,12 @@ from ledger_audit import read_jsonl
 from dflash.common.contract.epochs import Campaign, Epochs
 from dflash.common.metrics import MetricsLog
 from dflash.consumer.campaign import CampaignPlan
+from dflash.consumer.checkpointing.state import TrainProgress, TrainState
 from dflash.consumer.config import LogConfig
 from dflash.consumer.distributed import DistInfo
 from dflash.consumer.interval_log import IntervalLogger
 from dflash.consumer.loop_watch import LoopWatch
 from dflash.consumer.schedule import LrSchedule
-from dflash.consumer.state import TrainProgress, TrainState
 from dflash.consumer.step import StepStats
 
 CPU = torch.device("cpu")

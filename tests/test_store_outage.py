@@ -1,7 +1,7 @@
 """A checkpoint store that stops taking saves mid-run: the consumer trains on for a bounded number of failed
 saves, then writes its state to local disk and stops with one line; the same command, once the store is
 back, resumes from that state, uploads it and trains every remaining sample, each sample trained once
-(consumer/store_outage.py, docs/reliability.md)."""
+(consumer/checkpointing/outage.py, docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pipeline_helpers import consume_cmd
 from test_faults import FaultProxy, _publish_synthetic, _s3_env
 
 from dflash.common.contract.spool import Spool
-from dflash.consumer.store_outage import OutagePolicy, with_retries
+from dflash.consumer.checkpointing.outage import OutagePolicy, with_retries
 
 SAVE_EVERY = 2
 OUTAGE_SAVES = 2

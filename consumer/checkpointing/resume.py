@@ -1,5 +1,5 @@
 """Where a consumer's run starts: the latest good checkpoint of the run, after the state a store outage
-left on local disk has gone back to the store (``store_outage.py``).
+left on local disk has gone back to the store (``outage.py``).
 
 Every rank loads the same files; a checkpoint whose draft layers differ from this run's, or whose weights
 do not fit this drafter, is one clear error rather than a silently different model.
@@ -16,9 +16,9 @@ from dflash.common.checkpoints.store import CheckpointStore, CheckpointStoreErro
 from dflash.common.drafter.config import DrafterConfig
 from dflash.common.redact import redact
 from dflash.consumer import distributed as D
+from dflash.consumer.checkpointing.outage import has_state, with_retries
+from dflash.consumer.checkpointing.state import TrainState
 from dflash.consumer.optim import MasterAdamW
-from dflash.consumer.state import TrainState
-from dflash.consumer.store_outage import has_state, with_retries
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """The consumer's checkpoints: ``Checkpointer`` is handed the state it saves (``state.TrainState``) and the
 cadence, and decides when to save; it resumes the run, saves in the background, says every save's outcome
-and stops training when the store refuses checkpoints past the outage bound (``store_outage.py``).
+and stops training when the store refuses checkpoints past the outage bound (``outage.py``).
 
 Why a save never stalls training: the state is copied to host memory on the compute stream and written
-and uploaded by a background thread (async_checkpoint.py); training stalls only for the copy.
+and uploaded by a background thread (background.py); training stalls only for the copy.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from dflash.common.contract.sample_set import SampleSet
 from dflash.common.metrics import MetricsLog
 from dflash.common.redact import redact
 from dflash.consumer import distributed as D
-from dflash.consumer.async_checkpoint import AsyncCheckpointer, SaveOutcome
+from dflash.consumer.checkpointing.background import AsyncCheckpointer, SaveOutcome
+from dflash.consumer.checkpointing.outage import OutagePolicy, fallback_store, has_state, with_retries
+from dflash.consumer.checkpointing.resume import restore, upload_fallback
+from dflash.consumer.checkpointing.state import TrainState
 from dflash.consumer.config import CheckpointConfig
 from dflash.consumer.optim import MasterAdamW
-from dflash.consumer.resume import restore, upload_fallback
-from dflash.consumer.state import TrainState
-from dflash.consumer.store_outage import OutagePolicy, fallback_store, has_state, with_retries
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class Checkpointer:
         self.last_save_stall_s: float | None = None
         self._have_checkpoint = False  # a good checkpoint of this run exists (resumed, or saved since)
         self._fatal_error: str | None = None  # a save failed with no checkpoint to fall back on
-        self._outage_stop: str | None = None  # why the store's outage stops training (store_outage.py)
+        self._outage_stop: str | None = None  # why the store's outage stops training (outage.py)
         self._last_error: str | None = None
         self._saved_step: int | None = None
         self.outage = OutagePolicy(cfg.outage_saves, cfg.outage_minutes)
@@ -138,9 +138,9 @@ class Checkpointer:
         """Checkpoint the group's state (rank 0 writes, every rank takes part in merging the trained sets).
 
         The state is copied to host memory on the compute stream and written in the background
-        (``async_checkpoint.py``): training stalls only for that copy. A periodic checkpoint the store refuses
+        (``background.py``): training stalls only for that copy. A periodic checkpoint the store refuses
         (S3 outage longer than the retries, lost permissions, full disk) is ONE error line when its write
-        ends, and training goes on within the outage bound (``store_outage.py``: then the state goes to local
+        ends, and training goes on within the outage bound (``outage.py``: then the state goes to local
         disk and training stops): ``latest`` still names the previous good checkpoint and the next save
         tries again. The ``final`` save (data drained, SIGTERM) waits for its write; if it failed, the state
         goes to local disk and every rank raises ``StoreOutageError``: exiting 0 without it would throw away
