@@ -170,8 +170,8 @@ def test_quarantined_samples_are_said_and_the_next_launch_trains_them(tmp_path, 
     (ops/run_all.sh, the same spool and checkpoint) produces exactly those and trains them."""
     from dflash.common.checkpoints.load import load_checkpoint
     from dflash.common.contract.shard_reader import read_sample_index
-    from dflash.tools.status import collect
-    from dflash.tools.status_render import render
+    from dflash.tools.status.cli import collect
+    from dflash.tools.status.render import render
 
     rows = _demo_rows(16)
     data = tmp_path / "data.jsonl"

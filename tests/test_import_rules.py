@@ -54,7 +54,7 @@ LOCAL_IMPORTS_OK = {
     "dflash.tools.demo.cli": "parses its flags before importing torch, transformers and boto3",
     "dflash.tools.spool_cli": "torch (the checkpoint's trained set) only for `audit --checkpoint`",
     "dflash.tools.spool_view": "zarr only for `inspect`",
-    "dflash.tools.status": "matplotlib only with --plots",
+    "dflash.tools.status.cli": "matplotlib only with --plots",
     "dflash.common.contract.spool": "the spool never imports zarr; shard metadata only in discard_flow",
     "dflash.common.checkpoints.store": "s3.py imports boto3: only when an S3 store is opened",
     "dflash.common.compile": "the CLIs build CompileConfig before parsing: torch._dynamo only in the helper that imports it",

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from dflash.common.contract.spool import Spool
-from dflash.tools import status
+from dflash.tools.status import cli as status
 
 pytestmark = pytest.mark.pipeline  # every test here starts processes
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from dflash.common.contract.spool_records import BUDGET_PHASE
 from dflash.common.metrics import average_tok_s, is_number
-from dflash.tools.status_sources import pid_alive
+from dflash.tools.status.sources import pid_alive
 
 COUNTERS = (
     "samples", "tokens", "tok_s", "avg_tok_s", "elapsed_s", "total", "dropped", "phase", "step", "world_size",

@@ -26,9 +26,9 @@ from dflash.common.metrics import (
     mean_acc,
     read_run_metrics,
 )
-from dflash.tools.status_processes import RUNNING, process_rows
-from dflash.tools.status_render import render
-from dflash.tools.status_sources import (
+from dflash.tools.status.processes import RUNNING, process_rows
+from dflash.tools.status.render import render
+from dflash.tools.status.sources import (
     StatusError,
     find_spool_dir,
     read_pids,
