@@ -1,5 +1,5 @@
 """``dflash-spool audit RUN_DIR``: the exactly-once audit a user can run on a run's sample ledgers
-(tools/ledger_audit.py): launches, lost tails, twice, and with the checkpoint store, missing samples."""
+(tools/spool/audit.py): launches, lost tails, twice, and with the checkpoint store, missing samples."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from dflash.common.checkpoints.save import save_checkpoint
 from dflash.common.contract.sample_set import SampleSet
-from dflash.tools import spool_cli
+from dflash.tools.spool import cli as spool_cli
 
 
 def _ledger(path, lines):

@@ -17,7 +17,7 @@ from dflash.common.contract.shard import Shard, ShardMeta
 from dflash.common.contract.shard_reader import shard_nbytes
 from dflash.common.contract.shard_writer import write_shard
 from dflash.common.contract.spool import Spool
-from dflash.tools.spool_cli import main
+from dflash.tools.spool.cli import main
 
 CLI = Path(sys.executable).with_name("dflash-spool")
 

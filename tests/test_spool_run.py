@@ -14,7 +14,7 @@ from dflash.common.contract.liveness import lock_is_held
 from dflash.common.contract.names import shard_name
 from dflash.common.contract.spool import Spool
 from dflash.common.contract.spool_records import RunMismatchError, SpoolBusyError
-from dflash.tools.spool_cli import main as spool_main
+from dflash.tools.spool.cli import main as spool_main
 
 IDENT = {
     "run": "alpha",

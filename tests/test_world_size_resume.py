@@ -16,7 +16,7 @@ from ledger_audit import read_jsonl
 from pipeline_helpers import consume_cmd, cpu_env, write_synthetic_spool
 
 from dflash.common.contract.spool import Spool
-from dflash.tools.ledger_audit import audit, exactly_once
+from dflash.tools.spool.audit import audit, exactly_once
 
 SHARDS, PER_SHARD, TOKENS = 10, 6, 96
 SAMPLES = SHARDS * PER_SHARD
