@@ -3,9 +3,9 @@ import math
 
 import pytest
 
-from dflash.tools import plan
-from dflash.tools.plan import PlanConfig, best_split, plan_splits
-from dflash.tools.plan_rates import ddp_efficiency, measure_rates, steady_rate
+from dflash.tools.plan import cli as plan
+from dflash.tools.plan.cli import PlanConfig, best_split, plan_splits
+from dflash.tools.plan.rates import ddp_efficiency, measure_rates, steady_rate
 
 
 def _best(**kw):

@@ -10,7 +10,7 @@ Model. A node has N GPUs sharing one spool: p producers and c = N - p consumers 
   ``end_to_end = nodes * min(p * P, c * C * eff(c * nodes))``. The plan picks the p that maximizes it
   (ties: the one with more headroom on the other side, then fewer consumers).
 
-Rates, from a run dir or from benchmark files: tools/plan_rates.py.
+Rates, from a run dir or from benchmark files: rates.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dflash.common.cli.exits import fail
 from dflash.common.cli.flags import add_flags, flag, from_args
 from dflash.common.cli.help import DefaultsHelpFormatter
 from dflash.common.metrics import format_rate
-from dflash.tools.plan_rates import (
+from dflash.tools.plan.rates import (
     DEFAULT_DDP_EFFICIENCY,
     MeasuredRates,
     ddp_efficiency,
