@@ -32,7 +32,7 @@ from dflash.common.drafter.batch import DraftBatch, build_draft_batch, empty_pac
 from dflash.common.drafter.dflash import recompile_count
 from dflash.common.metrics import MetricsLog
 from dflash.consumer import distributed as D
-from dflash.consumer.agreement import StepAgreement
+from dflash.consumer.agreement import RankView, StepAgreement
 from dflash.consumer.campaign import CampaignPlan, read_plan
 from dflash.consumer.checkpointing.checkpointer import Checkpointer
 from dflash.consumer.checkpointing.state import TrainProgress, TrainState
@@ -354,12 +354,15 @@ class Trainer:
         """What every rank decides together before a step, from one small host-side collective: anyone
         has data, everyone is drained, a stop was asked, a save failed with no checkpoint to fall back
         on, the lowest epoch any rank's step holds (the step's epoch), and the tokens the step trains."""
-        mine = [
-            item is not None, self.inputs.exhausted() and self._deferred is None and item is None,
-            self.stop_requested, self.checkpoints.stop_reason is not None,
-            item.batch.epoch if item is not None else -1, item.tokens if item is not None else 0,
-        ]  # fmt: skip
-        return StepAgreement.of(D.gather_ints(mine, self.dist), last_epoch=self.progress.epoch)
+        mine = RankView(
+            has_step=item is not None,
+            drained=self.inputs.exhausted() and self._deferred is None and item is None,
+            stop_asked=self.stop_requested,
+            save_failed=self.checkpoints.stop_reason is not None,
+            epoch=item.batch.epoch if item is not None else -1,
+            tokens=item.tokens if item is not None else 0,
+        )
+        return StepAgreement.of(D.gather_ints(mine.encode(), self.dist), last_epoch=self.progress.epoch)
 
     @property
     def _compiles(self) -> bool:
