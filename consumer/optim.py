@@ -27,6 +27,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from dflash.consumer.config import OptimConfig
+from dflash.consumer.schedule import LrSchedule
+
 
 def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
     """The global L2 norm of the gradients, accumulated in fp32 (bf16 gradients too), as a device tensor:
@@ -187,3 +190,26 @@ class MasterAdamW(torch.optim.Optimizer):
                 self.state[p] = {
                     k: v.to(device=p.device, dtype=torch.float32) for k, v in st.items() if k != "master"
                 }
+
+
+def build_optimizer(
+    model: torch.nn.Module,
+    cfg: OptimConfig,
+    *,
+    device: torch.device,
+    schedule_steps: int,
+    compile_backend: str = "eager",
+) -> tuple[torch.optim.Optimizer, LrSchedule]:
+    """The precision's AdamW + linear warm-up / cosine schedule over ``schedule_steps`` (resized to the
+    campaign's length at the first step when no length was given: consumer/schedule.py). Mixed: the
+    master-weight AdamW (compiled with ``compile_backend``, the draft layers'); otherwise torch's fused
+    AdamW, whose kernel also applies the clip (``optim.clipped_step``)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.resolved_precision(device.type) == "mixed":
+        optimizer = MasterAdamW(
+            params, lr=cfg.lr, weight_decay=cfg.weight_decay, compile_backend=compile_backend
+        )
+    else:
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    warmup = max(1, int(cfg.warmup_ratio * schedule_steps))
+    return optimizer, LrSchedule(optimizer, warmup, schedule_steps)

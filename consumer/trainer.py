@@ -44,8 +44,8 @@ from dflash.consumer.held_out import HeldOutEval
 from dflash.consumer.input_pipeline import InputPipeline, StepInput
 from dflash.consumer.interval_log import IntervalLogger, init_wandb
 from dflash.consumer.loop_watch import LoopWatch, StepProfiler
-from dflash.consumer.optim import clipped_step
-from dflash.consumer.step import StepStats, build_optimizer, forward_backward, make_loss
+from dflash.consumer.optim import build_optimizer, clipped_step
+from dflash.consumer.step import StepStats, forward_backward, make_loss
 
 import_dynamo_in_main_thread()  # before the checkpoint and feed threads start
 

@@ -18,7 +18,8 @@ from dflash.common.drafter.batch import build_draft_batch, pack_samples
 from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.model import DFlashDrafter, TargetHead
 from dflash.consumer.config import OptimConfig
-from dflash.consumer.step import build_optimizer, forward_backward
+from dflash.consumer.optim import build_optimizer
+from dflash.consumer.step import forward_backward
 
 pytestmark = pytest.mark.pipeline  # every test here starts processes
 

@@ -15,8 +15,8 @@ from dflash.common.drafter.batch import build_draft_batch, pack_samples
 from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.model import DFlashDrafter, TargetHead
 from dflash.consumer.config import OptimConfig
-from dflash.consumer.optim import clipped_step
-from dflash.consumer.step import build_optimizer, cast_parameters, forward_backward
+from dflash.consumer.optim import build_optimizer, clipped_step
+from dflash.consumer.step import cast_parameters, forward_backward
 
 H, K, V, WORDS, S, STEPS = 64, 2, 512, 32, 256, 400
 

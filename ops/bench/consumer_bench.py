@@ -48,9 +48,8 @@ from dflash.common.drafter.dflash import recompile_count
 from dflash.common.drafter.layers import default_target_layer_ids
 from dflash.common.drafter.model import DFlashDrafter, TargetHead
 from dflash.consumer.config import TrainConfig, add_train_flags, train_flag_names
-from dflash.consumer.optim import clipped_step
+from dflash.consumer.optim import build_optimizer, clipped_step
 from dflash.consumer.step import (
-    build_optimizer,
     cast_parameters,
     compile_drafter,
     forward_backward,
