@@ -148,7 +148,7 @@ def test_spool_full_blocks_the_producer_drops_nothing_and_bounds_bytes_and_memor
             if (spool / "state").is_dir():
                 # one walk gives the total AND each entry's size at that moment, so the bound below is
                 # checked per sample, whatever this thread's sampling rate on a loaded box
-                entries = [size for *_, size in Spool(spool, create=False)._scan(("tmp", "ready", "claimed"))]
+                entries = [size for *_, size in Spool(spool, create=False).scan.entries(("tmp", "ready", "claimed"))]
                 owners = [d for d in (spool / "claimed").iterdir() if d.is_dir()]
                 for d in [spool, *(spool / name for name in (*Spool.STATES, "state")), *owners]:
                     try:
