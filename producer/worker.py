@@ -1,13 +1,6 @@
-"""One producer process: its dataset slice -> length buckets -> target forward -> shards in the spool.
-
-Why this shape: the GPU must never wait for the disk. The main thread only tokenizes (up front, cached),
-batches, runs the target forward and starts the device-to-host copy into one of a few reused pinned
-buffers; writer threads (`writer_threads`, sized from the cores per GPU: config.writer_threads_for) wait
-for the copy, encode the shard (zstd runs in zarr's own pool, outside the GIL) and publish it, so writing
-overlaps the next forward. Writers never run model code. The forward is the target cut after its last
-captured layer, compiled on CUDA (producer/trunk.py: warmed once per process, recompiles counted). The
-pinned-buffer pool bounds host memory and is also the backpressure between forward and writers; the spool
-budget (`wait_for_budget`, before each write) is the backpressure between producers and consumers.
+"""One producer process, start to end: its slice of the dataset planned and tokenized (slice_plan.py), the
+target loaded with its capture hooks and its trunk compiled and warmed (trunk.py), then the loop that turns
+buckets into shards (loop.py says why it is shaped as it is: the GPU never waits for the disk).
 
 Stop (SIGINT/SIGTERM -> `stop` event): the main loop stops after the current forward, each writer finishes
 the shard it is writing (a complete shard may be published), queued work is dropped, this producer's
