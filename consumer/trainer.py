@@ -88,7 +88,7 @@ class Trainer:
         self.checkpoints.resume()  # every rank loads the same files
         self._build_data()
         self._open_metrics()
-        self.checkpoints.metrics = self.metrics  # its save events go to the run's metrics from here on
+        self.checkpoints.report_to(self.metrics)
         self.wandb = self._open_wandb() if self.dist.is_main else None
         self.held_out = HeldOutEval(
             self.spool, budget=cfg.logs.eval_budget, metrics=self.metrics, wandb=self.wandb

@@ -31,6 +31,9 @@ LONG_MODULES: dict[str, str] = {  # module -> why it stays one module past MODUL
 }
 LONG_FUNCTIONS: dict[str, str] = {}  # "module::function" -> why it stays one function past FUNCTION_LINES
 MANY_PROJECT_BASES: dict[str, str] = {}  # "module::Class" -> why it has more than one project base
+WRITABLE_PARTS: dict[str, str] = {}  # "module::Class.attr" -> why that class may write into the part it holds
+PROCESSES = ("producer", "consumer")
+MUTATORS = {"update", "append", "extend", "add", "pop", "clear", "setdefault", "remove", "discard", "insert"}
 
 
 def _modules() -> dict[str, ast.Module]:
@@ -74,6 +77,82 @@ def classes_with_many_project_bases(modules: dict[str, ast.Module]) -> dict[str,
     return out
 
 
+def _project_classes(modules: dict[str, ast.Module]) -> set[str]:
+    return {n.name for tree in modules.values() for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
+
+
+def _records(modules: dict[str, ast.Module]) -> set[str]:
+    """The project's dataclasses: records of data (counters, a config), a part's own state when it makes one."""
+    return {
+        n.name
+        for tree in modules.values()
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ClassDef) and any(_base_name(d.func if isinstance(d, ast.Call) else d) == "dataclass" for d in n.decorator_list)
+    }
+
+
+def _parts(cls: ast.ClassDef, ours: set[str], records: set[str]) -> set[str]:
+    """The attributes of ``cls`` that hold another part: ``self.x = ProjectClass(...)`` of a class that is
+    not a plain record, or ``self.x = x`` of a parameter typed with a project class (handed in: not its own)."""
+    typed = {
+        a.arg
+        for f in cls.body
+        if isinstance(f, ast.FunctionDef)
+        for a in (*f.args.args, *f.args.kwonlyargs)
+        if a.annotation is not None and {n.id for n in ast.walk(a.annotation) if isinstance(n, ast.Name)} & ours
+    }
+    pairs = []  # (target, value), tuple assignments unpacked: self.a, self.b = a, b
+    for node in ast.walk(cls):
+        if isinstance(node, ast.Assign):
+            for t in node.targets:
+                if isinstance(t, ast.Tuple) and isinstance(node.value, ast.Tuple):
+                    pairs += zip(t.elts, node.value.elts, strict=False)
+                else:
+                    pairs.append((t, node.value))
+    parts = set()
+    for t, value in pairs:
+        held = (isinstance(value, ast.Call) and _base_name(value.func) in ours - records) or (
+            isinstance(value, ast.Name) and value.id in typed
+        )
+        if held and isinstance(t, ast.Attribute) and getattr(t.value, "id", None) == "self":
+            parts.add(t.attr)
+    return parts
+
+
+def writes_into_parts(modules: dict[str, ast.Module]) -> list[str]:
+    """``self.part.field = ...`` (or ``+=``), and ``self.part.field.update(...)``-like mutations, in the
+    processes' classes: a part that writes another part's fields."""
+    ours, records = _project_classes(modules), _records(modules)
+    found = []
+    for rel, tree in modules.items():
+        if not rel.startswith(PROCESSES):
+            continue
+        for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+            parts = {p for p in _parts(cls, ours, records) if f"{rel}::{cls.name}.{p}" not in WRITABLE_PARTS}
+            for node in ast.walk(cls):
+                targets = node.targets if isinstance(node, ast.Assign) else []
+                targets = [node.target] if isinstance(node, ast.AugAssign) else targets
+                call = isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                if call and node.func.attr in MUTATORS:
+                    targets = [node.func.value]
+                for t in targets:
+                    chain = []
+                    while isinstance(t, ast.Attribute):
+                        chain.append(t.attr)
+                        t = t.value
+                    if getattr(t, "id", None) == "self" and len(chain) >= 2 and chain[-1] in parts:
+                        what = "self." + ".".join(reversed(chain)) + (f".{node.func.attr}()" if call else "")
+                        found.append(f"{rel}::{cls.name} line {node.lineno}: {what}")
+    return sorted(found)
+
+
+def test_no_part_writes_another_parts_fields():
+    """A part calls another part's method (``heartbeat.update(...)``); it never sets or mutates the other's
+    fields (the interval logger used to update a dict inside the shard feed)."""
+    found = writes_into_parts(_modules())
+    assert not found, "writes into another part's fields:\n" + "\n".join(found)
+
+
 def test_a_long_module_or_function_has_a_stated_reason():
     modules = _modules()
     big = {rel: n for rel in modules if (n := _lines(rel)) > MODULE_LINES}
@@ -106,6 +185,18 @@ def test_the_checkers_report_what_they_look_for():
     }
     assert classes_with_many_project_bases(fake) == {"a.py::Spool": ["Records", "Scan"]}
     assert long_functions(fake) == {"c.py::f": 61}
+    parts = {
+        "consumer/a.py": ast.parse(
+            "class Feed: ...\nclass Log:\n    def __init__(self, feed: Feed):\n        self.feed = feed\n"
+            "        self.mine = Feed()\n        self.counts = {}\n"
+            "    def log(self):\n        self.feed.counters.update(step=1)\n        self.mine.n = 2\n"
+            "        self.counts.update(x=1)\n        self.feed.flush()\n"
+        )
+    }
+    assert writes_into_parts(parts) == [
+        "consumer/a.py::Log line 8: self.feed.counters.update()",
+        "consumer/a.py::Log line 9: self.mine.n",
+    ]
 
 
 def test_no_private_names_cross_modules_and_no_mixins():

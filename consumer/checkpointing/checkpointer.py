@@ -56,7 +56,7 @@ class Checkpointer:
         self.run_config = run_config or {}
         """The run's whole config, recorded in every checkpoint (``config.train``: export reads the target)."""
         self.metrics = metrics
-        """Where each save's event goes (the owner may attach it once the run's metrics file is open)."""
+        """Where each save's event goes (``report_to``: the run's metrics file opens after the resume)."""
         self.store: CheckpointStore | None = None
         self.writer = AsyncCheckpointer(device)
         self.last_save_stall_s: float | None = None
@@ -69,6 +69,11 @@ class Checkpointer:
         self.fallback = fallback_store(cfg.fallback_dir, run_dir)
         if cfg.store:
             self._open_store()
+
+    def report_to(self, metrics: MetricsLog | None) -> None:
+        """Each save's event goes to ``metrics`` from now on (opened once the run is resumed: no file of
+        this launch is written before the store is proven writable)."""
+        self.metrics = metrics
 
     @property
     def enabled(self) -> bool:
