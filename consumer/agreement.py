@@ -35,7 +35,9 @@ class RankView:
     def decode(cls, ints: list[int]) -> RankView:
         """A view from the ints ``encode`` made (on any rank)."""
         has_step, drained, stop_asked, save_failed, epoch, tokens = ints
-        return cls(bool(has_step), bool(drained), bool(stop_asked), bool(save_failed), int(epoch), int(tokens))
+        return cls(
+            bool(has_step), bool(drained), bool(stop_asked), bool(save_failed), int(epoch), int(tokens)
+        )
 
 
 @dataclass(frozen=True)

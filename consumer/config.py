@@ -224,7 +224,9 @@ class StepConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
-        require_positive_ints(self, "context_tokens", "num_anchors", "max_anchors_per_doc", "loss_chunk_tokens")
+        require_positive_ints(
+            self, "context_tokens", "num_anchors", "max_anchors_per_doc", "loss_chunk_tokens"
+        )
         require_positive(self, "gamma")
 
     def resolved_loss_impl(self, device_type: str) -> str:
@@ -403,7 +405,9 @@ class TrainConfig:
 
 
 SECTIONS: dict[str, type] = {
-    f.name: f.default_factory for f in dataclasses.fields(TrainConfig) if f.default_factory is not dataclasses.MISSING
+    f.name: f.default_factory
+    for f in dataclasses.fields(TrainConfig)
+    if f.default_factory is not dataclasses.MISSING
 }
 """TrainConfig's sections: {attribute: config class}, in the order --help shows them."""
 
@@ -423,7 +427,11 @@ def train_flag_names() -> set[str]:
     """Every TrainConfig field that is a flag, by its flat name (the parsed namespace's attributes)."""
     names = set()
     for cls in (TrainConfig, *SECTIONS.values()):
-        names |= {f.name for f in dataclasses.fields(cls) if f.metadata.get("flag") is None or f.metadata["flag"].cli}
+        names |= {
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.metadata.get("flag") is None or f.metadata["flag"].cli
+        }
     return names
 
 

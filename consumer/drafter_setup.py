@@ -38,7 +38,9 @@ def set_up_device(device_name: str, host: HostConfig, feed: FeedConfig) -> tuple
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device_name!r}")
     device = torch.device(device_name)
     if device.type == "cuda":
-        if host.expandable_segments and not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(os.environ):
+        if host.expandable_segments and not {"PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"} & set(
+            os.environ
+        ):
             # before this process's first CUDA allocation (the CLI and the benches make none before)
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         if device.index is None:  # "cuda": the current device, named (streams and DDP want an index)

@@ -184,13 +184,18 @@ class ShardFeed:
     def _log_waiting(self, idle_s: float) -> None:
         registered = self.spool.registered_producers()
         if not registered:
-            log.info("waiting for producers (%.0f s without a shard): none has registered on this spool yet", idle_s)  # fmt: skip
+            log.info(
+                "waiting for producers (%.0f s without a shard): none has registered on this spool yet",
+                idle_s,
+            )
             return
         done = len(set(self.spool.done_producers()) & set(registered))
         log.info(
             "waiting for producers (%.0f s without a shard): %d of %d registered producers done",
-            idle_s, done, len(registered),
-        )  # fmt: skip
+            idle_s,
+            done,
+            len(registered),
+        )
 
     def _nothing_claimable(self) -> bool:
         return not any(self.spool.ready_dir.iterdir()) and not any(self.spool.tmp_dir.iterdir())
@@ -318,9 +323,12 @@ class ShardFeed:
         self.counters.slots_packed += self.context_tokens
         samples = [(s.input_ids, s.loss_mask, s.hidden, s.sample_index) for s in chosen]
         return pack_samples(
-            samples, context_tokens=self.context_tokens, pin_memory=self.pin_memory,
-            position_offsets=[s.start for s in chosen], epoch=epoch,
-        )  # fmt: skip
+            samples,
+            context_tokens=self.context_tokens,
+            pin_memory=self.pin_memory,
+            position_offsets=[s.start for s in chosen],
+            epoch=epoch,
+        )
 
     def _best_fit(self) -> list[Sample]:
         """The pool's next stream (consumer/packing.py: ``best_fit``); the rest stays in the pool."""

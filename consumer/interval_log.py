@@ -41,9 +41,16 @@ def reduce_interval(stats: StepStats, block_size: int, dist: D.DistInfo, device:
     """The interval's sums over all ranks (one all-reduce): loss, accuracy per block position, τ, tokens."""
     B = block_size
     sums = torch.tensor(
-        [float(stats.loss_sum), stats.weight_sum, float(stats.tau_sum), float(stats.blocks), stats.tokens, stats.samples],
+        [
+            float(stats.loss_sum),
+            stats.weight_sum,
+            float(stats.tau_sum),
+            float(stats.blocks),
+            stats.tokens,
+            stats.samples,
+        ],
         dtype=torch.float64,
-    )  # fmt: skip
+    )
     correct = torch.as_tensor(stats.correct).cpu().to(torch.float64).expand(B)
     valid = torch.as_tensor(stats.valid).cpu().to(torch.float64).expand(B)
     packed = torch.cat([sums, correct, valid])
@@ -123,8 +130,11 @@ class IntervalLogger:
         campaign = {}
         if plan is not None:
             campaign = plan.progress_fields(
-                step=progress.step, epoch=progress.epoch, total_steps=schedule.total_steps, step_s=elapsed / stats.steps
-            )  # fmt: skip
+                step=progress.step,
+                epoch=progress.epoch,
+                total_steps=schedule.total_steps,
+                step_s=elapsed / stats.steps,
+            )
         rec = {
             "time": time.time(),
             "step": progress.step,

@@ -40,7 +40,9 @@ def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
 
 
-def clipped_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clipped_step(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], max_norm: float
+) -> torch.Tensor:
     """One optimizer step with the gradients clipped to ``max_norm`` (0: no clipping) as
     ``clip_grad_norm_`` would; returns the norm before clipping. A non-finite norm skips the step."""
     if isinstance(optimizer, MasterAdamW):
@@ -81,7 +83,9 @@ def _master_update(
 ) -> torch.Tensor:
     """AdamW (decoupled weight decay, torch's formula) on the fp32 masters from (clipped) bf16 gradients,
     then the bf16 weights; every tensor is left as it was when the norm is not finite. Returns the norm."""
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
+    norm = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+    )
     finite = torch.isfinite(norm)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else torch.ones_like(norm)
     for p, g, w, m, v, s in zip(params, grads, masters, exp_avgs, exp_avg_sqs, steps, strict=True):
@@ -164,10 +168,19 @@ class MasterAdamW(torch.optim.Optimizer):
         self._lr.fill_(group["lr"])  # a tensor: a new learning rate every step must not recompile
         beta1, beta2 = group["betas"]
         return self._update(
-            params, [p.grad for p in params], [s["master"] for s in states], [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states], [s["step"] for s in states], self._lr,
-            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], max_norm=float(max_norm),
-        )  # fmt: skip
+            params,
+            [p.grad for p in params],
+            [s["master"] for s in states],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [s["step"] for s in states],
+            self._lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            max_norm=float(max_norm),
+        )
 
     def state_dict(self) -> dict:
         sd = super().state_dict()

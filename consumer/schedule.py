@@ -117,7 +117,9 @@ class LrSchedule:
     def step(self) -> None:
         self._scheduler.step()
 
-    def size_from_data(self, total_steps: int, warmup_ratio: float, planned_tokens: int, step_tokens: int, *, step: int) -> None:  # fmt: skip
+    def size_from_data(
+        self, total_steps: int, warmup_ratio: float, planned_tokens: int, step_tokens: int, *, step: int
+    ) -> None:
         """The campaign's length sizes the curve, which then runs on tokens (``WarmupCosine.follow_tokens``);
         a resumed run (``step`` > 0) gets the rest of the data's steps; this step's rate follows at once."""
         self.curve.resize(total_steps, warmup_ratio)

@@ -69,11 +69,21 @@ class Trainer:
         self.spool = Spool(cfg.spool, create=True)
         backend = cfg.compile_options.resolved_backend(self.device.type)
         self.drafter_config, self.model, self.train_model = build_drafter(
-            cfg.target, cfg.drafter, seed=cfg.seed, optim=cfg.optim, compile_options=cfg.compile_options,
-            device=self.device, compute_dtype=self.compute_dtype, dist=self.dist,
+            cfg.target,
+            cfg.drafter,
+            seed=cfg.seed,
+            optim=cfg.optim,
+            compile_options=cfg.compile_options,
+            device=self.device,
+            compute_dtype=self.compute_dtype,
+            dist=self.dist,
         )
         self.optimizer, self.schedule = build_optimizer(
-            self.model, cfg.optim, device=self.device, schedule_steps=cfg.schedule_steps, compile_backend=backend
+            self.model,
+            cfg.optim,
+            device=self.device,
+            schedule_steps=cfg.schedule_steps,
+            compile_backend=backend,
         )
         self.loss_fn = make_loss(cfg.step, self.device)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
@@ -82,8 +92,13 @@ class Trainer:
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000 + self.dist.rank)
         # the store is proven writable and the run resumed before any file of this launch is written
         self.checkpoints = Checkpointer(
-            cfg.checkpoints, state, run=cfg.run_name, run_dir=cfg.run_dir, run_config=cfg.to_dict(),
-            dist=self.dist, device=self.device,
+            cfg.checkpoints,
+            state,
+            run=cfg.run_name,
+            run_dir=cfg.run_dir,
+            run_config=cfg.to_dict(),
+            dist=self.dist,
+            device=self.device,
         )
         self.checkpoints.resume()  # every rank loads the same files
         self._build_data()
@@ -100,10 +115,19 @@ class Trainer:
         self._recompiles_at_warmup: int | None = None
         self.first_step_s: float | None = None
         self.plan: CampaignPlan | None = None
-        self.watch = LoopWatch(self.device, gc_mode=cfg.host.gc_mode, freeze_at_step=WARMUP_STEPS_FOR_RECOMPILES)
+        self.watch = LoopWatch(
+            self.device, gc_mode=cfg.host.gc_mode, freeze_at_step=WARMUP_STEPS_FOR_RECOMPILES
+        )
         self.logger = IntervalLogger(
-            cfg.logs, state, block_size=cfg.drafter.block_size, context_tokens=cfg.step.context_tokens,
-            dist=self.dist, device=self.device, watch=self.watch, heartbeat=self.heartbeat, metrics=self.metrics,
+            cfg.logs,
+            state,
+            block_size=cfg.drafter.block_size,
+            context_tokens=cfg.step.context_tokens,
+            dist=self.dist,
+            device=self.device,
+            watch=self.watch,
+            heartbeat=self.heartbeat,
+            metrics=self.metrics,
             wandb=self.wandb,
         )
         window = cfg.logs.profile_window
@@ -195,7 +219,11 @@ class Trainer:
             self.checkpoints.save_if_due()
         if stats.steps:
             self._log(stats)
-        if cfg.logs.eval_every and self.held_out.last_step != self.progress.step and self.first_step_s is not None:
+        if (
+            cfg.logs.eval_every
+            and self.held_out.last_step != self.progress.step
+            and self.first_step_s is not None
+        ):
             self._evaluate()
 
     def _next_input(self) -> tuple[StepInput | None, StepAgreement | None]:
@@ -339,14 +367,22 @@ class Trainer:
         elif self.plan is not None:
             planned = self.plan.campaign.tokens * self.plan.epochs.epochs
             step_tokens = context_tokens * self.dist.world_size
-            schedule.size_from_data(self.plan.total_steps, cfg.optim.warmup_ratio, planned, step_tokens, step=step)
+            schedule.size_from_data(
+                self.plan.total_steps, cfg.optim.warmup_ratio, planned, step_tokens, step=step
+            )
         if self.plan is None:
-            log.warning("no campaign in spool %s (producers have not counted the data): schedule of %d steps", self.spool.root, schedule.total_steps)  # fmt: skip
+            log.warning(
+                "no campaign in spool %s (producers have not counted the data): schedule of %d steps",
+                self.spool.root,
+                schedule.total_steps,
+            )
             return
         if self.dist.is_main:
-            log.info(self.plan.describe(
-                schedule.warmup_steps, override=override, total_steps=schedule.total_steps, resumed=step
-            ))  # fmt: skip
+            log.info(
+                self.plan.describe(
+                    schedule.warmup_steps, override=override, total_steps=schedule.total_steps, resumed=step
+                )
+            )
         if cfg.logs.eval_every and step == 0:  # the untrained drafter: the "before" of every later figure
             self._evaluate()
 

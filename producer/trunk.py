@@ -181,7 +181,9 @@ class Trunk:
         self._fla = kernels is not None and kernels.fast
         self.scope = spec.scope
         if spec.enabled and spec.scope == "trunk" and self._hybrid:
-            log.warning("compile scope trunk: a hybrid target compiles per layer, its linear attention eager (docs/producer.md)")  # fmt: skip
+            log.warning(
+                "compile scope trunk: a hybrid target compiles per layer, its linear attention eager (docs/producer.md)"
+            )
             self.scope = "layers"
         if spec.enabled:
             self._compile()
@@ -217,7 +219,9 @@ class Trunk:
     def _to_eager(self, why: str) -> None:
         """Give up compiling: one warning line, then the eager path for the rest of the process."""
         self.fallback = why
-        log.warning("compiling the target failed (%s): running it eagerly (slower); --no-compile skips compiling", why)  # fmt: skip
+        log.warning(
+            "compiling the target failed (%s): running it eagerly (slower); --no-compile skips compiling", why
+        )
         self._uncompile()
         torch._dynamo.reset()  # an abandoned compile leaves nothing behind
 
@@ -264,7 +268,9 @@ class Trunk:
         t0 = time.monotonic()
         if self.compiled and shapes:
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * len(shapes) + 16)
-            dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 16 * len(shapes) + 256)  # fmt: skip
+            dynamo_config.accumulated_recompile_limit = max(
+                dynamo_config.accumulated_recompile_limit, 16 * len(shapes) + 256
+            )
             self.warmed = len(shapes)
             try:
                 with _deadline(self.spec.timeout_s), torch.inference_mode():
@@ -285,7 +291,11 @@ class Trunk:
         if mixer_inputs and torch.device(device).type == "cuda" and self._fla:
             t_mixers = time.monotonic()
             self._warm_mixers(mixer_inputs, device)
-            log.info("linear-attention kernels warmed on %d input shapes in %.1f s", len(mixer_inputs), time.monotonic() - t_mixers)  # fmt: skip
+            log.info(
+                "linear-attention kernels warmed on %d input shapes in %.1f s",
+                len(mixer_inputs),
+                time.monotonic() - t_mixers,
+            )
         self.compile_s = time.monotonic() - t0
         self._baseline = recompile_count()
         return self.compile_s
@@ -316,8 +326,10 @@ class Trunk:
                 self.recompiles = extra
                 log.error(
                     "RECOMPILE after warm-up at batch %d, shape %s (%d so far): a batch shape outside the warmed set — this is a bug",
-                    self._batches, tuple(input_ids.shape), extra,
-                )  # fmt: skip
+                    self._batches,
+                    tuple(input_ids.shape),
+                    extra,
+                )
         return out
 
     def report(self) -> dict:
@@ -354,5 +366,11 @@ def warm_trunk(
         shapes, worker.device, mixer_shapes(buckets, lengths) if kernels is not None else ()
     )
     if trunk.compiled and shapes:
-        log.info("producer %s: compiled %d batch shape(s) in %.1f s (%s)", worker.producer_id, len(shapes), seconds, spec.describe())  # fmt: skip
+        log.info(
+            "producer %s: compiled %d batch shape(s) in %.1f s (%s)",
+            worker.producer_id,
+            len(shapes),
+            seconds,
+            spec.describe(),
+        )
     return trunk

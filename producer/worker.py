@@ -86,10 +86,20 @@ def run_producer(
     log.info(
         "producer %s: %d samples over %d epoch(s) (rank %d/%d, %d skipped), layers %s of %d, %s on %s; target %s; "
         "forward %s, %d writer threads",
-        worker.producer_id, len(plan.ids), cfg.epochs, worker.rank, worker.world, plan.counts["skipped"],
-        capture.layer_ids, capture.num_layers, worker.torch_dtype(cfg.dtype), worker.device, info.line(),
-        compile_spec(cfg.compile_options, worker.device).describe(), worker.writer_threads,
-    )  # fmt: skip
+        worker.producer_id,
+        len(plan.ids),
+        cfg.epochs,
+        worker.rank,
+        worker.world,
+        plan.counts["skipped"],
+        capture.layer_ids,
+        capture.num_layers,
+        worker.torch_dtype(cfg.dtype),
+        worker.device,
+        info.line(),
+        compile_spec(cfg.compile_options, worker.device).describe(),
+        worker.writer_threads,
+    )
     heartbeat(force=True, phase="compile")
     lengths = lengths_at(plan.tok_ds, np.concatenate([plan.positions, plan.held_pos]))
     trunk = warm_trunk(cfg, worker, capture, info.kernels, lengths)
@@ -100,8 +110,17 @@ def run_producer(
             n = write_held_out(cfg, worker, trunk, held, spool, pad_id)
             log.info("producer %s: %d held-out samples spooled for evaluation (eval/)", worker.producer_id, n)
         samples = samples_at(plan.tok_ds, plan.positions, plan.ids)
-        return produce(cfg, worker, trunk, samples, pad_id=pad_id, stop=stop, counters=counters,
-                       heartbeat=heartbeat, epochs=plan.epochs)  # fmt: skip
+        return produce(
+            cfg,
+            worker,
+            trunk,
+            samples,
+            pad_id=pad_id,
+            stop=stop,
+            counters=counters,
+            heartbeat=heartbeat,
+            epochs=plan.epochs,
+        )
     finally:
         trunk.close()
         heartbeat.close()

@@ -28,8 +28,11 @@ def _state(seed: int = 0) -> TrainState:
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     drafter = SimpleNamespace(
-        layer_types=["full_attention"], sliding_window=None, num_layers=1, to_dict=lambda: {"layer_types": ["full_attention"]}
-    )  # fmt: skip
+        layer_types=["full_attention"],
+        sliding_window=None,
+        num_layers=1,
+        to_dict=lambda: {"layer_types": ["full_attention"]},
+    )
     return TrainState(model, optimizer, LrSchedule(optimizer, 2, 10), drafter, TrainProgress())
 
 
@@ -40,8 +43,13 @@ def _cfg(tmp_path, **overrides) -> CheckpointConfig:
 def _checkpointer(tmp_path, state: TrainState, **overrides) -> Checkpointer:
     metrics = MetricsLog(tmp_path / "run" / "metrics.jsonl")
     return Checkpointer(
-        _cfg(tmp_path, **overrides), state, run="r", run_dir=str(tmp_path / "run"), dist=ONE_RANK,
-        device=torch.device("cpu"), metrics=metrics,
+        _cfg(tmp_path, **overrides),
+        state,
+        run="r",
+        run_dir=str(tmp_path / "run"),
+        dist=ONE_RANK,
+        device=torch.device("cpu"),
+        metrics=metrics,
     )
 
 
@@ -63,9 +71,7 @@ def _events(tmp_path) -> list[tuple[str, int]]:
 
 @pytest.fixture(autouse=True)
 def _no_retry_pause(monkeypatch):
-    monkeypatch.setattr(
-        checkpointer, "with_retries", lambda write: outage.with_retries(write, pause_s=0)
-    )
+    monkeypatch.setattr(checkpointer, "with_retries", lambda write: outage.with_retries(write, pause_s=0))
 
 
 def test_saves_on_its_cadence_and_a_fresh_state_resumes_from_the_last(tmp_path):

@@ -87,7 +87,8 @@ def _records(modules: dict[str, ast.Module]) -> set[str]:
         n.name
         for tree in modules.values()
         for n in ast.walk(tree)
-        if isinstance(n, ast.ClassDef) and any(_base_name(d.func if isinstance(d, ast.Call) else d) == "dataclass" for d in n.decorator_list)
+        if isinstance(n, ast.ClassDef)
+        and any(_base_name(d.func if isinstance(d, ast.Call) else d) == "dataclass" for d in n.decorator_list)
     }
 
 
@@ -99,7 +100,8 @@ def _parts(cls: ast.ClassDef, ours: set[str], records: set[str]) -> set[str]:
         for f in cls.body
         if isinstance(f, ast.FunctionDef)
         for a in (*f.args.args, *f.args.kwonlyargs)
-        if a.annotation is not None and {n.id for n in ast.walk(a.annotation) if isinstance(n, ast.Name)} & ours
+        if a.annotation is not None
+        and {n.id for n in ast.walk(a.annotation) if isinstance(n, ast.Name)} & ours
     }
     pairs = []  # (target, value), tuple assignments unpacked: self.a, self.b = a, b
     for node in ast.walk(cls):
@@ -157,12 +159,16 @@ def test_a_long_module_or_function_has_a_stated_reason():
     modules = _modules()
     big = {rel: n for rel in modules if (n := _lines(rel)) > MODULE_LINES}
     unexplained = {rel: n for rel, n in big.items() if rel not in LONG_MODULES}
-    assert not unexplained, f"modules over {MODULE_LINES} lines (split by job, or say why here): {unexplained}"
+    assert not unexplained, (
+        f"modules over {MODULE_LINES} lines (split by job, or say why here): {unexplained}"
+    )
     stale = sorted(set(LONG_MODULES) - set(big))
     assert not stale, f"LONG_MODULES names modules no longer over {MODULE_LINES} lines: {stale}"
     long = long_functions(modules)
     unexplained = {name: n for name, n in long.items() if name not in LONG_FUNCTIONS}
-    assert not unexplained, f"functions over {FUNCTION_LINES} lines (split by job, or say why here): {unexplained}"
+    assert not unexplained, (
+        f"functions over {FUNCTION_LINES} lines (split by job, or say why here): {unexplained}"
+    )
     stale = sorted(set(LONG_FUNCTIONS) - set(long))
     assert not stale, f"LONG_FUNCTIONS names functions no longer over {FUNCTION_LINES} lines: {stale}"
 
@@ -170,7 +176,9 @@ def test_a_long_module_or_function_has_a_stated_reason():
 def test_no_class_has_two_project_bases_without_a_reason():
     found = classes_with_many_project_bases(_modules())
     unexplained = {name: bases for name, bases in found.items() if name not in MANY_PROJECT_BASES}
-    assert not unexplained, f"classes built from several project classes (compose them instead): {unexplained}"
+    assert not unexplained, (
+        f"classes built from several project classes (compose them instead): {unexplained}"
+    )
     stale = sorted(set(MANY_PROJECT_BASES) - set(found))
     assert not stale, f"MANY_PROJECT_BASES names classes that no longer have several project bases: {stale}"
 

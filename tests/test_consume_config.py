@@ -80,10 +80,34 @@ def test_a_choice_argparse_refuses_exits_2_and_touches_nothing(tmp_path, capsys)
 
 def test_the_flags_parse_into_one_consume_config_with_each_section_its_own():
     args = consume_cli.build_parser().parse_intermixed_args(
-        ["--gpu", "3", "--spool", "s", "--target", "t", "--checkpoint", "s3://b/p", "--save-every", "7",
-         "--bucket", "2", "--block-size", "8", "--context-tokens", "512", "--lr", "1e-3", "--log-every", "5",
-         "--gc-mode", "python", "--no-compile", "--compile-backend", "aot_eager"]
-    )  # fmt: skip
+        [
+            "--gpu",
+            "3",
+            "--spool",
+            "s",
+            "--target",
+            "t",
+            "--checkpoint",
+            "s3://b/p",
+            "--save-every",
+            "7",
+            "--bucket",
+            "2",
+            "--block-size",
+            "8",
+            "--context-tokens",
+            "512",
+            "--lr",
+            "1e-3",
+            "--log-every",
+            "5",
+            "--gc-mode",
+            "python",
+            "--no-compile",
+            "--compile-backend",
+            "aot_eager",
+        ]
+    )
     cfg = config_of(args)
     assert isinstance(cfg, ConsumeConfig) and cfg.process == ProcessConfig(gpu="3")
     train = cfg.train
@@ -138,7 +162,9 @@ def test_both_processes_take_the_compile_switches_from_the_shared_compile_config
     assert len(producer) == 1 and consumer == [CompileConfig]
     for cls in (*_config_classes(ProduceConfig), *_config_classes(ConsumeConfig)):
         own = set(vars(cls).get("__annotations__", {}))
-        assert cls is CompileConfig or not own & {"compile", "compile_backend"}, f"{cls.__name__} redefines them"
+        assert cls is CompileConfig or not own & {"compile", "compile_backend"}, (
+            f"{cls.__name__} redefines them"
+        )
     for build in (consume_cli.build_parser, produce_cli.build_parser):
         action = next(a for a in build()._actions if "--compile-backend" in a.option_strings)
         assert tuple(action.choices) == typing.get_args(CompileBackend)
@@ -177,7 +203,10 @@ def _string_collections(tree: ast.AST) -> list[tuple[int, frozenset[str]]]:
     """(line, strings) of every tuple, list or set literal of two or more strings outside a ``Literal[...]``."""
     literal_args: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.Subscript) and getattr(node.value, "id", getattr(node.value, "attr", "")) == "Literal":
+        if (
+            isinstance(node, ast.Subscript)
+            and getattr(node.value, "id", getattr(node.value, "attr", "")) == "Literal"
+        ):
             literal_args |= {id(n) for n in ast.walk(node.slice)}
     out = []
     for node in ast.walk(tree):

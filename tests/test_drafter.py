@@ -108,10 +108,16 @@ def test_drafter_config_uses_the_producers_layer_rule():
     from transformers import Qwen3Config
 
     cfg = DrafterConfig.from_target_config(
-        Qwen3Config(num_hidden_layers=28, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                    vocab_size=100),
+        Qwen3Config(
+            num_hidden_layers=28,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=100,
+        ),
         mask_token_id=0,
-    )  # fmt: skip
+    )
     assert cfg.target_layer_ids == default_target_layer_ids(28)
 
 
@@ -585,10 +591,17 @@ def hybrid_target_config():
     """A Qwen3.5-style hybrid target (Gated DeltaNet 'linear_attention' layers + full attention), small."""
     from transformers import Qwen3_5Config
 
-    return Qwen3_5Config(text_config=dict(
-        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
-        vocab_size=97, num_hidden_layers=8,
-    ))  # fmt: skip
+    return Qwen3_5Config(
+        text_config=dict(
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=64,
+            vocab_size=97,
+            num_hidden_layers=8,
+        )
+    )
 
 
 def test_layer_type_names_are_the_modules():
@@ -657,7 +670,9 @@ def test_train_config_flags_for_the_layout():
     cfg = TrainConfig.from_flat(**base, draft_layer_types="sliding, sliding,full", sliding_window=64)
     assert cfg.drafter.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
     assert (
-        TrainConfig.from_flat(**base, draft_layer_types="sliding_attention,full_attention,full").drafter.layer_types[0]
+        TrainConfig.from_flat(
+            **base, draft_layer_types="sliding_attention,full_attention,full"
+        ).drafter.layer_types[0]
         == "sliding_attention"
     )
     for bad, match in (
@@ -675,9 +690,12 @@ def test_draft_spec_names_what_a_config_lacks():
     from dflash.common.drafter.dflash import DraftSpec
 
     good = DrafterConfig.from_target_config(
-        tiny_target_config(), num_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=9,
+        tiny_target_config(),
+        num_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=9,
         mask_token_id=5,
-    ).to_qwen3_config()  # fmt: skip
+    ).to_qwen3_config()
     spec = DraftSpec.from_config(good)
     assert spec.layer_types == ("sliding_attention", "full_attention") and spec.sliding_window == 9
     assert spec.window("full_attention") is None and spec.window("sliding_attention") == 9

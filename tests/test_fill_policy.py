@@ -28,8 +28,16 @@ def _first_stream(feed: ShardFeed, *, within_s: float):
 
 def _feed(spool: Spool) -> ShardFeed:
     # the producer's one heartbeat stays fresh for the test (timeout 60 s); the feed rescans every 5 s
-    return ShardFeed(spool, "c0", context_tokens=CONTEXT, poll_s=0.01, pool_streams=4, heartbeat_timeout_s=60.0,
-                     fill_wait_s=60.0, bucket=None)  # fmt: skip
+    return ShardFeed(
+        spool,
+        "c0",
+        context_tokens=CONTEXT,
+        poll_s=0.01,
+        pool_streams=4,
+        heartbeat_timeout_s=60.0,
+        fill_wait_s=60.0,
+        bucket=None,
+    )
 
 
 def test_a_short_pool_waits_while_a_producer_produces_and_packs_once_it_is_blocked_on_the_budget(tmp_path):
@@ -79,7 +87,12 @@ def test_a_full_pool_packs_at_once_and_a_done_producer_releases_the_rest(tmp_pat
 
 def _rank(has: bool, drained: bool = False, epoch: int = 0, tokens: int = 0) -> list[int]:
     view = RankView(
-        has_step=has, drained=drained, stop_asked=False, save_failed=False, epoch=epoch if has else -1, tokens=tokens
+        has_step=has,
+        drained=drained,
+        stop_asked=False,
+        save_failed=False,
+        epoch=epoch if has else -1,
+        tokens=tokens,
     )
     return view.encode()
 

@@ -52,8 +52,16 @@ def _logger(tmp_path, *, rank: int = 0, wandb=None) -> tuple[IntervalLogger, _He
     heartbeat = _Heartbeat()
     dist = DistInfo(rank=rank, world_size=1, local_rank=0, device=CPU)
     logger = IntervalLogger(
-        LogConfig(log_every=10), state, block_size=BLOCK, context_tokens=64, dist=dist, device=CPU,
-        watch=LoopWatch(CPU), heartbeat=heartbeat, metrics=MetricsLog(tmp_path / "metrics.jsonl"), wandb=wandb,
+        LogConfig(log_every=10),
+        state,
+        block_size=BLOCK,
+        context_tokens=64,
+        dist=dist,
+        device=CPU,
+        watch=LoopWatch(CPU),
+        heartbeat=heartbeat,
+        metrics=MetricsLog(tmp_path / "metrics.jsonl"),
+        wandb=wandb,
     )
     return logger, heartbeat
 
@@ -61,10 +69,17 @@ def _logger(tmp_path, *, rank: int = 0, wandb=None) -> tuple[IntervalLogger, _He
 def _stats(steps: int = 2) -> StepStats:
     """Two steps' sums: loss 3.0 over weight 2, 3 of 4 predictions right after the anchor, τ 2.5."""
     return StepStats(
-        loss_sum=torch.tensor(6.0), weight_sum=2.0, correct=torch.tensor([8, 3, 3, 3]),
-        valid=torch.tensor([8, 4, 4, 4]), tau_sum=torch.tensor(10.0), blocks=4, tokens=96, samples=5,
-        steps=steps, grad_norm=torch.tensor(0.5),
-    )  # fmt: skip
+        loss_sum=torch.tensor(6.0),
+        weight_sum=2.0,
+        correct=torch.tensor([8, 3, 3, 3]),
+        valid=torch.tensor([8, 4, 4, 4]),
+        tau_sum=torch.tensor(10.0),
+        blocks=4,
+        tokens=96,
+        samples=5,
+        steps=steps,
+        grad_norm=torch.tensor(0.5),
+    )
 
 
 def test_it_logs_every_log_every_steps(tmp_path):
@@ -95,9 +110,5 @@ def test_other_ranks_keep_the_history_but_write_nothing_and_an_empty_interval_is
     logger, heartbeat = _logger(tmp_path, rank=1)
     logger.log(_stats(), None)
     logger.log(StepStats(), None)
-    assert (
-        len(logger.history) == 1
-        and "epoch" not in logger.history[0]
-        and heartbeat.counters["step"] == 20
-    )
+    assert len(logger.history) == 1 and "epoch" not in logger.history[0] and heartbeat.counters["step"] == 20
     assert read_jsonl(tmp_path / "metrics.jsonl") == []

@@ -41,19 +41,35 @@ def _batches(seed: int = 0) -> list:
         packed = pack_samples(docs, context_tokens=S)
         out.append(
             build_draft_batch(
-                packed, block_size=4, num_anchors=32, max_anchors_per_doc=16, mask_token_id=V - 1, gamma=7.0,
+                packed,
+                block_size=4,
+                num_anchors=32,
+                max_anchors_per_doc=16,
+                mask_token_id=V - 1,
+                gamma=7.0,
                 generator=g,
             )
-        )  # fmt: skip
+        )
     return out
 
 
-def _train(dtype: torch.dtype, batches: list, *, autocast: bool = False, precision: str = "auto") -> list[float]:
+def _train(
+    dtype: torch.dtype, batches: list, *, autocast: bool = False, precision: str = "auto"
+) -> list[float]:
     torch.manual_seed(0)
     cfg = DrafterConfig(
-        hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-        vocab_size=V, num_layers=2, block_size=4, target_layer_ids=[1, 2], num_target_layers=4, mask_token_id=V - 1,
-    )  # fmt: skip
+        hidden_size=H,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=V,
+        num_layers=2,
+        block_size=4,
+        target_layer_ids=[1, 2],
+        num_target_layers=4,
+        mask_token_id=V - 1,
+    )
     g = torch.Generator().manual_seed(1)
     # the frozen head and the hidden states are bf16 in both runs (as on CUDA, and as shards store them):
     # only the parameters' and Adam state's precision differ

@@ -80,11 +80,13 @@ def _publish(sp: Spool, producer: str, seq: int, where: str = "ready") -> None:
 
     t = 8
     shard = Shard(
-        input_ids=torch.zeros(t, dtype=torch.int32), loss_mask=torch.ones(t, dtype=torch.bool),
-        cu_seqlens=torch.tensor([0, 4, 8]), sample_index=torch.tensor([2 * seq, 2 * seq + 1]),
+        input_ids=torch.zeros(t, dtype=torch.int32),
+        loss_mask=torch.ones(t, dtype=torch.bool),
+        cu_seqlens=torch.tensor([0, 4, 8]),
+        sample_index=torch.tensor([2 * seq, 2 * seq + 1]),
         hidden=torch.zeros(t, 4, dtype=torch.bfloat16),
         meta=ShardMeta(target_model="t", layer_ids=[1], hidden_size=4, producer_id=producer, bucket=8),
-    )  # fmt: skip
+    )
     tmp = sp.new_tmp_path(shard_name(8, producer, seq))
     if where == "tmp":
         write_shard(tmp, shard)

@@ -67,11 +67,19 @@ sides record is another run. A consumer records only ``run``; a producer fills i
 
 
 FLAG_OF = {
-    "model": "--model", "layer_ids": "--layer-ids", "epochs": "--epochs", "shuffle_seed": "--shuffle-seed",
-    "eval_samples": "--eval-samples", "rows": "dataset rows (--limit)", "max_length": "--max-length",
-    "min_loss_tokens": "min supervised tokens (2 x --block-size)", "format": "--format",
-    "train_reasoning": "--no-train-reasoning", "spec": "--dataset", "fingerprint": "dataset content (fingerprint)",
-}  # fmt: skip
+    "model": "--model",
+    "layer_ids": "--layer-ids",
+    "epochs": "--epochs",
+    "shuffle_seed": "--shuffle-seed",
+    "eval_samples": "--eval-samples",
+    "rows": "dataset rows (--limit)",
+    "max_length": "--max-length",
+    "min_loss_tokens": "min supervised tokens (2 x --block-size)",
+    "format": "--format",
+    "train_reasoning": "--no-train-reasoning",
+    "spec": "--dataset",
+    "fingerprint": "dataset content (fingerprint)",
+}
 """The flag (or what) behind each field of a run record, for the line that names a difference."""
 
 
@@ -92,8 +100,9 @@ def differences(recorded: dict, given: dict, keys: list[str]) -> list[str]:
         if isinstance(a, dict) and isinstance(b, dict):
             out += [
                 f"{FLAG_OF.get(k, k)} {_short(a.get(k))} recorded, {_short(b.get(k))} given"
-                for k in sorted(a.keys() & b.keys()) if a[k] != b[k]
-            ]  # fmt: skip
+                for k in sorted(a.keys() & b.keys())
+                if a[k] != b[k]
+            ]
         else:
             out.append(f"{FLAG_OF.get(key, key)} {_short(a)} recorded, {_short(b)} given")
     return out

@@ -173,7 +173,10 @@ class SpoolScan:
             "total_bytes": sum(states[s]["bytes"] for s in ("tmp", "ready", "claimed")) + acked,
             "claimed_by": claimed_by,
             "processes": procs,
-            "producers": {"registered": self.records.registered_producers(), "done": self.records.done_producers()},
+            "producers": {
+                "registered": self.records.registered_producers(),
+                "done": self.records.done_producers(),
+            },
             "producers_done": self.records.producers_done(),
             "drained": self.records.producers_done()
             and not any(states[s]["shards"] for s in ("tmp", "ready", "claimed")),

@@ -181,7 +181,9 @@ class Checkpointer:
         error = D.broadcast_object(error, self.dist)
         where = self.fallback.url_for(self.run)
         if error is not None:
-            raise StoreOutageError(f"{reason}; the local copy failed too ({redact(error)}): steps since the store's latest are lost")  # fmt: skip
+            raise StoreOutageError(
+                f"{reason}; the local copy failed too ({redact(error)}): steps since the store's latest are lost"
+            )
         raise StoreOutageError(
             f"{reason}; stopped at step {self.state.progress.step}, its state saved in {where}: run the same "
             "command once the store takes writes (it resumes from there and uploads it)"
@@ -204,11 +206,20 @@ class Checkpointer:
         config = {"train": self.run_config, "drafter": self.state.drafter_config.to_dict()}
 
         def write(host: dict) -> str:
-            return with_retries(lambda: save_checkpoint(
-                store, self.run, step, model_state=host["model"], optimizer_state=host["optimizer"],
-                scheduler_state=scheduler_state, rng_state=dict(enumerate(rng_states)), trained=trained,
-                config=config, keep_last=keep_last,
-            ))  # fmt: skip
+            return with_retries(
+                lambda: save_checkpoint(
+                    store,
+                    self.run,
+                    step,
+                    model_state=host["model"],
+                    optimizer_state=host["optimizer"],
+                    scheduler_state=scheduler_state,
+                    rng_state=dict(enumerate(rng_states)),
+                    trained=trained,
+                    config=config,
+                    keep_last=keep_last,
+                )
+            )
 
         return write
 
@@ -243,8 +254,12 @@ class Checkpointer:
             else:
                 log.info(
                     "checkpoint step %d -> %s (%.1f GB; training stalled %.2fs, written in %.1fs in the background)",
-                    out.step, redact(out.url), out.snapshot_gb, stall, out.write_s,
-                )  # fmt: skip
+                    out.step,
+                    redact(out.url),
+                    out.snapshot_gb,
+                    stall,
+                    out.write_s,
+                )
                 self._have_checkpoint = True
                 self.outage.saved()
                 event = {"event": "checkpoint", "step": out.step, "url": redact(out.url)}
@@ -267,9 +282,14 @@ class Checkpointer:
         if self._have_checkpoint:
             log.error(
                 "%s; training goes on, latest still names the previous checkpoint (%d of --outage-saves "
-                "%d failed in a row)", error, self.outage.failed, self.outage.max_failed_saves,
-            )  # fmt: skip
+                "%d failed in a row)",
+                error,
+                self.outage.failed,
+                self.outage.max_failed_saves,
+            )
         else:  # training on would lose every step if the process died: stop now and say so
-            self._fatal_error = f"{error}; no checkpoint of run {self.run!r} exists yet, so training on would lose every step"
+            self._fatal_error = (
+                f"{error}; no checkpoint of run {self.run!r} exists yet, so training on would lose every step"
+            )
             log.error("%s: stopping", self._fatal_error)
         return {"event": "checkpoint_failed", "step": out.step, "error": error}

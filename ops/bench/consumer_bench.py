@@ -143,9 +143,15 @@ def random_packed(context: int, width: int, vocab: int, pinned_hidden: torch.Ten
 
 
 def run(
-    preset: str, *, steps: int, context: int, anchors: int, device: torch.device, backend: str,
+    preset: str,
+    *,
+    steps: int,
+    context: int,
+    anchors: int,
+    device: torch.device,
+    backend: str,
     precision: str | None = None,
-) -> dict:  # fmt: skip
+) -> dict:
     cfg = DrafterConfig(
         **PRESETS[preset], num_layers=5, block_size=16, mask_token_id=0, target_layer_ids=list(range(1, 6))
     )
@@ -157,14 +163,20 @@ def run(
     model = DFlashDrafter(cfg, head).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     tcfg = TrainConfig.from_flat(
-        spool=".", target=".", total_steps=steps, compile_backend=backend,
+        spool=".",
+        target=".",
+        total_steps=steps,
+        compile_backend=backend,
         **({"precision": precision} if precision else {}),
-    )  # fmt: skip
+    )
     cast_parameters(model, tcfg.optim.param_dtype(device.type))
     optimizer, schedule = build_optimizer(
-        model, tcfg.optim, device=device, schedule_steps=tcfg.schedule_steps,
+        model,
+        tcfg.optim,
+        device=device,
+        schedule_steps=tcfg.schedule_steps,
         compile_backend=tcfg.compile_options.resolved_backend(device.type),
-    )  # fmt: skip
+    )
     loss_fn = make_loss(tcfg.step, device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     compile_drafter(model, backend)
@@ -352,9 +364,13 @@ def train_counting_pairs(
     if os.environ.get("DFLASH_BENCH_PYSPY"):  # "delay_s:duration_s:out": sample every thread's stacks
         delay, duration, out = os.environ["DFLASH_BENCH_PYSPY"].split(":", 2)
         subprocess.Popen(
-            ["bash", "-c", f"sleep {delay}; py-spy record --pid {os.getpid()} --duration {duration} "
-             f"--rate 50 --format raw --nonblocking --threads -o {out} >/dev/null 2>&1"]
-        )  # fmt: skip
+            [
+                "bash",
+                "-c",
+                f"sleep {delay}; py-spy record --pid {os.getpid()} --duration {duration} "
+                f"--rate 50 --format raw --nonblocking --threads -o {out} >/dev/null 2>&1",
+            ]
+        )
     try:
         summary = trainer.train()
     finally:
@@ -408,13 +424,24 @@ def run_trainer(
     ckpt = workdir / "ckpt"
     shutil.rmtree(ckpt, ignore_errors=True)
     cfg = TrainConfig.from_flat(
-        spool=str(spool), target=str(target), run="bench", run_dir=str(run_dir),
-        store=str(ckpt) if save_every else None, save_every=save_every or 10**9, keep_last=1,
-        max_steps=max_steps, total_steps=max_steps, precision=precision, seed=seed, bucket=bucket,
+        spool=str(spool),
+        target=str(target),
+        run="bench",
+        run_dir=str(run_dir),
+        store=str(ckpt) if save_every else None,
+        save_every=save_every or 10**9,
+        keep_last=1,
+        max_steps=max_steps,
+        total_steps=max_steps,
+        precision=precision,
+        seed=seed,
+        bucket=bucket,
         **{k: v for k, v in options.items() if k != "device"},
-    )  # fmt: skip
+    )
     try:
-        trainer, summary, pairs, total_s = train_counting_pairs(cfg, device=device, count_steps=max(warmup, 3))
+        trainer, summary, pairs, total_s = train_counting_pairs(
+            cfg, device=device, count_steps=max(warmup, 3)
+        )
     finally:
         filler.close()
         shutil.rmtree(spool, ignore_errors=True)
@@ -425,9 +452,11 @@ def run_trainer(
     all_steps = sum(n for _, n in plain + with_save)
     mean_all = sum(p * n for p, n in plain + with_save) / max(1, all_steps)
     flops = step_flops(
-        trainer.drafter_config, context=context, anchors=anchors,
+        trainer.drafter_config,
+        context=context,
+        anchors=anchors,
         visible_pairs=statistics.mean(pairs) if pairs else 0.0,
-    )  # fmt: skip
+    )
     cuda = device.startswith("cuda")
     peak = matmul_peak_tflops(torch.device(device)) if cuda else float("nan")
     mem = [r["mem_gb"] for r in history if r["step"] >= warmup and "mem_gb" in r]
@@ -483,9 +512,14 @@ def feed_throughput(
 
     def build(packed):
         return build_draft_batch(
-            packed, block_size=16, num_anchors=anchors, max_anchors_per_doc=anchors, mask_token_id=0,
-            gamma=7.0, generator=gen,
-        )  # fmt: skip
+            packed,
+            block_size=16,
+            num_anchors=anchors,
+            max_anchors_per_doc=anchors,
+            mask_token_id=0,
+            gamma=7.0,
+            generator=gen,
+        )
 
     pipe = InputPipeline(
         lambda w: feed.next_packed(wait_s=w),
@@ -529,9 +563,19 @@ def feed_throughput(
 # sweeps over --precision and --seed, and each mode's claim order. Every other field is a flag of this
 # script, named, typed, defaulted and documented as on dflash-consume (the flags are made from TrainConfig).
 BENCH_SETS = (
-    "spool", "target", "run", "run_dir", "store", "save_every", "keep_last", "max_steps", "total_steps",
-    "precision", "seed", "bucket",
-)  # fmt: skip
+    "spool",
+    "target",
+    "run",
+    "run_dir",
+    "store",
+    "save_every",
+    "keep_last",
+    "max_steps",
+    "total_steps",
+    "precision",
+    "seed",
+    "bucket",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -553,11 +597,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--producers", type=int, default=12, help="processes pre-filling the spool")
     p.add_argument("--seed", type=int, action="append", help="trainer seed(s): init and anchors (default 0)")
-    p.add_argument("--save-runs", type=int, default=10**6, help="trainer mode: checkpoints in the first N runs only "
-                   "(a 32B-class final save writes ~31 GB: tens of seconds per run)")  # fmt: skip
+    p.add_argument(
+        "--save-runs",
+        type=int,
+        default=10**6,
+        help="trainer mode: checkpoints in the first N runs only "
+        "(a 32B-class final save writes ~31 GB: tens of seconds per run)",
+    )
     p.add_argument("--json", default=None)
-    consumer = p.add_argument_group("dflash-consume's options (shapes, loss, compile, loop); --max-anchors-per-doc "
-                                    "follows --num-anchors unless given")  # fmt: skip
+    consumer = p.add_argument_group(
+        "dflash-consume's options (shapes, loss, compile, loop); --max-anchors-per-doc "
+        "follows --num-anchors unless given"
+    )
     add_train_flags(consumer, exclude=BENCH_SETS, defaults={"max_anchors_per_doc": None})
     return p
 
@@ -577,26 +628,49 @@ def _run_one(
     if args.mode == "step":
         device = torch.device(args.device)
         flags = {k: v for k, v in options.items() if k != "device"}
-        backend = TrainConfig.from_flat(spool=".", target=".", **flags).compile_options.resolved_backend(device.type)
+        backend = TrainConfig.from_flat(spool=".", target=".", **flags).compile_options.resolved_backend(
+            device.type
+        )
         r = run(
-            preset, steps=args.steps, context=options["context_tokens"], anchors=options["num_anchors"],
-            device=device, backend=backend, precision=precision,
-        )  # fmt: skip
+            preset,
+            steps=args.steps,
+            context=options["context_tokens"],
+            anchors=options["num_anchors"],
+            device=device,
+            backend=backend,
+            precision=precision,
+        )
         r["mode"] = "step (hand-built batches, no feed/spool/input pipeline)"
         return r
     return run_trainer(
-        preset, steps=args.steps, warmup=args.warmup, options=options, precision=precision,
-        workdir=Path(args.workdir), producers=args.producers, seed=seed,
+        preset,
+        steps=args.steps,
+        warmup=args.warmup,
+        options=options,
+        precision=precision,
+        workdir=Path(args.workdir),
+        producers=args.producers,
+        seed=seed,
         save_every=args.save_every if args.mode == "trainer" and run_no < args.save_runs else None,
-        learnable=args.mode == "learning", feed_only=args.mode == "feed",
+        learnable=args.mode == "learning",
+        feed_only=args.mode == "feed",
         bucket="random" if args.mode == "trainer" else "oldest",
-    )  # fmt: skip
+    )
 
 
 COLUMNS = (
-    "mode", "preset", "precision", "ms_per_step_median", "context_tok_s", "fill", "mfu", "vs_reference",
-    "first_step_s", "recompiles_after_warmup", "peak_mem_drift_pct",
-)  # fmt: skip
+    "mode",
+    "preset",
+    "precision",
+    "ms_per_step_median",
+    "context_tok_s",
+    "fill",
+    "mfu",
+    "vs_reference",
+    "first_step_s",
+    "recompiles_after_warmup",
+    "peak_mem_drift_pct",
+)
 
 
 def main() -> None:

@@ -116,8 +116,10 @@ def plan_shapes(shapes: dict[str, dict[str, float]], base: PlanConfig) -> list[d
     for shape, rates in sorted(shapes.items()):
         missing = sorted({"producer_tok_s", "consumer_tok_s"} - set(rates))
         if missing:
-            raise ValueError(f"shape {shape}: no {' or '.join(missing)} in the --bench files (run pipeline_bench's "
-                             f"phases for it, or give --{missing[0].replace('_', '-')})")  # fmt: skip
+            raise ValueError(
+                f"shape {shape}: no {' or '.join(missing)} in the --bench files (run pipeline_bench's "
+                f"phases for it, or give --{missing[0].replace('_', '-')})"
+            )
         cfg = PlanConfig(
             num_gpus=base.num_gpus, nodes=base.nodes, ddp_efficiency=base.ddp_efficiency, **rates
         )
@@ -129,12 +131,17 @@ def plan_shapes(shapes: dict[str, dict[str, float]], base: PlanConfig) -> list[d
 
 
 def render_shapes(plans: list[dict], base: PlanConfig) -> str:
-    lines = [f"{base.num_gpus} GPUs per node, DDP efficiency {base.ddp_efficiency:g} per doubling", "",
-             f"  {'shape':<12} {'producer':>9} {'consumer':>9}  {'split (P+C)':<12} {'node tok/s':>10}  bottleneck"]  # fmt: skip
+    lines = [
+        f"{base.num_gpus} GPUs per node, DDP efficiency {base.ddp_efficiency:g} per doubling",
+        "",
+        f"  {'shape':<12} {'producer':>9} {'consumer':>9}  {'split (P+C)':<12} {'node tok/s':>10}  bottleneck",
+    ]
     for p in plans:
         b = p["best"]
-        lines.append(f"  {p['shape']:<12} {format_rate(p['producer_tok_s']):>9} {format_rate(p['consumer_tok_s']):>9}  "
-                     f"{b['producers']} + {b['consumers']:<8} {format_rate(p['node_tok_s']):>10}  {b['bottleneck']}")  # fmt: skip
+        lines.append(
+            f"  {p['shape']:<12} {format_rate(p['producer_tok_s']):>9} {format_rate(p['consumer_tok_s']):>9}  "
+            f"{b['producers']} + {b['consumers']:<8} {format_rate(p['node_tok_s']):>10}  {b['bottleneck']}"
+        )
     return "\n".join(lines)
 
 
