@@ -102,12 +102,7 @@ class Trainer:
         )
         self.checkpoints.resume()  # every rank loads the same files
         self._build_data()
-        self._open_metrics()
-        self.checkpoints.report_to(self.metrics)
-        self.wandb = self._open_wandb() if self.dist.is_main else None
-        self.held_out = HeldOutEval(
-            self.spool, budget=cfg.logs.eval_budget, metrics=self.metrics, wandb=self.wandb
-        )
+        self._build_logs(state)
         self.stop_requested = False
         """A SIGTERM or SIGINT asked this process to stop: it finishes the step, saves and ends."""
         self._deferred: StepInput | None = None  # a step held back while other ranks finish an epoch
@@ -115,24 +110,6 @@ class Trainer:
         self._recompiles_at_warmup: int | None = None
         self.first_step_s: float | None = None
         self.plan: CampaignPlan | None = None
-        self.watch = LoopWatch(
-            self.device, gc_mode=cfg.host.gc_mode, freeze_at_step=WARMUP_STEPS_FOR_RECOMPILES
-        )
-        self.logger = IntervalLogger(
-            cfg.logs,
-            state,
-            block_size=cfg.drafter.block_size,
-            context_tokens=cfg.step.context_tokens,
-            dist=self.dist,
-            device=self.device,
-            watch=self.watch,
-            heartbeat=self.heartbeat,
-            metrics=self.metrics,
-            wandb=self.wandb,
-        )
-        window = cfg.logs.profile_window
-        out = Path(cfg.run_dir or ".") / f"profile-r{self.dist.rank}.txt"
-        self.profiler = StepProfiler(window, out, self.device) if window else None
 
     @property
     def step(self) -> int:
@@ -169,14 +146,40 @@ class Trainer:
             depth=feed.prefetch_steps,
         )
 
-    def _open_metrics(self) -> None:
-        """Metrics JSONL and the sample ledger (which samples each committed step trained, for exact audits
-        after crashes), per rank, under ``--run-dir``."""
+    def _build_logs(self, state: TrainState) -> None:
+        """What the run reports, opened once it is resumed (no file of this launch is written before the
+        store is proven writable): the metrics JSONL and the sample ledger (which samples each committed
+        step trained, for exact audits after crashes) per rank under ``--run-dir``, wandb (rank 0), the
+        held-out evaluation, the loop's watch, the interval logger and a profiler of ``--profile-steps``."""
+        cfg = self.cfg
         self.metrics = self.ledger = None
-        if self.cfg.run_dir:
-            metrics_dir = Path(self.cfg.run_dir) / "metrics"
+        if cfg.run_dir:
+            metrics_dir = Path(cfg.run_dir) / "metrics"
             self.metrics = MetricsLog(metrics_dir / f"consumer-{self.dist.rank}.jsonl")
             self.ledger = MetricsLog(metrics_dir / f"ledger-r{self.dist.rank}.jsonl")
+        self.checkpoints.report_to(self.metrics)
+        self.wandb = self._open_wandb() if self.dist.is_main else None
+        self.held_out = HeldOutEval(
+            self.spool, budget=cfg.logs.eval_budget, metrics=self.metrics, wandb=self.wandb
+        )
+        self.watch = LoopWatch(
+            self.device, gc_mode=cfg.host.gc_mode, freeze_at_step=WARMUP_STEPS_FOR_RECOMPILES
+        )
+        self.logger = IntervalLogger(
+            cfg.logs,
+            state,
+            block_size=cfg.drafter.block_size,
+            context_tokens=cfg.step.context_tokens,
+            dist=self.dist,
+            device=self.device,
+            watch=self.watch,
+            heartbeat=self.heartbeat,
+            metrics=self.metrics,
+            wandb=self.wandb,
+        )
+        window = cfg.logs.profile_window
+        out = Path(cfg.run_dir or ".") / f"profile-r{self.dist.rank}.txt"
+        self.profiler = StepProfiler(window, out, self.device) if window else None
 
     def train(self) -> dict:
         """Train until ``--max-steps``, the spool is drained or a stop is asked; the final save; a summary."""

@@ -26,7 +26,7 @@ from dflash.producer.compile_plan import compile_spec
 from dflash.producer.config import ProducerConfig, Worker
 from dflash.producer.heartbeat import Heartbeat
 from dflash.producer.loop import produce, write_held_out
-from dflash.producer.slice_plan import lengths_at, plan_slice, samples_at, tokenized_summary
+from dflash.producer.slice_plan import SlicePlan, lengths_at, plan_slice, samples_at, tokenized_summary
 from dflash.producer.trunk import warm_trunk
 from dflash.producer.writers import Counters
 
@@ -47,42 +47,18 @@ def _load_target(cfg: ProducerConfig, worker: Worker) -> tuple[LayerCapture, Tar
     return capture, info
 
 
-def run_producer(
-    cfg: ProducerConfig,
-    worker: Worker,
-    *,
-    stop: threading.Event | None = None,
-    on_heartbeat: Callable[[dict], None] | None = None,
-    on_tokenized: Callable[[dict], bool] | None = None,
-) -> dict:
-    """Produce every sample of this producer's slice into the spool; returns the final counters.
-
-    Raises DataError / ValueError for user errors; returns early (no DONE marker) when `stop` is set.
-    ``on_tokenized(summary)`` (slice_plan.tokenized_summary) is called once the slice is tokenized, before
-    the target loads; returning False aborts (no DONE marker, result "aborted": True): dflash-produce uses
-    it to stop a run whose dataset yields no trainable sample.
-    """
+def _set_up_torch(worker: Worker) -> None:
+    """This process's torch: its CPU threads (CPU producers share the machine) and its one GPU."""
     if worker.num_threads:
         torch.set_num_threads(worker.num_threads)
     if worker.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(worker.device))
-    spool = Spool(worker.spool)
-    spool.clean_tmp(worker.producer_id)
-    spool.clear_done(worker.producer_id)
-    counters = Counters()
-    heartbeat = Heartbeat(cfg, worker, spool, counters, on_heartbeat)
-    heartbeat(force=True, phase="tokenize")
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    check_tokenizer(tokenizer, cfg.model)
-    plan = plan_slice(cfg, worker, tokenizer, spool.eval_sample_ids())
-    # total - samples - dropped = what is left to produce (counted in samples: a row may give several)
-    counters.add(**plan.counts, total=len(plan.ids) + plan.counts["dropped"])
-    if on_tokenized is not None and not on_tokenized(tokenized_summary(plan, cfg.data)):
-        heartbeat(force=True, phase="aborted", done=False)
-        heartbeat.close()
-        return {**counters.snapshot(), "done": False, "aborted": True}
-    heartbeat(force=True, phase="load model")
-    capture, info = _load_target(cfg, worker)
+
+
+def _say_start(
+    cfg: ProducerConfig, worker: Worker, plan: SlicePlan, capture: LayerCapture, info: TargetInfo
+) -> None:
+    """The worker's one line once its target is loaded: what it will produce, from what, on what."""
     log.info(
         "producer %s: %d samples over %d epoch(s) (rank %d/%d, %d skipped), layers %s of %d, %s on %s; target %s; "
         "forward %s, %d writer threads",
@@ -100,6 +76,42 @@ def run_producer(
         compile_spec(cfg.compile_options, worker.device).describe(),
         worker.writer_threads,
     )
+
+
+def run_producer(
+    cfg: ProducerConfig,
+    worker: Worker,
+    *,
+    stop: threading.Event | None = None,
+    on_heartbeat: Callable[[dict], None] | None = None,
+    on_tokenized: Callable[[dict], bool] | None = None,
+) -> dict:
+    """Produce every sample of this producer's slice into the spool; returns the final counters.
+
+    Raises DataError / ValueError for user errors; returns early (no DONE marker) when `stop` is set.
+    ``on_tokenized(summary)`` (slice_plan.tokenized_summary) is called once the slice is tokenized, before
+    the target loads; returning False aborts (no DONE marker, result "aborted": True): dflash-produce uses
+    it to stop a run whose dataset yields no trainable sample.
+    """
+    _set_up_torch(worker)
+    spool = Spool(worker.spool)
+    spool.clean_tmp(worker.producer_id)
+    spool.clear_done(worker.producer_id)
+    counters = Counters()
+    heartbeat = Heartbeat(cfg, worker, spool, counters, on_heartbeat)
+    heartbeat(force=True, phase="tokenize")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    check_tokenizer(tokenizer, cfg.model)
+    plan = plan_slice(cfg, worker, tokenizer, spool.eval_sample_ids())
+    # total - samples - dropped = what is left to produce (counted in samples: a row may give several)
+    counters.add(**plan.counts, total=len(plan.ids) + plan.counts["dropped"])
+    if on_tokenized is not None and not on_tokenized(tokenized_summary(plan, cfg.data)):
+        heartbeat(force=True, phase="aborted", done=False)
+        heartbeat.close()
+        return {**counters.snapshot(), "done": False, "aborted": True}
+    heartbeat(force=True, phase="load model")
+    capture, info = _load_target(cfg, worker)
+    _say_start(cfg, worker, plan, capture, info)
     heartbeat(force=True, phase="compile")
     lengths = lengths_at(plan.tok_ds, np.concatenate([plan.positions, plan.held_pos]))
     trunk = warm_trunk(cfg, worker, capture, info.kernels, lengths)

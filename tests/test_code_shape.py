@@ -24,6 +24,8 @@ LONG_MODULES: dict[str, str] = {  # module -> why it stays one module past MODUL
     "self-contained file",
     "common/contract/spool.py": "the shard flow, one method per transition, plus the one-line methods that "
     "hand the records' and the scan's calls to those parts so that every caller keeps one Spool",
+    "common/drafter/serving_check.py": "one check per row of docs/export-and-eval.md's table of what each "
+    "public loader reads, in the table's order, so the two are read side by side",
     "consumer/config.py": "the one config of the consumer process: every flag's field, default, help text "
     "and check, section by section, in the one file a user reads for them",
     "consumer/trainer.py": "the training loop and the order it builds its parts in, read top to bottom; each "
@@ -181,6 +183,26 @@ def test_no_class_has_two_project_bases_without_a_reason():
     )
     stale = sorted(set(MANY_PROJECT_BASES) - set(found))
     assert not stale, f"MANY_PROJECT_BASES names classes that no longer have several project bases: {stale}"
+
+
+FMT_SKIPS_AT_MOST = 10
+
+
+def test_fmt_skip_is_rare_and_says_why():
+    """``ruff format`` decides the layout of a line (ops/test.sh checks it); a ``# fmt: skip`` is for the
+    rare table a formatter would make unreadable, at most FMT_SKIPS_AT_MOST in the tree, each with a
+    comment on the line above saying why."""
+    skips = []
+    for path in sorted(p for room in (*PACKAGE, "tests", "ops") for p in (ROOT / room).rglob("*.py")):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for i, line in enumerate(lines):
+            if line.rstrip().endswith("# fmt: skip"):
+                skips.append((path.relative_to(ROOT).as_posix(), i + 1, lines[i - 1].strip() if i else ""))
+    assert len(skips) <= FMT_SKIPS_AT_MOST, (
+        f"{len(skips)} '# fmt: skip' (at most {FMT_SKIPS_AT_MOST}): {skips}"
+    )
+    unexplained = [f"{rel}:{n}" for rel, n, above in skips if not above.startswith("#")]
+    assert not unexplained, f"'# fmt: skip' without a reason on the line above: {unexplained}"
 
 
 def test_the_checkers_report_what_they_look_for():
