@@ -218,7 +218,8 @@ class StepConfig:
     """lm_head + cross-entropy, both loss_chunk_tokens query rows at a time, neither keeping logits for the
     backward: chunked (torch ops, fp32 softmax passes), liger (liger-kernel's Triton cross-entropy kernel:
     loss, gradient and argmax in one pass over the bf16 logits; CUDA only, needs the liger-kernel package);
-    auto = liger on CUDA when liger-kernel is installed (measured faster), else chunked (common/drafter/loss.py)"""
+    auto = liger on CUDA when liger-kernel is installed (measured faster), else chunked
+    (common/drafter/loss.py)"""
     loss_chunk_tokens: int = 2048
     """query tokens per lm_head + cross-entropy chunk of the chunked loss (logits memory: chunk x vocab)"""
 
@@ -267,7 +268,8 @@ class OptimConfig:
 
     def resolved_precision(self, device_type: str) -> str:
         """``precision`` on this device: auto = amp on CUDA (the fastest measured that learns as fp32 does;
-        mixed is not yet measured faster, docs/training.md), fp32 on the CPU (bf16 matmuls are 4-5x slower)."""
+        mixed is not yet measured faster, docs/training.md), fp32 on the CPU (bf16 matmuls are 4-5x
+        slower)."""
         if self.precision != "auto":
             return self.precision
         return "amp" if device_type == "cuda" else "fp32"
@@ -436,7 +438,8 @@ def train_flag_names() -> set[str]:
 
 
 def train_config_from_args(args: argparse.Namespace, **fixed: Any) -> TrainConfig:
-    """The TrainConfig of parsed ``add_train_flags`` flags; ``fixed`` (flat names) fills or overrides fields."""
+    """The TrainConfig of parsed ``add_train_flags`` flags; ``fixed`` (flat names) fills or overrides
+    fields."""
     sections = {}
     for name, section in SECTIONS.items():
         own = {f.name for f in dataclasses.fields(section)}

@@ -89,12 +89,14 @@ def await_spool(
         waited = f" after waiting {wait_s:g} s" if wait_s > 0 else ""
         fail(
             PROG,
-            f"--spool {spool_dir}: no such directory{waited} (start the producers first, or create it; --spool-wait-s)",
+            f"--spool {spool_dir}: no such directory{waited} (start the producers first, or create it; "
+            "--spool-wait-s)",
         )
     if not ready():
         fail(
             PROG,
-            f"--spool {spool_dir}: no run recorded after waiting {wait_s:g} s (no producer bound it; pass --run)",
+            f"--spool {spool_dir}: no run recorded after waiting {wait_s:g} s (no producer bound it; "
+            "pass --run)",
         )
 
 

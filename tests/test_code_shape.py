@@ -84,7 +84,8 @@ def _project_classes(modules: dict[str, ast.Module]) -> set[str]:
 
 
 def _records(modules: dict[str, ast.Module]) -> set[str]:
-    """The project's dataclasses: records of data (counters, a config), a part's own state when it makes one."""
+    """The project's dataclasses: records of data (counters, a config), a part's own state when it makes
+    one."""
     return {
         n.name
         for tree in modules.values()
@@ -96,7 +97,8 @@ def _records(modules: dict[str, ast.Module]) -> set[str]:
 
 def _parts(cls: ast.ClassDef, ours: set[str], records: set[str]) -> set[str]:
     """The attributes of ``cls`` that hold another part: ``self.x = ProjectClass(...)`` of a class that is
-    not a plain record, or ``self.x = x`` of a parameter typed with a project class (handed in: not its own)."""
+    not a plain record, or ``self.x = x`` of a parameter typed with a project class (handed in: not its
+    own)."""
     typed = {
         a.arg
         for f in cls.body

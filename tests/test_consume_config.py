@@ -26,8 +26,9 @@ from dflash.producer.config import ProduceConfig
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 SELF_CONTAINED = {
-    "common/drafter/dflash.py": "ships as an export's remote code (torch and transformers only): its sampling "
-    "settings check their own choices, which dflash-eval's config (imported before torch) cannot import",
+    "common/drafter/dflash.py": "ships as an export's remote code (torch and transformers only): its "
+    "sampling settings check their own choices, which dflash-eval's config (imported before torch) "
+    "cannot import",
 }
 
 
@@ -39,7 +40,9 @@ BAD_FLAGS = {
     "--lr -1": "lr must be > 0, got -1.0",
     "--warmup-ratio 1": "warmup-ratio must be in [0, 1), got 1.0",
     "--eval-budget 0": "eval-budget must be in (0, 1], got 0.0",
-    "--num-layers 2 --draft-layer-types sliding,full,full": "draft-layer-types names 3 layers, num-layers is 2",
+    "--num-layers 2 --draft-layer-types sliding,full,full": (
+        "draft-layer-types names 3 layers, num-layers is 2"
+    ),
     "--profile-steps 40": "profile-steps must be FIRST:COUNT",
     "--max-steps 0": "max-steps must be >= 1, got 0",
     "--gpu seven": "--gpu must be a GPU index or 'cpu', got 'seven'",
@@ -200,7 +203,8 @@ def _parsers(entry: str) -> list[argparse.ArgumentParser]:
 
 
 def _string_collections(tree: ast.AST) -> list[tuple[int, frozenset[str]]]:
-    """(line, strings) of every tuple, list or set literal of two or more strings outside a ``Literal[...]``."""
+    """(line, strings) of every tuple, list or set literal of two or more strings outside a
+    ``Literal[...]``."""
     literal_args: set[int] = set()
     for node in ast.walk(tree):
         if (
