@@ -139,13 +139,9 @@ class FeedConfig:
     is packed at once when none can give more soon: done, gone, blocked on the spool budget)"""
     prefetch_steps: int = 2
     """steps packed and copied to the GPU ahead of the one training"""
-    decode_threads: int | None = None
-    """zarr's threads decoding a shard's chunks in this process (default: zarr's own choice); each shares the
-    GIL with the thread launching the kernels"""
 
     def __post_init__(self) -> None:
         require_positive_ints(self, "pool_streams", "prefetch_steps")
-        require_at_least_one_when_given(self, "decode_threads")
         require_non_negative(self, "fill_wait_s", "min_split_tokens")
         if self.bucket not in (None, *BUCKET_POLICIES) and not str(self.bucket).isdigit():
             raise ValueError(
@@ -323,10 +319,13 @@ class LogConfig:
 
 @dataclass(kw_only=True)
 class HostConfig:
-    """How the process uses its host and device: torch threads, the CUDA allocator, Python's collector."""
+    """How the process uses its host and device: its threads, the CUDA allocator, Python's collector."""
 
     cpu_threads: int | None = None
     """torch threads per CPU consumer (default: torch's own choice; several CPU processes share the cores)"""
+    decode_threads: int | None = None
+    """zarr's threads decoding a shard's chunks in this process (default: zarr's own choice); each shares the
+    GIL with the thread launching the kernels"""
     gc_mode: GcMode = "interval"
     """Python's garbage collector in the training loop: python (automatic, as Python does it), freeze (after
     the warm-up steps, everything alive is frozen out of later collections: the model, compiled graphs,
@@ -343,7 +342,7 @@ class HostConfig:
 
     def __post_init__(self) -> None:
         check_choices(self)
-        require_at_least_one_when_given(self, "cpu_threads")
+        require_at_least_one_when_given(self, "cpu_threads", "decode_threads")
 
 
 DEFAULT_RUN = "default"

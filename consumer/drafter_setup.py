@@ -18,7 +18,7 @@ from dflash.common.drafter.layers import SLIDING
 from dflash.common.drafter.model import initial_drafter
 from dflash.common.target.head import load_target_head
 from dflash.consumer import distributed as D
-from dflash.consumer.config import DrafterShapeConfig, FeedConfig, HostConfig, OptimConfig
+from dflash.consumer.config import DrafterShapeConfig, HostConfig, OptimConfig
 from dflash.consumer.step import cast_parameters, compile_drafter
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ def maybe_tokenizer(target: str):
         return None
 
 
-def set_up_device(device_name: str, host: HostConfig, feed: FeedConfig) -> tuple[torch.device, torch.dtype]:
+def set_up_device(device_name: str, host: HostConfig) -> tuple[torch.device, torch.dtype]:
     """The process's device (named, current) and the compute dtype; the allocator and thread settings."""
     if not (device_name == "cpu" or device_name.startswith("cuda")):
         raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device_name!r}")
@@ -50,8 +50,8 @@ def set_up_device(device_name: str, host: HostConfig, feed: FeedConfig) -> tuple
         torch.set_flush_denormal(True)  # tiny fp32 optimizer states turn denormal and crawl otherwise
         if host.cpu_threads:
             torch.set_num_threads(host.cpu_threads)
-    if feed.decode_threads:  # the feed's decoder: its chunk-decoding thread pool in this process
-        zarr.config.set({"threading.max_workers": feed.decode_threads})
+    if host.decode_threads:  # the feed's decoder: its chunk-decoding thread pool in this process
+        zarr.config.set({"threading.max_workers": host.decode_threads})
     return device, torch.bfloat16 if device.type == "cuda" else torch.float32
 
 

@@ -61,7 +61,7 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, *, device: str = "cpu") -> None:
         self.cfg = cfg
-        self.device, self.compute_dtype = set_up_device(device, cfg.host, cfg.feed)
+        self.device, self.compute_dtype = set_up_device(device, cfg.host)
         self.dist = D.init_distributed(self.device)
         self.consumer_id = f"r{self.dist.rank}-{os.getpid()}"
         torch.manual_seed(cfg.seed + self.dist.rank)

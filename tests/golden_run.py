@@ -83,7 +83,7 @@ def _run(steps: int) -> dict:
     cfg = TrainConfig.from_flat(
         spool=".", target=str(tiny_target_dir()), total_steps=steps, compile=False, **SHAPES
     )
-    cpu, _ = set_up_device("cpu", cfg.host, cfg.feed)  # the trainer's CPU settings (denormals flushed)
+    cpu, _ = set_up_device("cpu", cfg.host)  # the trainer's CPU settings (denormals flushed)
     dist = DistInfo(rank=0, world_size=1, local_rank=0, device=cpu)
     drafter_config, model, _ = build_drafter(
         cfg.target,
