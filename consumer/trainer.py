@@ -3,9 +3,10 @@
 Build order is visible in ``Trainer.__init__`` (device -> distributed -> drafter -> optimizer and schedule
 -> checkpoint resume -> data -> logs). ``train()`` reads top to bottom: take the next staged step, agree
 across ranks whether anyone has data, step, ack, log, checkpoint. The trainer owns parts that each decide
-one thing: the ``Checkpointer`` (checkpointing/checkpointer.py) when to save and what a failed save means, the
-``IntervalLogger`` (interval_log.py) when to log, the ``LrSchedule`` (schedule.py) each step's rate; they
-are handed the state they read (checkpointing/state.py) rather than reaching into the trainer.
+one thing: the ``Checkpointer`` (checkpointing/checkpointer.py) when to save and what a failed save means,
+the ``IntervalLogger`` (interval_log.py) when to log, the ``LrSchedule`` (schedule.py) each step's rate,
+the ``ConsumerHeartbeat`` (heartbeat.py) that this consumer is alive; each is handed its section of the
+config and the state it reads (checkpointing/state.py) rather than reaching into the trainer.
 
 The GPU never waits for the host: the input pipeline (``input_pipeline.py``) packs, samples anchors and
 copies step n+1 while step n runs; nothing in a step reads a device value back (loss, accuracy and τ sums
@@ -57,7 +58,8 @@ WARMUP_STEPS_FOR_RECOMPILES = 2
 class Trainer:
     """One consumer process's training: build everything in a visible order, then ``train()``. Composed of
     parts it owns: the checkpointer (resume, saves), the interval logger (log lines), the schedule, the
-    data path (feed, input pipeline) and the held-out evaluation."""
+    data path (heartbeat, feed, input pipeline) and the held-out evaluation. ``device`` is where the
+    launch placed this process (consumer/launch.py): 'cpu', 'cuda' or 'cuda:N'."""
 
     def __init__(self, cfg: TrainConfig, *, device: str = "cpu") -> None:
         self.cfg = cfg
