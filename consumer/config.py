@@ -414,13 +414,19 @@ SECTIONS: dict[str, type] = {
 
 
 def add_train_flags(
-    parser: argparse.ArgumentParser, *, exclude: typing.Iterable[str] = (), defaults: dict | None = None
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    *,
+    exclude: typing.Iterable[str] = (),
+    defaults: dict | None = None,
 ) -> None:
-    """TrainConfig's flags on ``parser``: the top-level fields, then one argument group per section.
-    ``exclude`` and ``defaults`` name flat fields, as ``add_flags`` takes them."""
+    """TrainConfig's flags on ``parser``: the top-level fields, then one argument group per section (on a
+    group, as a bench adds them, all in that group: argparse does not nest groups). ``exclude`` and
+    ``defaults`` name flat fields, as ``add_flags`` takes them."""
     add_flags(parser, TrainConfig, exclude=exclude, defaults=defaults)
     for section in SECTIONS.values():
-        group = parser.add_argument_group(section.__doc__.splitlines()[0].rstrip("."))
+        group = parser
+        if isinstance(parser, argparse.ArgumentParser):
+            group = parser.add_argument_group(section.__doc__.splitlines()[0].rstrip("."))
         add_flags(group, section, exclude=exclude, defaults=defaults)
 
 
