@@ -445,11 +445,14 @@ def train_flag_names() -> set[str]:
 def train_config_from_args(args: argparse.Namespace, **fixed: Any) -> TrainConfig:
     """The TrainConfig of parsed ``add_train_flags`` flags; ``fixed`` (flat names) fills or overrides
     fields."""
-    sections = {}
+    sections, known = {}, {f.name for f in dataclasses.fields(TrainConfig)}
     for name, section in SECTIONS.items():
         own = {f.name for f in dataclasses.fields(section)}
         sections[name] = from_args(section, args, **{k: v for k, v in fixed.items() if k in own})
-    top = {f.name for f in dataclasses.fields(TrainConfig)}
+        known |= own
+    if unknown := sorted(set(fixed) - known):
+        raise TypeError(f"no TrainConfig field named {', '.join(unknown)}")
+    top = {f.name for f in dataclasses.fields(TrainConfig)} - set(SECTIONS)
     return from_args(TrainConfig, args, **{k: v for k, v in fixed.items() if k in top}, **sections)
 
 
