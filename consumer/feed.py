@@ -31,9 +31,9 @@ from dflash.common.contract.sample_set import SampleSet
 from dflash.common.contract.shard import ShardFormatError
 from dflash.common.contract.shard_reader import read_shard, read_shard_meta
 from dflash.common.contract.spool import Spool
-from dflash.common.contract.spool_records import IDLE_PHASES
 from dflash.common.drafter.batch import PackedSamples, pack_samples
-from dflash.consumer.config import TrainConfig
+from dflash.consumer.config import FeedConfig
+from dflash.consumer.heartbeat import ConsumerHeartbeat
 from dflash.consumer.input_pipeline import put_until_stopped
 from dflash.consumer.packing import Sample, best_fit, lowest_epoch
 
@@ -65,7 +65,7 @@ WAITING_LOG_S = 30.0  # an empty spool: one "waiting for producers" line this of
 
 
 class ShardFeed:
-    """Claims shards for one consumer and packs them into fixed-shape streams (defaults: TrainConfig's)."""
+    """Claims shards for one consumer and packs them into fixed-shape streams (defaults: FeedConfig's)."""
 
     def __init__(
         self,
@@ -76,13 +76,14 @@ class ShardFeed:
         skip: SampleSet | None = None,
         bucket: int | str | None = None,
         prefetch_shards: int = 2,
-        pool_streams: int = TrainConfig.pool_streams,
-        min_split_tokens: int | None = TrainConfig.min_split_tokens,
-        fill_wait_s: float = TrainConfig.fill_wait_s,
+        pool_streams: int = FeedConfig.pool_streams,
+        min_split_tokens: int | None = FeedConfig.min_split_tokens,
+        fill_wait_s: float = FeedConfig.fill_wait_s,
         pin_memory: bool = False,
         poll_s: float = 0.05,
-        heartbeat_timeout_s: float = TrainConfig.heartbeat_timeout_s,
+        heartbeat_timeout_s: float = FeedConfig.heartbeat_timeout_s,
         expected_layer_ids: list[int] | None = None,
+        heartbeat: ConsumerHeartbeat | None = None,
     ) -> None:
         self.expected_layer_ids = expected_layer_ids
         self.spool = spool
@@ -101,9 +102,11 @@ class ShardFeed:
         self.min_split_tokens = min_split_tokens
         self.fill_wait_s = fill_wait_s
         self._starved_since: float | None = None
-        self.producers_producing = 0
-        """Live producers not done and not blocked on the spool budget, as the last spool scan saw them
-        (heartbeat thread): while one is, a stream short of samples waits for more (``next_packed``)."""
+        self._owns_heartbeat = heartbeat is None
+        self.heartbeat = heartbeat or ConsumerHeartbeat(spool, consumer_id, timeout_s=heartbeat_timeout_s)
+        """This consumer's heartbeat: the feed's counters go into its beats, and it says whether a producer
+        still produces (the trainer hands its own; a feed alone keeps one of its own)."""
+        self.heartbeat.add_source(self.heartbeat_counters)
         self._pool: list[Sample] = []
         self._pool_tokens = 0
         self._ledger: dict[str, _ShardLedger] = {}
@@ -113,49 +116,22 @@ class ShardFeed:
         self._error: BaseException | None = None
         self._end_seen = False
         self._lock = threading.Lock()
-        self.heartbeat_counters: dict = {}
-        """Counters the trainer updates; written to the spool's state/ by a heartbeat thread, so a long
-        first compile never makes this consumer look dead to the others (they would take its claims)."""
-        self._heartbeat_every_s = max(0.5, min(5.0, heartbeat_timeout_s / 4))
         self._start_threads()
 
     def _start_threads(self) -> None:
-        """The shard-deletion thread, a first spool scan and heartbeat, then the heartbeat and decode threads."""
+        """The shard-deletion thread, then the decode thread."""
         name = self.consumer_id
         self._thread = threading.Thread(target=self._prefetch_loop, name=f"feed-{name}", daemon=True)
-        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name=f"hb-{name}", daemon=True)
         self._trash: queue.SimpleQueue = queue.SimpleQueue()
         self._trash_thread = threading.Thread(target=self._trash_loop, name=f"trash-{name}", daemon=True)
         self._trash_thread.start()
-        self.spool_summary: dict = {}
-        try:
-            self.spool_summary = self._scan_spool()
-        except OSError:
-            pass
-        """Spool depth and the producers' rate, refreshed by the heartbeat thread: a scan of the spool takes
-        tens of ms, too long for the training loop (it ran right after the log line's device sync)."""
-        self.spool.heartbeat("consumer", self.consumer_id, dict(self.heartbeat_counters))
-        self._hb_thread.start()
         self._thread.start()
 
-    def _heartbeat_loop(self) -> None:
-        while not self._stop.wait(self._heartbeat_every_s):
-            try:
-                self.spool.heartbeat("consumer", self.consumer_id, self._hb_counters())
-                self.spool_summary = self._scan_spool()
-            except OSError as err:  # a full or vanished spool must not kill training
-                log.warning("heartbeat failed: %s", err)
-
-    def _scan_spool(self) -> dict:
-        s = self.spool.stats(heartbeat_timeout_s=self.heartbeat_timeout_s)
-        live = [p for p in s["processes"] if p.get("role") == "producer" and p.get("alive")]
-        prod_rate = sum(float(p["counters"].get("tok_s", 0.0)) for p in live)
-        self.producers_producing = sum(p["counters"].get("phase") not in IDLE_PHASES for p in live)
-        return {
-            "spool_shards": s["states"]["ready"]["shards"],
-            "spool_bytes": s["total_bytes"],
-            "prod_tok_s": prod_rate,
-        }
+    @property
+    def producers_producing(self) -> int:
+        """Live producers not done and not blocked on the spool budget, as the heartbeat's last scan saw
+        them: while one is, a stream short of samples waits for more (``next_packed``)."""
+        return self.heartbeat.producers_producing
 
     def _trash_loop(self) -> None:
         while (trash := self._trash.get()) is not None:
@@ -164,12 +140,14 @@ class ShardFeed:
             except OSError as err:
                 log.warning("could not remove acked shard %s: %s", trash.name, err)
 
-    def _hb_counters(self) -> dict:
+    def heartbeat_counters(self) -> dict:
+        """What this feed lost or refused, for every heartbeat (dflash-status shows quarantine losses)."""
         c = self.counters
-        return dict(
-            self.heartbeat_counters, shards_quarantined=c.shards_quarantined,
-            samples_quarantined=c.samples_quarantined, samples_duplicate=c.samples_duplicate,
-        )  # fmt: skip
+        return {
+            "shards_quarantined": c.shards_quarantined,
+            "samples_quarantined": c.samples_quarantined,
+            "samples_duplicate": c.samples_duplicate,
+        }
 
     # ---------------------------------------------------------------- background: claim + decode
     def _prefetch_loop(self) -> None:
@@ -206,13 +184,18 @@ class ShardFeed:
     def _log_waiting(self, idle_s: float) -> None:
         registered = self.spool.registered_producers()
         if not registered:
-            log.info("waiting for producers (%.0f s without a shard): none has registered on this spool yet", idle_s)  # fmt: skip
+            log.info(
+                "waiting for producers (%.0f s without a shard): none has registered on this spool yet",
+                idle_s,
+            )
             return
         done = len(set(self.spool.done_producers()) & set(registered))
         log.info(
             "waiting for producers (%.0f s without a shard): %d of %d registered producers done",
-            idle_s, done, len(registered),
-        )  # fmt: skip
+            idle_s,
+            done,
+            len(registered),
+        )
 
     def _nothing_claimable(self) -> bool:
         return not any(self.spool.ready_dir.iterdir()) and not any(self.spool.tmp_dir.iterdir())
@@ -340,9 +323,12 @@ class ShardFeed:
         self.counters.slots_packed += self.context_tokens
         samples = [(s.input_ids, s.loss_mask, s.hidden, s.sample_index) for s in chosen]
         return pack_samples(
-            samples, context_tokens=self.context_tokens, pin_memory=self.pin_memory,
-            position_offsets=[s.start for s in chosen], epoch=epoch,
-        )  # fmt: skip
+            samples,
+            context_tokens=self.context_tokens,
+            pin_memory=self.pin_memory,
+            position_offsets=[s.start for s in chosen],
+            epoch=epoch,
+        )
 
     def _best_fit(self) -> list[Sample]:
         """The pool's next stream (consumer/packing.py: ``best_fit``); the rest stays in the pool."""
@@ -381,12 +367,10 @@ class ShardFeed:
         return self._end_seen and not self._pool
 
     def close(self) -> None:
+        """Stop the decode and deletion threads; a heartbeat of the feed's own says its last word."""
         self._stop.set()
         self._thread.join(timeout=5.0)
-        self._hb_thread.join(timeout=5.0)
         self._trash.put(None)
         self._trash_thread.join(timeout=30.0)
-        try:  # the last word in state/: final counters (quarantine losses) for dflash-status
-            self.spool.heartbeat("consumer", self.consumer_id, self._hb_counters())
-        except OSError:
-            pass
+        if self._owns_heartbeat:
+            self.heartbeat.close()

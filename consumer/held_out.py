@@ -60,7 +60,9 @@ class HeldOutEval:
             self._shards = len(shards)
         return self._docs
 
-    def evaluate(self, model: nn.Module, step: int, *, in_loop_tau: float | None, periodic: bool = False) -> None:
+    def evaluate(
+        self, model: nn.Module, step: int, *, in_loop_tau: float | None, periodic: bool = False
+    ) -> None:
         """Walk every held-out document (nothing when producers spool none: --eval-samples 0); a periodic
         evaluation over the budget is skipped. Logs one line and writes an ``eval`` metrics event."""
         docs = self.docs()
@@ -69,8 +71,9 @@ class HeldOutEval:
         if periodic and not self.budget.allows(time.monotonic() - self._t0):
             log.info(
                 "eval step %d skipped: evaluations would take more than %.0f%% of the run (--eval-budget)",
-                step, 100 * self.budget.share,
-            )  # fmt: skip
+                step,
+                100 * self.budget.share,
+            )
             return
         self.last_step = step
         t0 = time.monotonic()
@@ -78,10 +81,16 @@ class HeldOutEval:
         took = time.monotonic() - t0
         self.budget.add(took)
         rec = {
-            "event": "eval", "time": time.time(), "step": step, "decode_tau": report.tau,
-            "accept_rate": report.accept_rate, "eval_docs": report.prompts, "verify_steps": report.verify_steps,
-            "eval_s": took, "in_loop_tau": in_loop_tau,
-        }  # fmt: skip
+            "event": "eval",
+            "time": time.time(),
+            "step": step,
+            "decode_tau": report.tau,
+            "accept_rate": report.accept_rate,
+            "eval_docs": report.prompts,
+            "verify_steps": report.verify_steps,
+            "eval_s": took,
+            "in_loop_tau": in_loop_tau,
+        }
         if self.metrics:
             self.metrics.write(rec)
         if self.wandb is not None:
@@ -90,5 +99,10 @@ class HeldOutEval:
         share = self.budget.spent_s / max(1e-9, time.monotonic() - self._t0)
         log.info(
             "eval step %d: decode-order τ %.2f on %d held-out docs%s (%.1f s; evaluation %.1f%% of the run)",
-            step, report.tau, report.prompts, loop, took, 100 * share,
-        )  # fmt: skip
+            step,
+            report.tau,
+            report.prompts,
+            loop,
+            took,
+            100 * share,
+        )

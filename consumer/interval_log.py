@@ -16,39 +16,41 @@ import torch
 from dflash.common.metrics import MetricsLog, format_console_line
 from dflash.consumer import distributed as D
 from dflash.consumer.campaign import CampaignPlan
-from dflash.consumer.config import TrainConfig
-from dflash.consumer.feed import ShardFeed
+from dflash.consumer.checkpointing.state import TrainState
+from dflash.consumer.config import LogConfig
+from dflash.consumer.heartbeat import ConsumerHeartbeat
 from dflash.consumer.loop_watch import LoopWatch
-from dflash.consumer.state import TrainState
 from dflash.consumer.step import StepStats
 
 log = logging.getLogger(__name__)
 
 
-def init_wandb(cfg: TrainConfig):
-    """A wandb run when ``--wandb-project`` names one (rank 0 only: the caller decides), else None."""
-    if not cfg.wandb_project:
+def init_wandb(project: str | None, *, run: str, run_dir: str | None, config: dict):
+    """A wandb run when ``--wandb-project`` names one (rank 0 only: the caller decides), else None.
+    ``config`` is the run's config as wandb shows it (the caller leaves the store's URL out)."""
+    if not project:
         return None
 
     import wandb  # seconds to import: only for a run that logs to wandb
 
     mode = os.environ.get("WANDB_MODE") or ("online" if os.environ.get("WANDB_API_KEY") else "offline")
-    return wandb.init(
-        project=cfg.wandb_project,
-        name=cfg.run,
-        mode=mode,
-        dir=cfg.run_dir or None,
-        config={k: v for k, v in cfg.to_dict().items() if k != "checkpoint"},
-    )
+    return wandb.init(project=project, name=run, mode=mode, dir=run_dir or None, config=config)
 
 
 def reduce_interval(stats: StepStats, block_size: int, dist: D.DistInfo, device: torch.device) -> dict:
     """The interval's sums over all ranks (one all-reduce): loss, accuracy per block position, τ, tokens."""
     B = block_size
     sums = torch.tensor(
-        [float(stats.loss_sum), stats.weight_sum, float(stats.tau_sum), float(stats.blocks), stats.tokens, stats.samples],
+        [
+            float(stats.loss_sum),
+            stats.weight_sum,
+            float(stats.tau_sum),
+            float(stats.blocks),
+            stats.tokens,
+            stats.samples,
+        ],
         dtype=torch.float64,
-    )  # fmt: skip
+    )
     correct = torch.as_tensor(stats.correct).cpu().to(torch.float64).expand(B)
     valid = torch.as_tensor(stats.valid).cpu().to(torch.float64).expand(B)
     packed = torch.cat([sums, correct, valid])
@@ -70,14 +72,25 @@ def reduce_interval(stats: StepStats, block_size: int, dist: D.DistInfo, device:
 
 class IntervalLogger:
     """Every ``--log-every`` steps: one record into the history, the metrics file and wandb, one console
-    line (the last two on rank 0), and the feed's heartbeat counters brought up to date."""
+    line (the last two on rank 0), and the heartbeat's training counters brought up to date."""
 
     def __init__(
-        self, cfg: TrainConfig, state: TrainState, *, dist: D.DistInfo, device: torch.device, watch: LoopWatch,
-        feed: ShardFeed, metrics: MetricsLog | None, wandb: Any,
-    ) -> None:  # fmt: skip
+        self,
+        cfg: LogConfig,
+        state: TrainState,
+        *,
+        block_size: int,
+        context_tokens: int,
+        dist: D.DistInfo,
+        device: torch.device,
+        watch: LoopWatch,
+        heartbeat: ConsumerHeartbeat,
+        metrics: MetricsLog | None,
+        wandb: Any,
+    ) -> None:
         self.cfg, self.state, self.dist, self.device = cfg, state, dist, device
-        self.watch, self.feed, self.metrics, self.wandb = watch, feed, metrics, wandb
+        self.block_size, self.context_tokens = block_size, context_tokens
+        self.watch, self.heartbeat, self.metrics, self.wandb = watch, heartbeat, metrics, wandb
         self.history: list[dict] = []
         self._t_process = time.monotonic()
 
@@ -90,7 +103,7 @@ class IntervalLogger:
             return
         rec = self._record(stats, plan)
         self.history.append(rec)
-        self.feed.heartbeat_counters.update(
+        self.heartbeat.update(
             step=rec["step"], samples=rec["samples"], tok_s=rec["tok_s"], world_size=self.dist.world_size
         )
         if not self.dist.is_main:
@@ -108,7 +121,7 @@ class IntervalLogger:
         log.info("%s | %s", line, loop_line)
 
     def _record(self, stats: StepStats, plan: CampaignPlan | None) -> dict:
-        reduced = reduce_interval(stats, self.cfg.block_size, self.dist, self.device)
+        reduced = reduce_interval(stats, self.block_size, self.dist, self.device)
         tokens = reduced.pop("tokens")
         elapsed = time.monotonic() - stats.t0
         self.watch.at_log_line()  # gc_mode interval: the interval's one collection, counted in its own gc_ms
@@ -117,8 +130,11 @@ class IntervalLogger:
         campaign = {}
         if plan is not None:
             campaign = plan.progress_fields(
-                step=progress.step, epoch=progress.epoch, total_steps=schedule.total_steps, step_s=elapsed / stats.steps
-            )  # fmt: skip
+                step=progress.step,
+                epoch=progress.epoch,
+                total_steps=schedule.total_steps,
+                step_s=elapsed / stats.steps,
+            )
         rec = {
             "time": time.time(),
             "step": progress.step,
@@ -127,7 +143,7 @@ class IntervalLogger:
             "grad_norm": float(stats.grad_norm),
             "tok_s": tokens / max(elapsed, 1e-9),
             # share of the context slots that held real tokens (packing quality), over this interval
-            "fill": tokens / max(1.0, stats.steps * self.dist.world_size * self.cfg.context_tokens),
+            "fill": tokens / max(1.0, stats.steps * self.dist.world_size * self.context_tokens),
             "samples": len(progress.trained),
             "interval_samples": reduced["samples"],
             # the interval's raw sums: averages over a run are sum(tokens) / sum(seconds), not mean(tok_s)
@@ -135,8 +151,8 @@ class IntervalLogger:
             "interval_s": elapsed,
             **campaign,
             "world_size": self.dist.world_size,
-            # spool depth and the producers' summed rate, as the feed's heartbeat thread last saw them
-            **dict(self.feed.spool_summary),
+            # spool depth and the producers' summed rate, as the heartbeat's last scan saw them
+            **self.heartbeat.spool_summary,
             # where the interval's time went (consumer/loop_watch.py): a host stall vs a slow kernel
             **loop,
         }

@@ -18,7 +18,7 @@
   installed; otherwise left out): a step time that drifts up with the busy fraction at 1 and the clock
   falling is the chip throttling, not the loop.
 
-On the CPU only the host's figures are reported (no events, no allocator). ``gc_mode`` (TrainConfig) is
+On the CPU only the host's figures are reported (no events, no allocator). ``gc_mode`` (HostConfig) is
 applied here too: ``freeze``/``interval`` freeze what is alive after the warm-up steps (the model, its
 compiled graphs), ``interval`` also turns automatic collection off and collects at each log line.
 """
@@ -177,7 +177,7 @@ class LoopWatch:
 
 
 class StepProfiler:
-    """torch.profiler over steps FIRST..FIRST+COUNT-1 (``TrainConfig.profile_steps``); the kernel table
+    """torch.profiler over steps FIRST..FIRST+COUNT-1 (``LogConfig.profile_steps``); the kernel table
     (self device time per kernel, summed over the steps) is written to ``out`` after the last one."""
 
     def __init__(self, window: tuple[int, int], out: Path, device: torch.device) -> None:

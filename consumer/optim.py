@@ -27,6 +27,9 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from dflash.consumer.config import OptimConfig
+from dflash.consumer.schedule import LrSchedule
+
 
 def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
     """The global L2 norm of the gradients, accumulated in fp32 (bf16 gradients too), as a device tensor:
@@ -37,7 +40,9 @@ def grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
 
 
-def clipped_step(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], max_norm: float) -> torch.Tensor:
+def clipped_step(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], max_norm: float
+) -> torch.Tensor:
     """One optimizer step with the gradients clipped to ``max_norm`` (0: no clipping) as
     ``clip_grad_norm_`` would; returns the norm before clipping. A non-finite norm skips the step."""
     if isinstance(optimizer, MasterAdamW):
@@ -78,7 +83,9 @@ def _master_update(
 ) -> torch.Tensor:
     """AdamW (decoupled weight decay, torch's formula) on the fp32 masters from (clipped) bf16 gradients,
     then the bf16 weights; every tensor is left as it was when the norm is not finite. Returns the norm."""
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
+    norm = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads])
+    )
     finite = torch.isfinite(norm)
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0) if max_norm > 0 else torch.ones_like(norm)
     for p, g, w, m, v, s in zip(params, grads, masters, exp_avgs, exp_avg_sqs, steps, strict=True):
@@ -161,10 +168,19 @@ class MasterAdamW(torch.optim.Optimizer):
         self._lr.fill_(group["lr"])  # a tensor: a new learning rate every step must not recompile
         beta1, beta2 = group["betas"]
         return self._update(
-            params, [p.grad for p in params], [s["master"] for s in states], [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states], [s["step"] for s in states], self._lr,
-            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], max_norm=float(max_norm),
-        )  # fmt: skip
+            params,
+            [p.grad for p in params],
+            [s["master"] for s in states],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [s["step"] for s in states],
+            self._lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            max_norm=float(max_norm),
+        )
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
@@ -187,3 +203,26 @@ class MasterAdamW(torch.optim.Optimizer):
                 self.state[p] = {
                     k: v.to(device=p.device, dtype=torch.float32) for k, v in st.items() if k != "master"
                 }
+
+
+def build_optimizer(
+    model: torch.nn.Module,
+    cfg: OptimConfig,
+    *,
+    device: torch.device,
+    schedule_steps: int,
+    compile_backend: str = "eager",
+) -> tuple[torch.optim.Optimizer, LrSchedule]:
+    """The precision's AdamW + linear warm-up / cosine schedule over ``schedule_steps`` (resized to the
+    campaign's length at the first step when no length was given: consumer/schedule.py). Mixed: the
+    master-weight AdamW (compiled with ``compile_backend``, the draft layers'); otherwise torch's fused
+    AdamW, whose kernel also applies the clip (``optim.clipped_step``)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.resolved_precision(device.type) == "mixed":
+        optimizer = MasterAdamW(
+            params, lr=cfg.lr, weight_decay=cfg.weight_decay, compile_backend=compile_backend
+        )
+    else:
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
+    warmup = max(1, int(cfg.warmup_ratio * schedule_steps))
+    return optimizer, LrSchedule(optimizer, warmup, schedule_steps)

@@ -32,12 +32,24 @@ class Sample:
     def split(self, n: int) -> tuple[Sample, Sample]:
         """(first n tokens, the rest) as two pieces of the same document."""
         head = Sample(
-            self.input_ids[:n], self.loss_mask[:n], self.hidden[:n], self.sample_index, self.shard,
-            start=self.start, last_piece=False, epoch=self.epoch,
+            self.input_ids[:n],
+            self.loss_mask[:n],
+            self.hidden[:n],
+            self.sample_index,
+            self.shard,
+            start=self.start,
+            last_piece=False,
+            epoch=self.epoch,
         )
         tail = Sample(
-            self.input_ids[n:], self.loss_mask[n:], self.hidden[n:], self.sample_index, self.shard,
-            start=self.start + n, last_piece=self.last_piece, epoch=self.epoch,
+            self.input_ids[n:],
+            self.loss_mask[n:],
+            self.hidden[n:],
+            self.sample_index,
+            self.shard,
+            start=self.start + n,
+            last_piece=self.last_piece,
+            epoch=self.epoch,
         )
         return head, tail
 
@@ -46,7 +58,9 @@ def lowest_epoch(pool: list[Sample]) -> int:
     return min(s.epoch for s in pool)
 
 
-def best_fit(pool: list[Sample], context_tokens: int, min_split_tokens: int | None) -> tuple[list[Sample], list[Sample]]:
+def best_fit(
+    pool: list[Sample], context_tokens: int, min_split_tokens: int | None
+) -> tuple[list[Sample], list[Sample]]:
     """(the next stream's samples, the pool left): a stream holds samples of ONE epoch, the lowest in the
     pool (epochs are trained in order, and no step trains one row twice); the rest keep their order."""
     epoch = lowest_epoch(pool)
@@ -55,7 +69,9 @@ def best_fit(pool: list[Sample], context_tokens: int, min_split_tokens: int | No
     return chosen, rest + [s for s in pool if s.epoch != epoch]
 
 
-def _best_fit(pool: list[Sample], context_tokens: int, min_split_tokens: int | None) -> tuple[list[Sample], list[Sample]]:
+def _best_fit(
+    pool: list[Sample], context_tokens: int, min_split_tokens: int | None
+) -> tuple[list[Sample], list[Sample]]:
     """(the next stream's samples, the pool left) from samples of one epoch: the oldest sample first (no
     starvation), then repeatedly the largest sample that still fits.
 

@@ -39,6 +39,10 @@ class WarmupCosine:
         self.step_tokens = 1
         """Tokens of one full step of this launch (context x world size)."""
 
+    def add_tokens(self, tokens: int) -> None:
+        """Tokens the group trained (all ranks), counted before the step they set the rate of."""
+        self.tokens_done += tokens
+
     def resize(self, total_steps: int, warmup_ratio: float) -> None:
         self.total_steps = max(1, total_steps)
         self.warmup_steps = max(1, int(warmup_ratio * self.total_steps))
@@ -108,12 +112,14 @@ class LrSchedule:
     def count_tokens(self, tokens: int) -> None:
         """A step's tokens (all ranks) into the curve's count, before the step: ``step()`` sets the next
         step's rate from it. Every rank adds the same sums, so every rank computes the same rate."""
-        self.curve.tokens_done += tokens
+        self.curve.add_tokens(tokens)
 
     def step(self) -> None:
         self._scheduler.step()
 
-    def size_from_data(self, total_steps: int, warmup_ratio: float, planned_tokens: int, step_tokens: int, *, step: int) -> None:  # fmt: skip
+    def size_from_data(
+        self, total_steps: int, warmup_ratio: float, planned_tokens: int, step_tokens: int, *, step: int
+    ) -> None:
         """The campaign's length sizes the curve, which then runs on tokens (``WarmupCosine.follow_tokens``);
         a resumed run (``step`` > 0) gets the rest of the data's steps; this step's rate follows at once."""
         self.curve.resize(total_steps, warmup_ratio)
@@ -121,7 +127,7 @@ class LrSchedule:
         self._planned_tokens, self._step_tokens = planned_tokens, step_tokens
         if step:  # resumed: the rest of the data from what the checkpoint trained
             if not self.curve.tokens_done:  # a checkpoint from before the count: full streams, as planned
-                self.curve.tokens_done = step * step_tokens
+                self.curve.add_tokens(step * step_tokens)
             self.replan(step)
         factor = self.curve(self._scheduler.last_epoch)  # this step's factor, resized
         for group, base in zip(self._optimizer.param_groups, self._scheduler.base_lrs, strict=True):

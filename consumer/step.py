@@ -1,6 +1,6 @@
 """One training step's pieces, shared by the trainer and ops/bench/consumer_bench.py: the forward and
-backward, the optimizer and schedule, compiling the draft layers, the step's stats. The optimizer step
-itself (clipping folded in, the mixed precision's master weights) is consumer/optim.py."""
+backward, the loss, compiling the draft layers, the step's stats. The optimizer (built for the precision,
+its step with clipping folded in, the mixed precision's master weights) is consumer/optim.py."""
 
 from __future__ import annotations
 
@@ -14,9 +14,7 @@ import torch
 from dflash.common.drafter.batch import DraftBatch
 from dflash.common.drafter.loss import DraftLossOutput, LinearCrossEntropy, draft_loss, linear_cross_entropy
 from dflash.common.drafter.model import DFlashDrafter
-from dflash.consumer.config import TrainConfig
-from dflash.consumer.optim import MasterAdamW
-from dflash.consumer.schedule import LrSchedule
+from dflash.consumer.config import StepConfig
 
 log = logging.getLogger(__name__)
 
@@ -91,13 +89,8 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
             p.data = p.data.to(dtype)
 
 
-def _step_backend(cfg: TrainConfig, device: torch.device) -> str:
-    """The draft layers' compile backend, which the master-weight AdamW shares."""
-    return cfg.resolved_compile_backend(device.type) if cfg.compile else "eager"
-
-
-def make_loss(cfg: TrainConfig, device: torch.device) -> LinearCrossEntropy:
-    """The step's lm_head + cross-entropy for this device (``TrainConfig.loss_impl``). liger needs CUDA and
+def make_loss(cfg: StepConfig, device: torch.device) -> LinearCrossEntropy:
+    """The step's lm_head + cross-entropy for this device (``StepConfig.loss_impl``). liger needs CUDA and
     the liger-kernel package: anything else is one clear error here, before the model is compiled."""
     impl = cfg.resolved_loss_impl(device.type)
     if device.type == "cuda" and impl == "chunked" and cfg.loss_impl == "auto":
@@ -111,24 +104,6 @@ def make_loss(cfg: TrainConfig, device: torch.device) -> LinearCrossEntropy:
         if importlib.util.find_spec("liger_kernel") is None:
             raise ValueError("loss-impl liger needs the liger-kernel package: pip install liger-kernel")
     return linear_cross_entropy(impl, chunk_tokens=cfg.loss_chunk_tokens)
-
-
-def build_optimizer(
-    model: torch.nn.Module, cfg: TrainConfig, device: torch.device
-) -> tuple[torch.optim.Optimizer, LrSchedule]:
-    """The precision's AdamW + linear warm-up / cosine schedule over ``cfg.schedule_steps`` (resized to the
-    campaign's length at the first step when no length was given: consumer/schedule.py). Mixed: the
-    master-weight AdamW (compiled with the draft layers' backend); otherwise torch's fused AdamW, whose
-    kernel also applies the clip (``optim.clipped_step``)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    if cfg.resolved_precision(device.type) == "mixed":
-        optimizer = MasterAdamW(
-            params, lr=cfg.lr, weight_decay=cfg.weight_decay, compile_backend=_step_backend(cfg, device)
-        )
-    else:
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
-    warmup = max(1, int(cfg.warmup_ratio * cfg.schedule_steps))
-    return optimizer, LrSchedule(optimizer, warmup, cfg.schedule_steps)
 
 
 def compile_drafter(model: DFlashDrafter, backend: str) -> None:

@@ -3,16 +3,17 @@
 Build order is visible in ``Trainer.__init__`` (device -> distributed -> drafter -> optimizer and schedule
 -> checkpoint resume -> data -> logs). ``train()`` reads top to bottom: take the next staged step, agree
 across ranks whether anyone has data, step, ack, log, checkpoint. The trainer owns parts that each decide
-one thing: the ``Checkpointer`` (checkpointing.py) when to save and what a failed save means, the
-``IntervalLogger`` (interval_log.py) when to log, the ``LrSchedule`` (schedule.py) each step's rate; they
-are handed the state they read (state.py) rather than reaching into the trainer.
+one thing: the ``Checkpointer`` (checkpointing/checkpointer.py) when to save and what a failed save means,
+the ``IntervalLogger`` (interval_log.py) when to log, the ``LrSchedule`` (schedule.py) each step's rate,
+the ``ConsumerHeartbeat`` (heartbeat.py) that this consumer is alive; each is handed its section of the
+config and the state it reads (checkpointing/state.py) rather than reaching into the trainer.
 
 The GPU never waits for the host: the input pipeline (``input_pipeline.py``) packs, samples anchors and
 copies step n+1 while step n runs; nothing in a step reads a device value back (loss, accuracy and τ sums
 stay on the device until a log line); the per-step agreement between ranks goes over a gloo group on the
 CPU (a host round trip of well under a millisecond that never waits for the GPU, which is kept busy by
 the steps already launched); checkpoints copy the state to host memory on the compute stream and write
-and upload it from a background thread (``async_checkpoint.py``).
+and upload it from a background thread (``checkpointing/background.py``).
 """
 
 from __future__ import annotations
@@ -32,19 +33,20 @@ from dflash.common.drafter.batch import DraftBatch, build_draft_batch, empty_pac
 from dflash.common.drafter.dflash import recompile_count
 from dflash.common.metrics import MetricsLog
 from dflash.consumer import distributed as D
-from dflash.consumer.agreement import StepAgreement
+from dflash.consumer.agreement import RankView, StepAgreement
 from dflash.consumer.campaign import CampaignPlan, read_plan
-from dflash.consumer.checkpointing import Checkpointer
+from dflash.consumer.checkpointing.checkpointer import Checkpointer
+from dflash.consumer.checkpointing.state import TrainProgress, TrainState
 from dflash.consumer.config import TrainConfig
 from dflash.consumer.drafter_setup import build_drafter, set_up_device
 from dflash.consumer.feed import ShardFeed
+from dflash.consumer.heartbeat import ConsumerHeartbeat
 from dflash.consumer.held_out import HeldOutEval
 from dflash.consumer.input_pipeline import InputPipeline, StepInput
 from dflash.consumer.interval_log import IntervalLogger, init_wandb
 from dflash.consumer.loop_watch import LoopWatch, StepProfiler
-from dflash.consumer.optim import clipped_step
-from dflash.consumer.state import TrainProgress, TrainState
-from dflash.consumer.step import StepStats, build_optimizer, forward_backward, make_loss
+from dflash.consumer.optim import build_optimizer, clipped_step
+from dflash.consumer.step import StepStats, forward_backward, make_loss
 
 import_dynamo_in_main_thread()  # before the checkpoint and feed threads start
 
@@ -56,49 +58,60 @@ WARMUP_STEPS_FOR_RECOMPILES = 2
 class Trainer:
     """One consumer process's training: build everything in a visible order, then ``train()``. Composed of
     parts it owns: the checkpointer (resume, saves), the interval logger (log lines), the schedule, the
-    data path (feed, input pipeline) and the held-out evaluation."""
+    data path (heartbeat, feed, input pipeline) and the held-out evaluation. ``device`` is where the
+    launch placed this process (consumer/launch.py): 'cpu', 'cuda' or 'cuda:N'."""
 
-    def __init__(self, cfg: TrainConfig) -> None:
+    def __init__(self, cfg: TrainConfig, *, device: str = "cpu") -> None:
         self.cfg = cfg
-        self.device, self.compute_dtype = set_up_device(cfg)
+        self.device, self.compute_dtype = set_up_device(device, cfg.host)
         self.dist = D.init_distributed(self.device)
         self.consumer_id = f"r{self.dist.rank}-{os.getpid()}"
         torch.manual_seed(cfg.seed + self.dist.rank)
         # The folder must exist (the CLI checks); its layout is created if the producers have not yet.
         self.spool = Spool(cfg.spool, create=True)
+        backend = cfg.compile_options.resolved_backend(self.device.type)
         self.drafter_config, self.model, self.train_model = build_drafter(
-            cfg, self.device, self.compute_dtype, self.dist
+            cfg.target,
+            cfg.drafter,
+            seed=cfg.seed,
+            optim=cfg.optim,
+            compile_options=cfg.compile_options,
+            device=self.device,
+            compute_dtype=self.compute_dtype,
+            dist=self.dist,
         )
-        self.optimizer, self.schedule = build_optimizer(self.model, cfg, self.device)
-        self.loss_fn = make_loss(cfg, self.device)
+        self.optimizer, self.schedule = build_optimizer(
+            self.model,
+            cfg.optim,
+            device=self.device,
+            schedule_steps=cfg.schedule_steps,
+            compile_backend=backend,
+        )
+        self.loss_fn = make_loss(cfg.step, self.device)
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.progress = TrainProgress()
         state = TrainState(self.model, self.optimizer, self.schedule, self.drafter_config, self.progress)
         self.generator = torch.Generator().manual_seed(cfg.seed * 1000 + self.dist.rank)
         # the store is proven writable and the run resumed before any file of this launch is written
-        self.checkpoints = Checkpointer(cfg, state, dist=self.dist, device=self.device)
+        self.checkpoints = Checkpointer(
+            cfg.checkpoints,
+            state,
+            run=cfg.run_name,
+            run_dir=cfg.run_dir,
+            run_config=cfg.to_dict(),
+            dist=self.dist,
+            device=self.device,
+        )
         self.checkpoints.resume()  # every rank loads the same files
         self._build_data()
-        self._open_metrics()
-        self.checkpoints.metrics = self.metrics  # its save events go to the run's metrics from here on
-        self.wandb = init_wandb(cfg) if self.dist.is_main else None
-        self.held_out = HeldOutEval(
-            self.spool, budget=cfg.eval_budget, metrics=self.metrics, wandb=self.wandb
-        )
-        self._stop_requested = False
+        self._build_logs(state)
+        self.stop_requested = False
+        """A SIGTERM or SIGINT asked this process to stop: it finishes the step, saves and ends."""
         self._deferred: StepInput | None = None  # a step held back while other ranks finish an epoch
         self._recompiles_after_warmup = 0
         self._recompiles_at_warmup: int | None = None
         self.first_step_s: float | None = None
         self.plan: CampaignPlan | None = None
-        self.watch = LoopWatch(self.device, gc_mode=cfg.gc_mode, freeze_at_step=WARMUP_STEPS_FOR_RECOMPILES)
-        self.logger = IntervalLogger(
-            cfg, state, dist=self.dist, device=self.device, watch=self.watch, feed=self.feed,
-            metrics=self.metrics, wandb=self.wandb,
-        )  # fmt: skip
-        window = cfg.profile_steps and cfg.profile_window
-        out = Path(cfg.run_dir or ".") / f"profile-r{self.dist.rank}.txt"
-        self.profiler = StepProfiler(window, out, self.device) if window else None
 
     @property
     def step(self) -> int:
@@ -106,17 +119,25 @@ class Trainer:
         return self.progress.step
 
     def _build_data(self) -> None:
-        """The data path, in threads of this process: the shard feed (claims, decode, packing, acks, shard
-        deletion) and the input pipeline (anchors, labels, the host->device copy)."""
-        cfg = self.cfg
+        """The data path, in threads of this process: the heartbeat (this consumer alive to the others, the
+        spool's depth), the shard feed (claims, decode, packing, acks, shard deletion) and the input
+        pipeline (anchors, labels, the host->device copy)."""
+        feed = self.cfg.feed
         self._padding_input: StepInput | None = None
+        self.heartbeat = ConsumerHeartbeat(self.spool, self.consumer_id, timeout_s=feed.heartbeat_timeout_s)
         self.feed = ShardFeed(
             self.spool,
             self.consumer_id,
+            context_tokens=self.cfg.step.context_tokens,
             skip=self.progress.trained,  # the live set: also drops duplicates of samples trained since the resume
+            bucket=feed.claim_bucket,
+            heartbeat_timeout_s=feed.heartbeat_timeout_s,
+            pool_streams=feed.pool_streams,
+            min_split_tokens=feed.min_split_tokens or None,
+            fill_wait_s=feed.fill_wait_s,
             pin_memory=self.device.type == "cuda",
             expected_layer_ids=list(self.drafter_config.target_layer_ids),
-            **cfg.feed_settings(),
+            heartbeat=self.heartbeat,
         )
         self.inputs = InputPipeline(
             lambda wait_s: self.feed.next_packed(wait_s=wait_s),
@@ -124,17 +145,43 @@ class Trainer:
             self.feed.exhausted,
             device=self.device,
             hidden_dtype=self.compute_dtype,
-            depth=cfg.prefetch_steps,
+            depth=feed.prefetch_steps,
         )
 
-    def _open_metrics(self) -> None:
-        """Metrics JSONL and the sample ledger (which samples each committed step trained, for exact audits
-        after crashes), per rank, under ``--run-dir``."""
+    def _build_logs(self, state: TrainState) -> None:
+        """What the run reports, opened once it is resumed (no file of this launch is written before the
+        store is proven writable): the metrics JSONL and the sample ledger (which samples each committed
+        step trained, for exact audits after crashes) per rank under ``--run-dir``, wandb (rank 0), the
+        held-out evaluation, the loop's watch, the interval logger and a profiler of ``--profile-steps``."""
+        cfg = self.cfg
         self.metrics = self.ledger = None
-        if self.cfg.run_dir:
-            metrics_dir = Path(self.cfg.run_dir) / "metrics"
+        if cfg.run_dir:
+            metrics_dir = Path(cfg.run_dir) / "metrics"
             self.metrics = MetricsLog(metrics_dir / f"consumer-{self.dist.rank}.jsonl")
             self.ledger = MetricsLog(metrics_dir / f"ledger-r{self.dist.rank}.jsonl")
+        self.checkpoints.report_to(self.metrics)
+        self.wandb = self._open_wandb() if self.dist.is_main else None
+        self.held_out = HeldOutEval(
+            self.spool, budget=cfg.logs.eval_budget, metrics=self.metrics, wandb=self.wandb
+        )
+        self.watch = LoopWatch(
+            self.device, gc_mode=cfg.host.gc_mode, freeze_at_step=WARMUP_STEPS_FOR_RECOMPILES
+        )
+        self.logger = IntervalLogger(
+            cfg.logs,
+            state,
+            block_size=cfg.drafter.block_size,
+            context_tokens=cfg.step.context_tokens,
+            dist=self.dist,
+            device=self.device,
+            watch=self.watch,
+            heartbeat=self.heartbeat,
+            metrics=self.metrics,
+            wandb=self.wandb,
+        )
+        window = cfg.logs.profile_window
+        out = Path(cfg.run_dir or ".") / f"profile-r{self.dist.rank}.txt"
+        self.profiler = StepProfiler(window, out, self.device) if window else None
 
     def train(self) -> dict:
         """Train until ``--max-steps``, the spool is drained or a stop is asked; the final save; a summary."""
@@ -148,6 +195,7 @@ class Trainer:
             self.watch.close()
             self.inputs.close()
             self.feed.close()
+            self.heartbeat.close()
         return self._summary()
 
     def _loop(self) -> None:
@@ -171,12 +219,16 @@ class Trainer:
             if self.logger.due(self.progress.step):
                 self._log(stats)
                 stats = StepStats()
-            if cfg.eval_every and self.progress.step % cfg.eval_every == 0:
+            if cfg.logs.eval_every and self.progress.step % cfg.logs.eval_every == 0:
                 self._evaluate(periodic=True)
             self.checkpoints.save_if_due()
         if stats.steps:
             self._log(stats)
-        if cfg.eval_every and self.held_out.last_step != self.progress.step and self.first_step_s is not None:
+        if (
+            cfg.logs.eval_every
+            and self.held_out.last_step != self.progress.step
+            and self.first_step_s is not None
+        ):
             self._evaluate()
 
     def _next_input(self) -> tuple[StepInput | None, StepAgreement | None]:
@@ -254,18 +306,22 @@ class Trainer:
 
     def _build_batch(self, packed, generator: torch.Generator | None = None) -> DraftBatch:
         """Anchors, draft blocks, labels and weights of one packed stream (input pipeline thread)."""
-        cfg = self.cfg
+        step = self.cfg.step
         return build_draft_batch(
-            packed, generator=generator or self.generator, block_size=cfg.block_size, num_anchors=cfg.num_anchors,
-            max_anchors_per_doc=cfg.max_anchors_per_doc, mask_token_id=self.drafter_config.mask_token_id,
-            gamma=cfg.gamma,
-        )  # fmt: skip
+            packed,
+            generator=generator or self.generator,
+            block_size=self.cfg.drafter.block_size,
+            num_anchors=step.num_anchors,
+            max_anchors_per_doc=step.max_anchors_per_doc,
+            mask_token_id=self.drafter_config.mask_token_id,
+            gamma=step.gamma,
+        )
 
     def _padding(self) -> StepInput:
         """A step of pure padding (zero weight) for a rank without data while others step; built once, with
         its own generator so the input pipeline's anchor draws stay exactly the serial path's."""
         if self._padding_input is None:
-            packed = empty_packed(self.cfg.context_tokens, self._hidden_width())
+            packed = empty_packed(self.cfg.step.context_tokens, self._hidden_width())
             batch = self._build_batch(packed, torch.Generator().manual_seed(0))
             self._padding_input = StepInput(
                 batch.to(self.device, hidden_dtype=self.compute_dtype), tokens=0, weight=0.0, padding=True
@@ -285,7 +341,7 @@ class Trainer:
             loss_scale=self.dist.world_size / global_weight.clamp(min=1e-6),
             lce=self.loss_fn,
         )
-        grad_norm = clipped_step(self.optimizer, self.trainable, self.cfg.grad_clip)
+        grad_norm = clipped_step(self.optimizer, self.trainable, self.cfg.optim.grad_clip)
         self.schedule.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.progress.step += 1
@@ -306,41 +362,52 @@ class Trainer:
         length was given, and say the plan in one line. Called at the first step: producers write the
         campaign before their first shard."""
         cfg, schedule, step = self.cfg, self.schedule, self.progress.step
-        mine = read_plan(self.spool, context_tokens=cfg.context_tokens, world_size=self.dist.world_size)
+        context_tokens = cfg.step.context_tokens
+        mine = read_plan(self.spool, context_tokens=context_tokens, world_size=self.dist.world_size)
         self.plan = D.broadcast_object(mine, self.dist)
         override = None
-        if cfg.total_steps or cfg.max_steps:
-            override = (
-                f"--total-steps {cfg.total_steps}" if cfg.total_steps else f"--max-steps {cfg.max_steps}"
-            )
+        total_steps = cfg.optim.total_steps
+        if total_steps or cfg.max_steps:
+            override = f"--total-steps {total_steps}" if total_steps else f"--max-steps {cfg.max_steps}"
         elif self.plan is not None:
             planned = self.plan.campaign.tokens * self.plan.epochs.epochs
-            step_tokens = cfg.context_tokens * self.dist.world_size
-            schedule.size_from_data(self.plan.total_steps, cfg.warmup_ratio, planned, step_tokens, step=step)
+            step_tokens = context_tokens * self.dist.world_size
+            schedule.size_from_data(
+                self.plan.total_steps, cfg.optim.warmup_ratio, planned, step_tokens, step=step
+            )
         if self.plan is None:
-            log.warning("no campaign in spool %s (producers have not counted the data): schedule of %d steps", self.spool.root, schedule.total_steps)  # fmt: skip
+            log.warning(
+                "no campaign in spool %s (producers have not counted the data): schedule of %d steps",
+                self.spool.root,
+                schedule.total_steps,
+            )
             return
         if self.dist.is_main:
-            log.info(self.plan.describe(
-                schedule.warmup_steps, override=override, total_steps=schedule.total_steps, resumed=step
-            ))  # fmt: skip
-        if cfg.eval_every and step == 0:  # the untrained drafter: the "before" of every later figure
+            log.info(
+                self.plan.describe(
+                    schedule.warmup_steps, override=override, total_steps=schedule.total_steps, resumed=step
+                )
+            )
+        if cfg.logs.eval_every and step == 0:  # the untrained drafter: the "before" of every later figure
             self._evaluate()
 
     def _agree(self, item: StepInput | None) -> StepAgreement:
         """What every rank decides together before a step, from one small host-side collective: anyone
         has data, everyone is drained, a stop was asked, a save failed with no checkpoint to fall back
         on, the lowest epoch any rank's step holds (the step's epoch), and the tokens the step trains."""
-        mine = [
-            item is not None, self.inputs.exhausted() and self._deferred is None and item is None,
-            self._stop_requested, self.checkpoints.stop_reason is not None,
-            item.batch.epoch if item is not None else -1, item.tokens if item is not None else 0,
-        ]  # fmt: skip
-        return StepAgreement.of(D.gather_ints(mine, self.dist), last_epoch=self.progress.epoch)
+        mine = RankView(
+            has_step=item is not None,
+            drained=self.inputs.exhausted() and self._deferred is None and item is None,
+            stop_asked=self.stop_requested,
+            save_failed=self.checkpoints.stop_reason is not None,
+            epoch=item.batch.epoch if item is not None else -1,
+            tokens=item.tokens if item is not None else 0,
+        )
+        return StepAgreement.of(D.gather_ints(mine.encode(), self.dist), last_epoch=self.progress.epoch)
 
     @property
     def _compiles(self) -> bool:
-        return self.cfg.compile and self.cfg.resolved_compile_backend(self.device.type) != "eager"
+        return self.cfg.compile_options.resolved_backend(self.device.type) != "eager"
 
     def _say_phase(self, phase: str) -> None:
         """A metrics event saying what the consumer does before its first step record (the demo's progress
@@ -385,10 +452,27 @@ class Trainer:
             log.warning(
                 "received %s: finishing the step, then checkpoint and exit", signal.Signals(signum).name
             )
-            self._stop_requested = True
+            self.stop_requested = True
 
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
+
+    def _open_wandb(self):
+        """The wandb run of ``--wandb-project`` (rank 0), its config the run's without the store's URL."""
+        config = self.cfg.to_dict()
+        config["checkpoints"].pop("store")
+        run, run_dir = self.cfg.run_name, self.cfg.run_dir
+        return init_wandb(self.cfg.logs.wandb_project, run=run, run_dir=run_dir, config=config)
+
+    def record_end(self, event: dict) -> None:
+        """How the run ended, as the last record of this rank's metrics (dflash-status shows it finished,
+        stopped or failed); the summary's history is left out."""
+        if self.metrics is None:
+            return
+        try:
+            self.metrics.write({k: v for k, v in {**event, "time": time.time()}.items() if k != "history"})
+        except OSError:
+            pass  # the run dir itself may be what failed
 
     def close(self) -> None:
         if self.wandb is not None:

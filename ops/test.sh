@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The test command: creates .venv if missing, installs torch (CPU pin) only when none is importable,
-# installs the project with its test extra, runs ruff and pytest. Extra args go to pytest.
+# installs the project with its test extra, runs ruff (lint, and the formatter's check) and pytest. Extra
+# args go to pytest.
 #   bash ops/test.sh          the whole suite (CI; before a merge): every guarantee, ~10 min on 2 cores
 #   bash ops/test.sh --unit   the unit tier (while editing): the tests that start no child process
 #                             (-m "not pipeline"), <= 2 min on 2 cores. tests/conftest.py marks a test
@@ -22,7 +23,8 @@ tier=(); what="the whole suite"
 if [[ "${1:-}" == "--unit" ]]; then
   shift; tier=(-m "not pipeline"); what="the unit tier (no child processes)"
 fi
-echo "[test] ruff check ."
+echo "[test] ruff check . && ruff format --check ."
 ruff check .
+ruff format --check .
 echo "[test] pytest, $what, on ${DFLASH_TEST_WORKERS:-every core} worker(s): the slowest tests are listed at the end"
 exec python -m pytest -q -n "${DFLASH_TEST_WORKERS:-auto}" --maxprocesses 4 --dist loadfile --no-loadscope-reorder --durations=15 --durations-min=10 "${tier[@]}" "$@"

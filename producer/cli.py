@@ -43,8 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     return command_parser(
         PROG,
         "Run a frozen target over a chat dataset and spool K layers' hidden states.",
-        LaunchConfig, DataConfig, BucketConfig, ProducerConfig, TrunkCompileConfig,
-    )  # fmt: skip
+        LaunchConfig,
+        DataConfig,
+        BucketConfig,
+        ProducerConfig,
+        TrunkCompileConfig,
+    )
 
 
 def config_of(args: argparse.Namespace) -> ProduceConfig:

@@ -50,8 +50,11 @@ class EpochBarrier:
             if now - last_log >= WAITING_LOG_S:
                 log.info(
                     "producer %s: epoch %d done, waiting %.0f s for %s to finish it (epochs stay in order)",
-                    self.producer_id, epoch, now - t0, ", ".join(behind),
-                )  # fmt: skip
+                    self.producer_id,
+                    epoch,
+                    now - t0,
+                    ", ".join(behind),
+                )
                 last_log = now
             self.on_wait()
             self.stop.wait(0.2)
@@ -76,8 +79,13 @@ class EpochBarrier:
                     log.warning(
                         "producer %s: producer %s is gone (no heartbeat for %.0f s); not waiting for it at "
                         "epoch %d: its relaunch may publish epoch %d shards after others' epoch %d",
-                        self.producer_id, pid, GONE_AFTER_S, epoch, epoch, epoch + 1,
-                    )  # fmt: skip
+                        self.producer_id,
+                        pid,
+                        GONE_AFTER_S,
+                        epoch,
+                        epoch,
+                        epoch + 1,
+                    )
                 continue
             behind.append(pid)
         return behind

@@ -73,7 +73,11 @@ def workers_of(launch: LaunchConfig, launch_no: int | None = None) -> list[Worke
         rank = launch.node_rank * per_node + p
         pid = f"n{launch.node_rank}p{p}" + (f".{launch_no}" if launch_no is not None else "")
         device = dev if dev == "cpu" else "cuda:0"  # a spawned worker sees only its own GPU
-        out.append(Worker(producer_id=pid, rank=rank, world=per_node * launch.num_nodes, device=device, cuda_index=idx))  # fmt: skip
+        out.append(
+            Worker(
+                producer_id=pid, rank=rank, world=per_node * launch.num_nodes, device=device, cuda_index=idx
+            )
+        )
     return out
 
 
@@ -191,7 +195,11 @@ def _skip_set(spool: Spool, checkpoint: str | None, run: str, node_rank: int) ->
         skip = skip if skip is not None else SampleSet(epoch=0)
         before = len(skip)
         skip.add(leftover)
-        log.info("reusing %d samples still in the spool from an earlier launch (%d not trained yet)", len(leftover), len(skip) - before)  # fmt: skip
+        log.info(
+            "reusing %d samples still in the spool from an earlier launch (%d not trained yet)",
+            len(leftover),
+            len(skip) - before,
+        )
     return skip
 
 
@@ -213,28 +221,47 @@ def prepare(cfg: ProduceConfig) -> Launch:
         raise UsageError(str(err)) from None
     num_rows = min(len(ds), data.limit) if data.limit else len(ds)
     if not 0 <= producer.eval_samples < num_rows:
-        raise UsageError(f"--eval-samples {producer.eval_samples}: must be in [0, {num_rows}) for dataset {data.dataset} ({num_rows} rows)")  # fmt: skip
+        raise UsageError(
+            f"--eval-samples {producer.eval_samples}: must be in [0, {num_rows}) for dataset {data.dataset} ({num_rows} rows)"
+        )
     run = launch.run_name
     model = os.path.abspath(producer.model) if os.path.exists(producer.model) else producer.model
-    identity = {"run": run, "model": model, "layer_ids": layer_ids, "dataset": fingerprint,
-                "plan": _campaign_plan(producer, num_rows)}  # fmt: skip
+    identity = {
+        "run": run,
+        "model": model,
+        "layer_ids": layer_ids,
+        "dataset": fingerprint,
+        "plan": _campaign_plan(producer, num_rows),
+    }
     spool, lock, launch_no = _bind_spool(launch.spool_dir, identity, launch.node_rank)
     workers = _place_workers(cfg, spool, launch_no)
     spool.register_producers([w.producer_id for w in workers])
     log.info(
         "%d producer(s) %s over %d rows x %d epoch(s) (world %d), spool %s, budget %.1f GB",
-        len(workers), [w.producer_id for w in workers], num_rows, producer.epochs, workers[0].world, spool.root,
+        len(workers),
+        [w.producer_id for w in workers],
+        num_rows,
+        producer.epochs,
+        workers[0].world,
+        spool.root,
         workers[0].budget_bytes / 1e9,
-    )  # fmt: skip
+    )
     return Launch(spool=spool, lock=lock, workers=workers, config=producer, num_rows=num_rows)
 
 
 def _campaign_plan(producer: ProducerConfig, num_rows: int) -> dict:
     """The campaign as the spool's run record keeps it: later launches and consumers must agree on it."""
     data = producer.data
-    return {"epochs": producer.epochs, "shuffle_seed": producer.shuffle_seed, "eval_samples": producer.eval_samples,
-            "rows": num_rows, "max_length": data.max_length, "min_loss_tokens": data.min_loss_tokens,
-            "format": data.format, "train_reasoning": data.train_reasoning}  # fmt: skip
+    return {
+        "epochs": producer.epochs,
+        "shuffle_seed": producer.shuffle_seed,
+        "eval_samples": producer.eval_samples,
+        "rows": num_rows,
+        "max_length": data.max_length,
+        "min_loss_tokens": data.min_loss_tokens,
+        "format": data.format,
+        "train_reasoning": data.train_reasoning,
+    }
 
 
 def _place_workers(cfg: ProduceConfig, spool: Spool, launch_no: int) -> list[Worker]:
@@ -257,6 +284,6 @@ def _place_workers(cfg: ProduceConfig, spool: Spool, launch_no: int) -> list[Wor
             skip=skip.to_bytes() if skip is not None else None,
             num_threads=cpu_threads if w.device == "cpu" else None,
             writer_threads=writers,
-        )  # fmt: skip
+        )
         for w in placed
     ]

@@ -37,8 +37,12 @@ log = logging.getLogger(__name__)
 
 def shard_meta(cfg: ProducerConfig, worker: Worker, capture: LayerCapture | Trunk) -> dict:
     """The metadata every shard of this producer carries (target, layers, width, producer)."""
-    return dict(target_model=cfg.target_name or cfg.model, layer_ids=capture.layer_ids,
-                hidden_size=capture.hidden_size, producer_id=worker.producer_id)  # fmt: skip
+    return dict(
+        target_model=cfg.target_name or cfg.model,
+        layer_ids=capture.layer_ids,
+        hidden_size=capture.hidden_size,
+        producer_id=worker.producer_id,
+    )
 
 
 def write_held_out(
@@ -134,8 +138,14 @@ def produce(
     produce_s = time.monotonic() - t_start
     phase = "done" if finished else "stopped"
     heartbeat(force=True, phase=phase, done=finished, produce_s=produce_s, **trunk.report())
-    result = {**counters.snapshot(), "done": finished, "padding_waste": bucketer.padding_waste,
-              "produce_s": produce_s, "epoch_barrier_s": barrier.waited_s, **trunk.report()}  # fmt: skip
+    result = {
+        **counters.snapshot(),
+        "done": finished,
+        "padding_waste": bucketer.padding_waste,
+        "produce_s": produce_s,
+        "epoch_barrier_s": barrier.waited_s,
+        **trunk.report(),
+    }
     log.info("producer %s %s: %s", worker.producer_id, phase, result)
     return result
 

@@ -57,8 +57,16 @@ def plan_slice(cfg: ProducerConfig, worker: Worker, tokenizer, spooled_eval_ids:
     if len(held_ids):  # spooled once per campaign: what an earlier launch wrote stays in eval/
         keep = ~np.isin(held_ids, spooled_eval_ids)
         held_pos, held_ids = held_pos[keep], held_ids[keep]
-    return SlicePlan(ds=ds, tok_ds=tok_ds, epochs=epochs, positions=positions, ids=ids, counts=counts,
-                     held_pos=held_pos, held_ids=held_ids)  # fmt: skip
+    return SlicePlan(
+        ds=ds,
+        tok_ds=tok_ds,
+        epochs=epochs,
+        positions=positions,
+        ids=ids,
+        counts=counts,
+        held_pos=held_pos,
+        held_ids=held_ids,
+    )
 
 
 def tokenized_summary(plan: SlicePlan, data: DataConfig) -> dict:

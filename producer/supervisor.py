@@ -232,7 +232,10 @@ class Supervisor:
             )
             word = "abort"
         elif everyone:  # what this node's slices give, for the consumers' plan
-            campaign = {k: sum(int(t["campaign"][k]) for t in self.tokenized.values()) for k in ("samples", "tokens", "loss_tokens")}  # fmt: skip
+            campaign = {
+                k: sum(int(t["campaign"][k]) for t in self.tokenized.values())
+                for k in ("samples", "tokens", "loss_tokens")
+            }
             epochs = self.prepared.config.epochs
             self.prepared.spool.write_campaign(
                 self.launch.node_rank,

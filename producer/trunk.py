@@ -187,7 +187,9 @@ class Trunk:
         self._fla = kernels is not None and kernels.fast
         self.scope = spec.scope
         if spec.enabled and spec.scope == "trunk" and self._hybrid:
-            log.warning("compile scope trunk: a hybrid target compiles per layer, its linear attention eager (docs/producer.md)")  # fmt: skip
+            log.warning(
+                "compile scope trunk: a hybrid target compiles per layer, its linear attention eager (docs/producer.md)"
+            )
             self.scope = "layers"
         if spec.enabled:
             self._compile()
@@ -227,7 +229,9 @@ class Trunk:
     def _to_eager(self, why: str) -> None:
         """Give up compiling: one warning line, then the eager path for the rest of the process."""
         self.fallback = why
-        log.warning("compiling the target failed (%s): running it eagerly (slower); --no-compile skips compiling", why)  # fmt: skip
+        log.warning(
+            "compiling the target failed (%s): running it eagerly (slower); --no-compile skips compiling", why
+        )
         self._uncompile()
         torch._dynamo.reset()  # an abandoned compile leaves nothing behind
 
@@ -277,7 +281,9 @@ class Trunk:
         t0 = time.monotonic()
         if self.compiled and shapes:
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 4 * len(shapes) + 16)
-            dynamo_config.accumulated_recompile_limit = max(dynamo_config.accumulated_recompile_limit, 16 * len(shapes) + 256)  # fmt: skip
+            dynamo_config.accumulated_recompile_limit = max(
+                dynamo_config.accumulated_recompile_limit, 16 * len(shapes) + 256
+            )
             self.warmed = len(shapes)
             try:
                 with _deadline(self.spec.timeout_s), torch.inference_mode():
@@ -342,8 +348,10 @@ class Trunk:
                 self.recompiles = extra
                 log.error(
                     "RECOMPILE after warm-up at batch %d, shape %s (%d so far): a batch shape outside the warmed set — this is a bug",
-                    self._batches, tuple(input_ids.shape), extra,
-                )  # fmt: skip
+                    self._batches,
+                    tuple(input_ids.shape),
+                    extra,
+                )
         return out
 
     def report(self) -> dict:
@@ -383,5 +391,11 @@ def warm_trunk(
         shapes, worker.device, mixer_shapes(buckets, lengths, heads) if kernels is not None else ()
     )
     if trunk.compiled and shapes:
-        log.info("producer %s: compiled %d batch shape(s) in %.1f s (%s)", worker.producer_id, len(shapes), seconds, spec.describe())  # fmt: skip
+        log.info(
+            "producer %s: compiled %d batch shape(s) in %.1f s (%s)",
+            worker.producer_id,
+            len(shapes),
+            seconds,
+            spec.describe(),
+        )
     return trunk

@@ -1,13 +1,6 @@
-"""One producer process: its dataset slice -> length buckets -> target forward -> shards in the spool.
-
-Why this shape: the GPU must never wait for the disk. The main thread only tokenizes (up front, cached),
-batches, runs the target forward and starts the device-to-host copy into one of a few reused pinned
-buffers; writer threads (`writer_threads`, sized from the cores per GPU: config.writer_threads_for) wait
-for the copy, encode the shard (zstd runs in zarr's own pool, outside the GIL) and publish it, so writing
-overlaps the next forward. Writers never run model code. The forward is the target cut after its last
-captured layer, compiled on CUDA (producer/trunk.py: warmed once per process, recompiles counted). The
-pinned-buffer pool bounds host memory and is also the backpressure between forward and writers; the spool
-budget (`wait_for_budget`, before each write) is the backpressure between producers and consumers.
+"""One producer process, start to end: its slice of the dataset planned and tokenized (slice_plan.py), the
+target loaded with its capture hooks and its trunk compiled and warmed (trunk.py), then the loop that turns
+buckets into shards (loop.py says why it is shaped as it is: the GPU never waits for the disk).
 
 Stop (SIGINT/SIGTERM -> `stop` event): the main loop stops after the current forward, each writer finishes
 the shard it is writing (a complete shard may be published), queued work is dropped, this producer's
@@ -33,7 +26,7 @@ from dflash.producer.compile_plan import compile_spec
 from dflash.producer.config import ProducerConfig, Worker
 from dflash.producer.heartbeat import Heartbeat
 from dflash.producer.loop import produce, write_held_out
-from dflash.producer.slice_plan import lengths_at, plan_slice, samples_at, tokenized_summary
+from dflash.producer.slice_plan import SlicePlan, lengths_at, plan_slice, samples_at, tokenized_summary
 from dflash.producer.trunk import warm_trunk
 from dflash.producer.writers import Counters
 
@@ -54,6 +47,37 @@ def _load_target(cfg: ProducerConfig, worker: Worker) -> tuple[LayerCapture, Tar
     return capture, info
 
 
+def _set_up_torch(worker: Worker) -> None:
+    """This process's torch: its CPU threads (CPU producers share the machine) and its one GPU."""
+    if worker.num_threads:
+        torch.set_num_threads(worker.num_threads)
+    if worker.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(worker.device))
+
+
+def _say_start(
+    cfg: ProducerConfig, worker: Worker, plan: SlicePlan, capture: LayerCapture, info: TargetInfo
+) -> None:
+    """The worker's one line once its target is loaded: what it will produce, from what, on what."""
+    log.info(
+        "producer %s: %d samples over %d epoch(s) (rank %d/%d, %d skipped), layers %s of %d, %s on %s; target %s; "
+        "forward %s, %d writer threads",
+        worker.producer_id,
+        len(plan.ids),
+        cfg.epochs,
+        worker.rank,
+        worker.world,
+        plan.counts["skipped"],
+        capture.layer_ids,
+        capture.num_layers,
+        worker.torch_dtype(cfg.dtype),
+        worker.device,
+        info.line(),
+        compile_spec(cfg.compile_options, worker.device).describe(),
+        worker.writer_threads,
+    )
+
+
 def run_producer(
     cfg: ProducerConfig,
     worker: Worker,
@@ -69,10 +93,7 @@ def run_producer(
     the target loads; returning False aborts (no DONE marker, result "aborted": True): dflash-produce uses
     it to stop a run whose dataset yields no trainable sample.
     """
-    if worker.num_threads:
-        torch.set_num_threads(worker.num_threads)
-    if worker.device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(worker.device))
+    _set_up_torch(worker)
     spool = Spool(worker.spool)
     spool.clean_tmp(worker.producer_id)
     spool.clear_done(worker.producer_id)
@@ -90,13 +111,7 @@ def run_producer(
         return {**counters.snapshot(), "done": False, "aborted": True}
     heartbeat(force=True, phase="load model")
     capture, info = _load_target(cfg, worker)
-    log.info(
-        "producer %s: %d samples over %d epoch(s) (rank %d/%d, %d skipped), layers %s of %d, %s on %s; target %s; "
-        "forward %s, %d writer threads",
-        worker.producer_id, len(plan.ids), cfg.epochs, worker.rank, worker.world, plan.counts["skipped"],
-        capture.layer_ids, capture.num_layers, worker.torch_dtype(cfg.dtype), worker.device, info.line(),
-        compile_spec(cfg.compile_options, worker.device).describe(), worker.writer_threads,
-    )  # fmt: skip
+    _say_start(cfg, worker, plan, capture, info)
     heartbeat(force=True, phase="compile")
     lengths = lengths_at(plan.tok_ds, np.concatenate([plan.positions, plan.held_pos]))
     trunk = warm_trunk(cfg, worker, capture, info.kernels, lengths)
@@ -107,8 +122,17 @@ def run_producer(
             n = write_held_out(cfg, worker, trunk, held, spool, pad_id)
             log.info("producer %s: %d held-out samples spooled for evaluation (eval/)", worker.producer_id, n)
         samples = samples_at(plan.tok_ds, plan.positions, plan.ids)
-        return produce(cfg, worker, trunk, samples, pad_id=pad_id, stop=stop, counters=counters,
-                       heartbeat=heartbeat, epochs=plan.epochs)  # fmt: skip
+        return produce(
+            cfg,
+            worker,
+            trunk,
+            samples,
+            pad_id=pad_id,
+            stop=stop,
+            counters=counters,
+            heartbeat=heartbeat,
+            epochs=plan.epochs,
+        )
     finally:
         trunk.close()
         heartbeat.close()

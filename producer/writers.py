@@ -40,9 +40,22 @@ class Counters:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.values: dict[str, float] = dict.fromkeys(
-            ("total", "samples", "tokens", "shards", "bytes", "dropped", "bad", "short", "skipped",
-             "fwd_samples", "fwd_tokens", "padded_tokens"), 0,
-        )  # fmt: skip
+            (
+                "total",
+                "samples",
+                "tokens",
+                "shards",
+                "bytes",
+                "dropped",
+                "bad",
+                "short",
+                "skipped",
+                "fwd_samples",
+                "fwd_tokens",
+                "padded_tokens",
+            ),
+            0,
+        )
 
     def add(self, **kv: float) -> None:
         with self._lock:
@@ -192,9 +205,13 @@ class ShardWriters:
             with self._inflight_lock:
                 self._inflight -= reserved
         self.counters.add(
-            samples=len(samples), tokens=int(cu[-1]), shards=1, bytes=nbytes,
-            budget_wait_s=t1 - t0, write_s=time.monotonic() - t1,
-        )  # fmt: skip
+            samples=len(samples),
+            tokens=int(cu[-1]),
+            shards=1,
+            bytes=nbytes,
+            budget_wait_s=t1 - t0,
+            write_s=time.monotonic() - t1,
+        )
 
 
 def _shard_bytes_bound(shard) -> int:

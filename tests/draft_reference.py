@@ -5,7 +5,11 @@ import torch
 
 
 def reference_mask(
-    doc_ids: list[int], anchors: list[int], valid: list[bool], block_size: int, sliding_window: int | None = None
+    doc_ids: list[int],
+    anchors: list[int],
+    valid: list[bool],
+    block_size: int,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Explicit loops over blocks, query tokens and keys: block b sees context keys of its anchor's document
     strictly before the anchor, and its own block's B keys; padding blocks see nothing. With a sliding

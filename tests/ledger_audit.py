@@ -86,8 +86,14 @@ def audit(run_dir: Path, launches: list[dict[str, int]], final_step: int, eligib
     missing = eligible - so_far
     assert not missing, f"{len(missing)} eligible samples never trained durably: {sorted(missing)[:20]}"
     assert so_far <= eligible, f"trained samples that are not eligible: {sorted(so_far - eligible)[:20]}"
-    return {"lives": len(active), "duplicates": duplicates, "missing": len(missing), "lost_tails": tails,
-            "resumed": resumed, "durable": durable_step}  # fmt: skip
+    return {
+        "lives": len(active),
+        "duplicates": duplicates,
+        "missing": len(missing),
+        "lost_tails": tails,
+        "resumed": resumed,
+        "durable": durable_step,
+    }
 
 
 def eligible_samples(

@@ -16,7 +16,7 @@ from ledger_audit import read_jsonl
 from pipeline_helpers import consume_cmd, cpu_env, write_synthetic_spool
 
 from dflash.common.checkpoints.load import list_steps, load_checkpoint
-from dflash.consumer.async_checkpoint import AsyncCheckpointer
+from dflash.consumer.checkpointing.background import AsyncCheckpointer
 
 
 def test_snapshot_is_the_state_at_the_save_not_after():
@@ -66,8 +66,8 @@ CHILD = textwrap.dedent(
     marker, hang_step = Path(sys.argv[1]), sys.argv[2]
     real_init = trainer_mod.Trainer.__init__
 
-    def init(self, cfg):
-        real_init(self, cfg)
+    def init(self, cfg, **kw):
+        real_init(self, cfg, **kw)
         put_file = self.checkpoints.store.put_file
 
         def hanging_put_file(key, path):
@@ -91,9 +91,14 @@ def _ledger(run_dir) -> list[dict]:
 def _spool(root):
     """24 samples in 6 shards of 4 x 96 tokens (random hidden states)."""
     return write_synthetic_spool(
-        root, hidden_size=256, layer_ids=[1, 2, 3, 4, 5], num_shards=6, samples_per_shard=4,
-        tokens_per_sample=96, vocab=4096,
-    )  # fmt: skip
+        root,
+        hidden_size=256,
+        layer_ids=[1, 2, 3, 4, 5],
+        num_shards=6,
+        samples_per_shard=4,
+        tokens_per_sample=96,
+        vocab=4096,
+    )
 
 
 @pytest.mark.pipeline
@@ -101,9 +106,21 @@ def test_kill9_during_background_upload_resumes_from_the_previous_checkpoint(tmp
     spool = _spool(tmp_path / "spool")
     store, run_dir, marker = tmp_path / "ckpt", tmp_path / "run", tmp_path / "uploading"
     args = consume_cmd(spool.root, tiny_target)[1:] + [
-        "--context-tokens", "192", "--save-every", "3", "--checkpoint", str(store), "--run", "bg",
-        "--run-dir", str(run_dir), "--compile-backend", "eager", "--log-every", "1",
-    ]  # fmt: skip
+        "--context-tokens",
+        "192",
+        "--save-every",
+        "3",
+        "--checkpoint",
+        str(store),
+        "--run",
+        "bg",
+        "--run-dir",
+        str(run_dir),
+        "--compile-backend",
+        "eager",
+        "--log-every",
+        "1",
+    ]
     first = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(marker), "step-00000006", *args],
         env=cpu_env(),

@@ -111,14 +111,18 @@ def _cuda_backends_agree(doc_ids, anchors, valid, *, seed: int, sliding_window: 
         ("sdpa", "sdpa", torch.bfloat16),
     ):
         q, k, v = (t.detach().to(dtype).requires_grad_() for t in base)
-        mask = build_draft_mask(doc_ids, anchors, valid, block_size=block, backend=backend, sliding_window=sliding_window)
+        mask = build_draft_mask(
+            doc_ids, anchors, valid, block_size=block, backend=backend, sliding_window=sliding_window
+        )
         out = draft_attention(q, k, v, mask)
         (out.float() * weights).sum().backward()
         results[name] = [t.float() for t in (out, q.grad, k.grad, v.grad)]
     for name, atol, rtol in (("flex32", 1e-4, 0.0), ("flex", 5e-2, 2e-2), ("sdpa", 5e-2, 2e-2)):
         for what, got, want in zip(("out", "dq", "dk", "dv"), results[name], results["ref"], strict=True):
             assert torch.isfinite(got).all(), (name, what)
-            torch.testing.assert_close(got, want, atol=atol, rtol=rtol, msg=f"{name} {what} (window {sliding_window})")
+            torch.testing.assert_close(
+                got, want, atol=atol, rtol=rtol, msg=f"{name} {what} (window {sliding_window})"
+            )
     rows = valid.repeat_interleave(block)
     assert (results["flex"][0][:, :, ~rows] == 0).all() and (results["flex"][1][:, :, ~rows] == 0).all()
 
@@ -135,14 +139,23 @@ def test_flex_and_sdpa_agree_on_the_sliding_mask_on_cpu(window):
     q, k, v = qkv(window, q_len, kv_len, 4, 2)
     out = {
         backend: draft_attention(
-            q, k, v, build_draft_mask(doc_ids, anchors, valid, block_size=block, backend=backend, sliding_window=window)
+            q,
+            k,
+            v,
+            build_draft_mask(
+                doc_ids, anchors, valid, block_size=block, backend=backend, sliding_window=window
+            ),
         )
         for backend in ("flex", "sdpa")
     }
     allowed = reference_mask(doc_ids.tolist(), anchors.tolist(), valid.tolist(), block, window)
     torch.testing.assert_close(out["flex"], out["sdpa"], atol=CPU_ATOL, rtol=0)
-    torch.testing.assert_close(out["sdpa"], naive_attention(q, k, v, allowed, 16**-0.5), atol=CPU_ATOL, rtol=0)
-    full = draft_attention(q, k, v, build_draft_mask(doc_ids, anchors, valid, block_size=block, backend="sdpa"))
+    torch.testing.assert_close(
+        out["sdpa"], naive_attention(q, k, v, allowed, 16**-0.5), atol=CPU_ATOL, rtol=0
+    )
+    full = draft_attention(
+        q, k, v, build_draft_mask(doc_ids, anchors, valid, block_size=block, backend="sdpa")
+    )
     assert (full - out["sdpa"]).abs().max() > 1e-3  # the window changes the result
 
 
@@ -156,6 +169,10 @@ def test_flex_matches_sdpa_on_the_sliding_mask_on_cuda(window):
     doc_ids, anchors, valid = random_stream(6, s=900, n=40, max_doc_len=300)
     block = 16
     allowed = reference_mask(doc_ids.tolist(), anchors.tolist(), valid.tolist(), block, window)
-    sdpa = build_draft_mask(doc_ids.cuda(), anchors.cuda(), valid.cuda(), block_size=block, backend="sdpa", sliding_window=window)
-    assert torch.equal(sdpa.dense[sdpa.row_valid].cpu(), allowed[sdpa.row_valid.cpu()])  # the reference's mask
+    sdpa = build_draft_mask(
+        doc_ids.cuda(), anchors.cuda(), valid.cuda(), block_size=block, backend="sdpa", sliding_window=window
+    )
+    assert torch.equal(
+        sdpa.dense[sdpa.row_valid].cpu(), allowed[sdpa.row_valid.cpu()]
+    )  # the reference's mask
     _cuda_backends_agree(doc_ids, anchors, valid, seed=12, sliding_window=window)

@@ -65,7 +65,11 @@ def test_a_dataset_with_nothing_to_train_is_one_line_and_exit_2(tmp_path, tiny_t
     elif case == "empty":
         data.write_text("\n\n")
     else:
-        data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}]}) + "\n" for i in range(4)))  # fmt: skip
+        data.write_text(
+            "".join(
+                json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}]}) + "\n" for i in range(4)
+            )
+        )
     res = _produce(tmp_path, tiny_target, data)
     assert res.returncode == 2, res.stderr[-3000:]
     assert "Traceback" not in res.stderr and "mixed types" not in res.stderr, res.stderr[-3000:]
@@ -94,7 +98,7 @@ def test_dropped_rows_are_counted_by_reason_with_the_first_example(tmp_path, tin
                     {"role": "assistant", "content": good[0]["messages"][-1]["content"]},
                 ]
             }
-        ),  # fmt: skip
+        ),
     }
     lines = [json.dumps(r) for r in good]
     for pos, line in sorted(bad_lines.items()):
@@ -170,14 +174,16 @@ def test_quarantined_samples_are_said_and_the_next_launch_trains_them(tmp_path, 
     (ops/run_all.sh, the same spool and checkpoint) produces exactly those and trains them."""
     from dflash.common.checkpoints.load import load_checkpoint
     from dflash.common.contract.shard_reader import read_sample_index
-    from dflash.tools.status import collect
-    from dflash.tools.status_render import render
+    from dflash.tools.status.cli import collect
+    from dflash.tools.status.render import render
 
     rows = _demo_rows(16)
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     spool, ckpt, run_dir = tmp_path / "spool", tmp_path / "ckpt", tmp_path / "run"
-    res = _produce(tmp_path, tiny_target, data, "--run", "q", "--max-length", str(MAX_LENGTH), "--batch-tokens", "1024")  # fmt: skip
+    res = _produce(
+        tmp_path, tiny_target, data, "--run", "q", "--max-length", str(MAX_LENGTH), "--batch-tokens", "1024"
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     shards = sorted((spool / "ready").iterdir())
     assert len(shards) >= 4
@@ -189,10 +195,23 @@ def test_quarantined_samples_are_said_and_the_next_launch_trains_them(tmp_path, 
                 chunk.write_bytes(b"\x00garbage" * 8)
     run_dir.mkdir()
     res = subprocess.run(
-        consume_cmd(spool, tiny_target, "--checkpoint", str(ckpt), "--run-dir", str(run_dir),
-                    "--compile-backend", "eager", "--save-every", "1000"),
-        capture_output=True, text=True, timeout=300, env=_env(tmp_path),
-    )  # fmt: skip
+        consume_cmd(
+            spool,
+            tiny_target,
+            "--checkpoint",
+            str(ckpt),
+            "--run-dir",
+            str(run_dir),
+            "--compile-backend",
+            "eager",
+            "--save-every",
+            "1000",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(tmp_path),
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     last = res.stderr.strip().splitlines()[-1]
     assert re.search(rf"{len(lost)} samples of 2 quarantined shards were not trained", last), last
@@ -207,12 +226,30 @@ def test_quarantined_samples_are_said_and_the_next_launch_trains_them(tmp_path, 
 
     # the next launch: the same run on the same spool and checkpoint store
     cmd = [
-        "bash", str(REPO / "ops" / "run_all.sh"), "--keep-spool", "--producers", "cpu:1", "--consumers", "cpu:1",
-        "--model", str(tiny_target), "--dataset", str(data), "--run", "q", "--run-dir", str(run_dir),
-        "--spool", str(spool), "--checkpoint", str(ckpt),
-        "--producer-args", f"--max-length {MAX_LENGTH} --batch-tokens 1024",
-        "--consumer-args", "--context-tokens 512 --num-anchors 32 --max-anchors-per-doc 8 --compile-backend eager",
-    ]  # fmt: skip
+        "bash",
+        str(REPO / "ops" / "run_all.sh"),
+        "--keep-spool",
+        "--producers",
+        "cpu:1",
+        "--consumers",
+        "cpu:1",
+        "--model",
+        str(tiny_target),
+        "--dataset",
+        str(data),
+        "--run",
+        "q",
+        "--run-dir",
+        str(run_dir),
+        "--spool",
+        str(spool),
+        "--checkpoint",
+        str(ckpt),
+        "--producer-args",
+        f"--max-length {MAX_LENGTH} --batch-tokens 1024",
+        "--consumer-args",
+        "--context-tokens 512 --num-anchors 32 --max-anchors-per-doc 8 --compile-backend eager",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(tmp_path))
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     assert "run 'q' continues" in res.stdout
@@ -232,13 +269,34 @@ def test_run_all_does_not_restart_after_a_user_error(tmp_path, tiny_target):
     """A dataset with nothing to train under ``--restarts 3``: dflash-produce exits 2, and run_all.sh exits 2
     at once instead of restarting a launch that cannot succeed."""
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"q {i}"}]}) + "\n" for i in range(4)))  # fmt: skip
+    data.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": f"q {i}"}]}) + "\n" for i in range(4))
+    )
     cmd = [
-        "bash", str(REPO / "ops" / "run_all.sh"), "--keep-spool", "--producers", "cpu:1", "--consumers", "cpu:1",
-        "--model", str(tiny_target), "--dataset", str(data), "--run", "nodata", "--run-dir", str(tmp_path / "run"),
-        "--spool", str(tmp_path / "spool"), "--checkpoint", str(tmp_path / "ckpt"), "--restarts", "3",
-        "--consumer-args", "--context-tokens 512 --num-anchors 32 --max-anchors-per-doc 8 --compile-backend eager",
-    ]  # fmt: skip
+        "bash",
+        str(REPO / "ops" / "run_all.sh"),
+        "--keep-spool",
+        "--producers",
+        "cpu:1",
+        "--consumers",
+        "cpu:1",
+        "--model",
+        str(tiny_target),
+        "--dataset",
+        str(data),
+        "--run",
+        "nodata",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--spool",
+        str(tmp_path / "spool"),
+        "--checkpoint",
+        str(tmp_path / "ckpt"),
+        "--restarts",
+        "3",
+        "--consumer-args",
+        "--context-tokens 512 --num-anchors 32 --max-anchors-per-doc 8 --compile-backend eager",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(tmp_path))
     assert res.returncode == 2, res.stderr[-3000:]
     assert "producer (pid" in res.stderr and "failed with exit code 2" in res.stderr, res.stderr[-3000:]

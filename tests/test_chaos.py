@@ -317,6 +317,7 @@ class Killer:
             t_end = time.monotonic() + self.rng.uniform(0.2, 1.5)
             self._wait_until(launch, lambda: time.monotonic() >= t_end or self._claimed_any(), 60, when)
         elif when == "startup" and kind == "worker":  # once the workers know their slices
+
             def slices_known() -> bool:
                 workers, left = self._workers(launch), self._work_left()
                 return bool(workers) and all(w in left for w in workers)
@@ -406,11 +407,32 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
     rng.shuffle(whens)
     plan = list(zip(kinds, whens, strict=True))
     cmd = [
-        "bash", str(REPO / "ops" / "run_all.sh"), "--keep-spool", "--producers", "cpu:2", "--consumers", "cpu:2",
-        "--model", str(tiny_target), "--dataset", str(data), "--run", RUN, "--run-dir", str(run_dir),
-        "--spool", str(spool), "--checkpoint", str(ckpt), "--epochs", str(EPOCHS), "--producer-args", PRODUCER_ARGS,
-        "--consumer-args", CONSUMER_ARGS,
-    ]  # fmt: skip
+        "bash",
+        str(REPO / "ops" / "run_all.sh"),
+        "--keep-spool",
+        "--producers",
+        "cpu:2",
+        "--consumers",
+        "cpu:2",
+        "--model",
+        str(tiny_target),
+        "--dataset",
+        str(data),
+        "--run",
+        RUN,
+        "--run-dir",
+        str(run_dir),
+        "--spool",
+        str(spool),
+        "--checkpoint",
+        str(ckpt),
+        "--epochs",
+        str(EPOCHS),
+        "--producer-args",
+        PRODUCER_ARGS,
+        "--consumer-args",
+        CONSUMER_ARGS,
+    ]
     t0 = time.monotonic()
     budgets: list[int] = []  # --restarts of each invocation
     budget_rng = random.Random(seed + 1)  # not the killer thread's generator: a seed replays the same plan
@@ -421,10 +443,13 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
         budgets.append(budget_rng.choice([0, 1, 2, 3]))
         with open(out_path, "a") as out_f, open(err_path, "a") as err_f:
             return subprocess.Popen(
-                as_from_a_terminal([*cmd, "--restarts", str(budgets[-1])]), stdout=out_f, stderr=err_f, env=env,
+                as_from_a_terminal([*cmd, "--restarts", str(budgets[-1])]),
+                stdout=out_f,
+                stderr=err_f,
+                env=env,
                 cwd=tmp_path,
                 start_new_session=True,
-            )  # fmt: skip
+            )
 
     proc = invoke()
     killer = Killer(run_dir, out_path, spool, ckpt, len(rows) * EPOCHS, plan, rng)
@@ -597,7 +622,9 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
     # ---- no partial shard read, nothing left claimed or queued, no process left behind
     logs = "".join(p.read_text(errors="replace") for p in (run_dir / "logs").glob("*.log"))
     assert "quarantining" not in logs and "ShardFormatError" not in logs
-    assert '"samples_quarantined": 0' in logs and not re.search(r'"(shards|samples)_quarantined": [1-9]', logs)
+    assert '"samples_quarantined": 0' in logs and not re.search(
+        r'"(shards|samples)_quarantined": [1-9]', logs
+    )
     assert not any((spool / "quarantine").iterdir())
     from dflash.common.contract.spool import Spool
 

@@ -158,8 +158,14 @@ def _ids(tok, text: str) -> list[int]:
 def generation_time_turns(tok, row: dict) -> list[tuple[list[int], list[int]]]:
     """Per non-empty assistant turn, straight from the template: (tokens of the history rendered with the
     generation prompt, tokens of that history followed by the turn as the template renders it last)."""
-    msgs = [m for m in row["messages"] if m["role"] != "assistant" or (m.get("content") or "").strip()
-            or m.get("reasoning_content") or m.get("tool_calls")]  # fmt: skip
+    msgs = [
+        m
+        for m in row["messages"]
+        if m["role"] != "assistant"
+        or (m.get("content") or "").strip()
+        or m.get("reasoning_content")
+        or m.get("tool_calls")
+    ]
     out = []
     for i, m in enumerate(msgs):
         if m["role"] == "assistant":
@@ -337,9 +343,15 @@ def test_sample_ids_stay_unique_and_exactly_once_with_several_samples_per_row():
         rows = [int(r) for r in mine for _ in range(segments[int(r)])]
         segs = [s for r in mine for s in range(segments[int(r)])]
         tok_ds = datasets.Dataset.from_dict(
-            {"sample_index": rows, "segment": segs, "input_ids": [[1, 2]] * len(rows),
-             "loss_mask": [[True, True]] * len(rows), "num_loss_tokens": [2] * len(rows), "status": ["ok"] * len(rows)}
-        )  # fmt: skip
+            {
+                "sample_index": rows,
+                "segment": segs,
+                "input_ids": [[1, 2]] * len(rows),
+                "loss_mask": [[True, True]] * len(rows),
+                "num_loss_tokens": [2] * len(rows),
+                "status": ["ok"] * len(rows),
+            }
+        )
         pos, ids, _ = plan_epochs(tok_ds, mine, epochs, None)
         assert (np.asarray(rows)[pos] == epochs.row_of(ids)).all() and (
             np.asarray(segs)[pos] == epochs.segment_of(ids)

@@ -13,12 +13,12 @@ from ledger_audit import read_jsonl
 
 from dflash.common.contract.sample_set import SampleSet
 from dflash.common.metrics import MetricsLog
-from dflash.consumer import checkpointing, store_outage
-from dflash.consumer.checkpointing import Checkpointer, StoreOutageError
-from dflash.consumer.config import TrainConfig
+from dflash.consumer.checkpointing import checkpointer, outage
+from dflash.consumer.checkpointing.checkpointer import Checkpointer, StoreOutageError
+from dflash.consumer.checkpointing.state import TrainProgress, TrainState
+from dflash.consumer.config import CheckpointConfig
 from dflash.consumer.distributed import DistInfo
 from dflash.consumer.schedule import LrSchedule
-from dflash.consumer.state import TrainProgress, TrainState
 
 ONE_RANK = DistInfo(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
@@ -28,22 +28,28 @@ def _state(seed: int = 0) -> TrainState:
     model = torch.nn.Linear(4, 3)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     drafter = SimpleNamespace(
-        layer_types=["full_attention"], sliding_window=None, num_layers=1, to_dict=lambda: {"layer_types": ["full_attention"]}
-    )  # fmt: skip
+        layer_types=["full_attention"],
+        sliding_window=None,
+        num_layers=1,
+        to_dict=lambda: {"layer_types": ["full_attention"]},
+    )
     return TrainState(model, optimizer, LrSchedule(optimizer, 2, 10), drafter, TrainProgress())
 
 
-def _cfg(tmp_path, **overrides) -> TrainConfig:
-    return TrainConfig(
-        spool=".", target=".", run="r", checkpoint=str(tmp_path / "store"), run_dir=str(tmp_path / "run"),
-        save_every=2, **overrides,
-    )  # fmt: skip
+def _cfg(tmp_path, **overrides) -> CheckpointConfig:
+    return CheckpointConfig(store=str(tmp_path / "store"), save_every=2, **overrides)
 
 
 def _checkpointer(tmp_path, state: TrainState, **overrides) -> Checkpointer:
     metrics = MetricsLog(tmp_path / "run" / "metrics.jsonl")
     return Checkpointer(
-        _cfg(tmp_path, **overrides), state, dist=ONE_RANK, device=torch.device("cpu"), metrics=metrics
+        _cfg(tmp_path, **overrides),
+        state,
+        run="r",
+        run_dir=str(tmp_path / "run"),
+        dist=ONE_RANK,
+        device=torch.device("cpu"),
+        metrics=metrics,
     )
 
 
@@ -65,9 +71,7 @@ def _events(tmp_path) -> list[tuple[str, int]]:
 
 @pytest.fixture(autouse=True)
 def _no_retry_pause(monkeypatch):
-    monkeypatch.setattr(
-        checkpointing, "with_retries", lambda write: store_outage.with_retries(write, pause_s=0)
-    )
+    monkeypatch.setattr(checkpointer, "with_retries", lambda write: outage.with_retries(write, pause_s=0))
 
 
 def test_saves_on_its_cadence_and_a_fresh_state_resumes_from_the_last(tmp_path):
@@ -97,7 +101,7 @@ def test_the_final_save_of_a_step_just_saved_only_waits(tmp_path):
 def test_without_a_store_every_call_is_a_no_op(tmp_path):
     state = _state()
     ckpt = Checkpointer(
-        TrainConfig(spool=".", target="."), state, dist=ONE_RANK, device=torch.device("cpu"), metrics=None
+        CheckpointConfig(), state, run="default", dist=ONE_RANK, device=torch.device("cpu"), metrics=None
     )
     ckpt.resume()
     _train(state, ckpt, 3)
@@ -112,14 +116,14 @@ def _written(ckpt: Checkpointer) -> None:
 
 def _refusing_store(monkeypatch) -> None:
     """The store refuses every write; the local fallback folder takes them."""
-    real = checkpointing.save_checkpoint
+    real = checkpointer.save_checkpoint
 
     def refuse(store, *args, **kwargs):
         if store.root.name == "store":
             raise OSError("bucket gone")
         return real(store, *args, **kwargs)
 
-    monkeypatch.setattr(checkpointing, "save_checkpoint", refuse)
+    monkeypatch.setattr(checkpointer, "save_checkpoint", refuse)
 
 
 def test_a_failed_save_before_any_checkpoint_stops_training(tmp_path, monkeypatch):

@@ -89,7 +89,9 @@ def _drafter_for_another_target(tmp: Path, target: Path) -> tuple[Path, Path]:
     from dflash.common.drafter.model import DFlashDrafter
     from dflash.common.target.head import target_fingerprint
 
-    cfg = DrafterConfig.from_target_config(AutoConfig.from_pretrained(target), num_layers=1, block_size=4, mask_token_id=0)
+    cfg = DrafterConfig.from_target_config(
+        AutoConfig.from_pretrained(target), num_layers=1, block_size=4, mask_token_id=0
+    )
     cfg.target_fingerprint = target_fingerprint(target)
     torch.manual_seed(0)
     drafter = export_drafter(DFlashDrafter(cfg).state_dict(), cfg, tmp / "drafter", dtype=torch.float32)
@@ -108,7 +110,12 @@ def outcomes(tmp_path_factory, tiny_target):
     tmp = tmp_path_factory.mktemp("cli-errors")
     data = tmp / "data.jsonl"
     with open(demo_dataset_path(), encoding="utf-8") as f:
-        data.write_text("".join(json.dumps({"messages": json.loads(line)["messages"]}) + "\n" for _, line in zip(range(4), f, strict=False)))  # fmt: skip
+        data.write_text(
+            "".join(
+                json.dumps({"messages": json.loads(line)["messages"]}) + "\n"
+                for _, line in zip(range(4), f, strict=False)
+            )
+        )
     foreign = Spool(tmp / "foreign")
     foreign.bind_run({"run": "other"})
     busy = Spool(tmp / "busy")
@@ -124,6 +131,7 @@ def outcomes(tmp_path_factory, tiny_target):
     planned = Spool(tmp / "planned")
     planned.bind_run({"run": "mine", "plan": {"max_length": 512}})
     drafter, other = _drafter_for_another_target(tmp, tiny_target)
+
     def empty(name: str) -> Path:  # one spool per case: they run at once, each takes the rank-0 lock
         return Spool(tmp / f"empty-{name}").root
 
@@ -145,11 +153,15 @@ def outcomes(tmp_path_factory, tiny_target):
         "consume_foreign_spool": (consume_cmd(foreign.root, tiny_target, "--run", "mine"), _env(tmp)),
         "consume_busy_spool": (consume_cmd(busy.root, tiny_target, "--run", "mine"), _env(tmp)),
         "consume_no_credentials": (
-            consume_cmd(empty("cred"), tiny_target, "--run", "mine", "--checkpoint", "s3://dflash-nobucket/ckpt"),
+            consume_cmd(
+                empty("cred"), tiny_target, "--run", "mine", "--checkpoint", "s3://dflash-nobucket/ckpt"
+            ),
             _env(tmp, **NO_AWS),
         ),
         "consume_unreachable_endpoint": (
-            consume_cmd(empty("endpoint"), tiny_target, "--run", "mine", "--checkpoint", "s3://dflash-nobucket/ckpt"),
+            consume_cmd(
+                empty("endpoint"), tiny_target, "--run", "mine", "--checkpoint", "s3://dflash-nobucket/ckpt"
+            ),
             _env(tmp, **NO_AWS, **fake, AWS_ENDPOINT_URL=closed_port),
         ),
         "consume_no_usable_checkpoint": (
@@ -162,16 +174,33 @@ def outcomes(tmp_path_factory, tiny_target):
         "produce_config_only": (produce_cmd(tmp / "never3", config_only, data), _env(tmp)),
         "consume_missing_target": (consume_cmd(empty("target"), "/nonexistent/models/target"), _env(tmp)),
         "produce_plan_clash": (
-            produce_cmd(planned.root, tiny_target, data, "--run", "mine", "--max-length", "1024"), _env(tmp)
+            produce_cmd(planned.root, tiny_target, data, "--run", "mine", "--max-length", "1024"),
+            _env(tmp),
         ),
         "eval_other_target": (
-            [str(BIN / "dflash-eval"), "--target", str(other), "--drafter", str(drafter), "--dataset", str(data),
-             "--num-prompts", "1", "--max-new-tokens", "4", "--device", "cpu"],
+            [
+                str(BIN / "dflash-eval"),
+                "--target",
+                str(other),
+                "--drafter",
+                str(drafter),
+                "--dataset",
+                str(data),
+                "--num-prompts",
+                "1",
+                "--max-new-tokens",
+                "4",
+                "--device",
+                "cpu",
+            ],
             _env(tmp),
-        ),  # fmt: skip
+        ),
     }
     # consume_cmd puts "--gpu cpu" first; a later --gpu wins in argparse
-    procs = {k: subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for k, (c, e) in cmds.items()}  # fmt: skip
+    procs = {
+        k: subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for k, (c, e) in cmds.items()
+    }
     out = {}
     try:
         for k, p in procs.items():
@@ -191,7 +220,9 @@ def outcomes(tmp_path_factory, tiny_target):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_user_errors_are_one_line_and_exit_2(outcomes, case):
     code, err = outcomes[case]
-    prog = {"produce": "dflash-produce", "consume": "dflash-consume", "eval": "dflash-eval"}[case.split("_")[0]]
+    prog = {"produce": "dflash-produce", "consume": "dflash-consume", "eval": "dflash-eval"}[
+        case.split("_")[0]
+    ]
     assert "Traceback" not in err, err[-3000:]
     errors = [line for line in err.splitlines() if line.startswith(f"{prog}: error: ")]
     assert len(errors) == 1 and CASES[case] in errors[0], err[-3000:]
@@ -207,9 +238,22 @@ def test_user_errors_are_one_line_and_exit_2(outcomes, case):
 def test_eval_of_another_target_runs_with_force_and_says_so(outcomes, tmp_path, tiny_target):
     """--force evaluates a target whose weights differ from the drafter's, with one warning line."""
     tmp = outcomes["_tmp"]
-    cmd = [str(BIN / "dflash-eval"), "--target", str(tmp / "other-target"), "--drafter", str(tmp / "drafter"),
-           "--dataset", str(demo_dataset_path()), "--num-prompts", "1", "--max-new-tokens", "4", "--device", "cpu",
-           "--force"]  # fmt: skip
+    cmd = [
+        str(BIN / "dflash-eval"),
+        "--target",
+        str(tmp / "other-target"),
+        "--drafter",
+        str(tmp / "drafter"),
+        "--dataset",
+        str(demo_dataset_path()),
+        "--num-prompts",
+        "1",
+        "--max-new-tokens",
+        "4",
+        "--device",
+        "cpu",
+        "--force",
+    ]
     p = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     warnings = [line for line in p.stderr.splitlines() if "evaluating anyway (--force)" in line]

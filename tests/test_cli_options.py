@@ -78,7 +78,12 @@ CHANGED: dict[str, dict[str, tuple[dict, str]]] = {
     },
     "dflash-consume": {
         "--compile-backend": (
-            {"default": "'auto'", "choices": ["aot_eager", "auto", "eager", "inductor"], "required": False, "kind": "_StoreAction"},
+            {
+                "default": "'auto'",
+                "choices": ["aot_eager", "auto", "eager", "inductor"],
+                "required": False,
+                "kind": "_StoreAction",
+            },
             "auto = inductor on CUDA, eager on the CPU (same CPU step time, no cold C++ build)",
         ),
         "--fill-wait-s": (
@@ -90,7 +95,12 @@ CHANGED: dict[str, dict[str, tuple[dict, str]]] = {
             "99 % fill at 1024 and 4096 tokens (256 left up to a quarter of a 1024 stream empty)",
         ),
         "--precision": (
-            {"default": "'auto'", "choices": ["amp", "auto", "bf16", "fp32", "mixed"], "required": False, "kind": "_StoreAction"},
+            {
+                "default": "'auto'",
+                "choices": ["amp", "auto", "bf16", "fp32", "mixed"],
+                "required": False,
+                "kind": "_StoreAction",
+            },
             "mixed (bf16 weights, fp32 master in the optimizer), the CUDA default",
         ),
     },

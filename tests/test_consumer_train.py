@@ -12,6 +12,7 @@ from pipeline_helpers import consume_cmd, cpu_env, run, write_synthetic_spool
 
 from dflash.common.cli.flags import Flag
 from dflash.common.metrics import read_metrics
+from dflash.consumer.config import SECTIONS
 
 
 def _start_200_steps(spool, tiny_target, run_dir, lr: str) -> subprocess.Popen:
@@ -211,15 +212,35 @@ def test_each_log_line_says_where_the_interval_went_and_the_profile_is_written(t
     collector's time and count; on the CPU no GPU figures), --gc-mode interval collects once per log line
     (gc_count >= 1 after the freeze at step 2), and --profile-steps writes the kernel table of its steps."""
     spool = write_synthetic_spool(
-        tmp_path / "spool", hidden_size=256, layer_ids=[1, 2, 3, 4, 5], num_shards=4, samples_per_shard=8,
-        tokens_per_sample=32, vocab=4096,
-    )  # fmt: skip
+        tmp_path / "spool",
+        hidden_size=256,
+        layer_ids=[1, 2, 3, 4, 5],
+        num_shards=4,
+        samples_per_shard=8,
+        tokens_per_sample=32,
+        vocab=4096,
+    )
     run_dir = tmp_path / "run"
     cmd = consume_cmd(
-        spool.root, tiny_target, "--run-dir", str(run_dir), "--context-tokens", "256", "--max-steps", "4",
-        "--log-every", "2", "--compile-backend", "eager", "--gc-mode", "interval", "--profile-steps", "3:2",
-        "--eval-every", "0",
-    )  # fmt: skip
+        spool.root,
+        tiny_target,
+        "--run-dir",
+        str(run_dir),
+        "--context-tokens",
+        "256",
+        "--max-steps",
+        "4",
+        "--log-every",
+        "2",
+        "--compile-backend",
+        "eager",
+        "--gc-mode",
+        "interval",
+        "--profile-steps",
+        "3:2",
+        "--eval-every",
+        "0",
+    )
     proc = run(cmd, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     recs = [r for r in read_metrics(run_dir / "metrics" / "consumer-0.jsonl") if "loss" in r]
@@ -282,9 +303,14 @@ def test_the_ab_bench_reads_variants_as_dflash_consume_flags_and_summarizes_inte
         parser.parse_args(["--data-workers", "1"])
     history = [
         {"step": s, "time": t, "interval_s": 1.0, "gpu_busy": b, "gc_ms": g, "mem_gb": m}
-        for s, t, b, g, m in [(10, 5.0, 0.5, 900.0, 40.0), (20, 7.0, 0.98, 1.0, 41.0), (30, 9.2, 0.97, 2.0, 41.0),
-                              (40, 11.2, 0.99, 0.5, 42.0), (43, 11.9, 0.9, 0.1, 50.0)]
-    ]  # fmt: skip
+        for s, t, b, g, m in [
+            (10, 5.0, 0.5, 900.0, 40.0),
+            (20, 7.0, 0.98, 1.0, 41.0),
+            (30, 9.2, 0.97, 2.0, 41.0),
+            (40, 11.2, 0.99, 0.5, 42.0),
+            (43, 11.9, 0.9, 0.1, 50.0),
+        ]
+    ]
     out = consumer_ab.summarize(history, warmup=10, last_step=40)
     assert out["intervals_ms"] == [(20, 200.0), (30, 220.0), (40, 200.0)]
     assert out["ms_per_step_median"] == 200.0
@@ -315,7 +341,10 @@ def test_the_consumer_bench_takes_dflash_consumes_flags_from_train_config():
     )
     assert options["gc_mode"] == "python" and options["device"] == "cuda"
     flags = {
-        f.name for f in dataclasses.fields(consumer_bench.TrainConfig) if f.metadata.get("flag", Flag()).cli
+        f.name
+        for cls in (consumer_bench.TrainConfig, *SECTIONS.values())
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("flag", Flag()).cli
     }
     assert set(options) - {"device"} == flags - set(consumer_bench.BENCH_SETS)
     given = consumer_bench.consumer_options(parser.parse_args(["--max-anchors-per-doc", "64"]))

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from dflash.consumer.cli import await_spool
+from dflash.consumer.launch import await_spool
 
 
 class FakeTime:

@@ -54,16 +54,24 @@ def _overfit(drafter: DFlashDrafter, docs: list[HeldOutDoc], steps: int = 30) ->
     from dflash.common.drafter.loss import draft_loss
 
     packed = pack_samples(
-        [(torch.from_numpy(d.input_ids), torch.from_numpy(d.loss_mask), d.hidden, d.sample_index) for d in docs],
+        [
+            (torch.from_numpy(d.input_ids), torch.from_numpy(d.loss_mask), d.hidden, d.sample_index)
+            for d in docs
+        ],
         context_tokens=sum(len(d.input_ids) for d in docs),
     )
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
         batch = build_draft_batch(
-            packed, block_size=16, num_anchors=32, max_anchors_per_doc=16, mask_token_id=3, gamma=7.0,
+            packed,
+            block_size=16,
+            num_anchors=32,
+            max_anchors_per_doc=16,
+            mask_token_id=3,
+            gamma=7.0,
             generator=gen,
-        )  # fmt: skip
+        )
         out = draft_loss(drafter(batch), batch, drafter.target_head.lm_head_weight)
         opt.zero_grad()
         out.loss().backward()
@@ -136,17 +144,23 @@ def test_the_batched_walk_equals_each_document_walked_alone(setup, drafter):
     cases.append((docs[1], 5, 12, ()))  # a shorter prompt: the batch's anchors differ widely
     alone = [
         teacher_forced_generate(
-            DrafterProposer(drafter), d.input_ids, d.hidden, start=s, max_new_tokens=n, stop_token_ids=stop,
+            DrafterProposer(drafter),
+            d.input_ids,
+            d.hidden,
+            start=s,
+            max_new_tokens=n,
+            stop_token_ids=stop,
             block_size=drafter.config.block_size,
-        )  # fmt: skip
+        )
         for d, s, n, stop in cases
     ]
     for stop in {c[3] for c in cases}:  # one batch per stop set (the batched walk takes one)
         picked = [i for i, c in enumerate(cases) if c[3] == stop]
         together = batched_teacher_forced_generate(
-            drafter, [(cases[i][0].input_ids, cases[i][0].hidden, cases[i][1], cases[i][2]) for i in picked],
+            drafter,
+            [(cases[i][0].input_ids, cases[i][0].hidden, cases[i][1], cases[i][2]) for i in picked],
             stop_token_ids=stop,
-        )  # fmt: skip
+        )
         for i, gen in zip(picked, together, strict=True):
             assert gen.steps == alone[i].steps and gen.tokens == alone[i].tokens, i
     assert any(a > 0 for g in alone for _, a, _ in g.steps)  # drafts were accepted: every branch ran
@@ -171,13 +185,19 @@ def test_the_batched_walk_equals_the_proposer_with_sliding_layers(setup):
     documents of ~60 tokens): the same steps and tokens, and drafts were accepted."""
     target, prompts, docs = setup
     config = DrafterConfig.from_target_config(
-        target.config, num_layers=2, mask_token_id=3, target_layer_ids=LAYERS,
-        layer_types=["sliding_attention", "full_attention"], sliding_window=6,
-    )  # fmt: skip
+        target.config,
+        num_layers=2,
+        mask_token_id=3,
+        target_layer_ids=LAYERS,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=6,
+    )
     torch.manual_seed(0)
     drafter = DFlashDrafter(config, load_target_head(target, dtype=torch.float32))
     _overfit(drafter, docs)
-    cases = [(d.input_ids, d.hidden, len(p), n) for p, d in zip(prompts, docs, strict=True) for n in (MAX_NEW, 9)]
+    cases = [
+        (d.input_ids, d.hidden, len(p), n) for p, d in zip(prompts, docs, strict=True) for n in (MAX_NEW, 9)
+    ]
     together = batched_teacher_forced_generate(drafter, cases)
     for (ids, hidden, start, n), gen in zip(cases, together, strict=True):
         alone = teacher_forced_generate(

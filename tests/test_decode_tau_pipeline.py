@@ -51,12 +51,36 @@ def test_logged_decode_order_tau_equals_dflash_eval_on_the_same_checkpoint_and_d
     # --bucket oldest: shards claimed in name order (the default draws them at random, unseeded), so every
     # run trains the same steps and reaches the same τ
     proc = run(
-        consume_cmd(spool, tiny_target, "--run", "tau", "--run-dir", str(run_dir), "--checkpoint", str(ckpt),
-                    "--lr", "2e-3", "--eval-every", "1000", "--compile-backend", "eager", "--log-every", "10",
-                    "--bucket", "oldest", "--num-layers", "2", "--block-size", "8", "--num-anchors", "64",
-                    "--max-anchors-per-doc", "16"),
+        consume_cmd(
+            spool,
+            tiny_target,
+            "--run",
+            "tau",
+            "--run-dir",
+            str(run_dir),
+            "--checkpoint",
+            str(ckpt),
+            "--lr",
+            "2e-3",
+            "--eval-every",
+            "1000",
+            "--compile-backend",
+            "eager",
+            "--log-every",
+            "10",
+            "--bucket",
+            "oldest",
+            "--num-layers",
+            "2",
+            "--block-size",
+            "8",
+            "--num-anchors",
+            "64",
+            "--max-anchors-per-doc",
+            "16",
+        ),
         env=env,
-    )  # fmt: skip
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     evals = [r for r in read_jsonl(run_dir / "metrics" / "consumer-0.jsonl") if r.get("event") == "eval"]
     final = load_checkpoint(str(ckpt), "tau")
@@ -84,8 +108,16 @@ def test_logged_decode_order_tau_equals_dflash_eval_on_the_same_checkpoint_and_d
             )
     decoded = summarize(gens, drafter.config.block_size)
     assert len(gens) == evals[-1]["eval_docs"] >= HELD_OUT - 1
-    print(json.dumps({"logged_decode_order_tau": logged, "dflash_eval_tau": decoded.tau,
-                      "before_training": evals[0]["decode_tau"], "in_loop_tau": evals[-1]["in_loop_tau"]}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "logged_decode_order_tau": logged,
+                "dflash_eval_tau": decoded.tau,
+                "before_training": evals[0]["decode_tau"],
+                "in_loop_tau": evals[-1]["in_loop_tau"],
+            }
+        )
+    )
     # the drafter accepts drafts and clearly improved on its untrained self: not a comparison of two 1.0s
     assert decoded.tau >= evals[0]["decode_tau"] + MIN_GAIN, (decoded.tau, evals[0]["decode_tau"])
     assert decoded.verify_steps < decoded.generated_tokens - len(gens)

@@ -120,9 +120,14 @@ def test_ctrl_c_stops_the_demo_cleanly_after_its_stop_checkpoint(tmp_path):
     out, err = tmp_path / "demo.out", tmp_path / "demo.err"
     with open(out, "w") as o, open(err, "w") as e:
         proc = subprocess.Popen(
-            as_from_a_terminal([sys.executable, "-m", "dflash.tools.demo.cli", "--quick", "--run-dir", str(run_dir)]),
-            stdout=o, stderr=e, env=env, start_new_session=True,
-        )  # fmt: skip
+            as_from_a_terminal(
+                [sys.executable, "-m", "dflash.tools.demo.cli", "--quick", "--run-dir", str(run_dir)]
+            ),
+            stdout=o,
+            stderr=e,
+            env=env,
+            start_new_session=True,
+        )
     ledger = run_dir / "metrics" / "ledger-r0.jsonl"
     try:
         deadline = time.monotonic() + 300  # a hang guard
@@ -139,7 +144,12 @@ def test_ctrl_c_stops_the_demo_cleanly_after_its_stop_checkpoint(tmp_path):
     text = out.read_text() + err.read_text()
     assert rc == 130, text[-3000:]
     assert "Traceback" not in text, text[-3000:]
-    assert err.read_text().strip().splitlines()[-1].startswith("dflash-demo: stopped; the pipeline saved its checkpoint")
+    assert (
+        err.read_text()
+        .strip()
+        .splitlines()[-1]
+        .startswith("dflash-demo: stopped; the pipeline saved its checkpoint")
+    )
     events = [r for r in read_metrics(run_dir / "metrics" / "consumer-0.jsonl") if r.get("event")]
     saved = [r for r in events if r["event"] == "checkpoint"]
     assert saved and saved[-1]["url"].startswith("s3://dflash-demo/"), events

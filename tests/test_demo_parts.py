@@ -86,7 +86,7 @@ def test_untrained_drafter_is_the_consumers_initialization(tmp_path, tiny_target
     # tests that share this process (hypothesis refuses subnormal floats under flush-denormal).
     threads = torch.get_num_threads()
     with torch.random.fork_rng(devices=[]):
-        trainer = Trainer(TrainConfig(spool=str(spool), target=str(tiny_target), compile=False))
+        trainer = Trainer(TrainConfig.from_flat(spool=str(spool), target=str(tiny_target), compile=False))
     try:
         fresh = trainer.model.state_dict()
     finally:

@@ -17,8 +17,9 @@ from pipeline_helpers import consume_cmd, cpu_env, write_synthetic_spool
 from dflash.common.drafter.batch import build_draft_batch, pack_samples
 from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.model import DFlashDrafter, TargetHead
-from dflash.consumer.config import TrainConfig
-from dflash.consumer.step import build_optimizer, forward_backward
+from dflash.consumer.config import OptimConfig
+from dflash.consumer.optim import build_optimizer
+from dflash.consumer.step import forward_backward
 
 pytestmark = pytest.mark.pipeline  # every test here starts processes
 
@@ -80,9 +81,7 @@ def _ddp_worker(rank: int, port: int, out_path: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
     model, batches = _model_and_batches()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt, sched = build_optimizer(
-        model, TrainConfig(spool=".", target=".", total_steps=10), torch.device("cpu")
-    )
+    opt, sched = build_optimizer(model, OptimConfig(), device=torch.device("cpu"), schedule_steps=10)
     for step in range(STEPS):
         batch = batches[step][rank]
         w = batch.label_weights.sum(dtype=torch.float64).reshape(1)
@@ -111,9 +110,7 @@ def test_two_gloo_ranks_equal_one_process_on_the_same_data(tmp_path):
 
     torch.set_num_threads(1)
     model, batches = _model_and_batches()
-    opt, sched = build_optimizer(
-        model, TrainConfig(spool=".", target=".", total_steps=10), torch.device("cpu")
-    )
+    opt, sched = build_optimizer(model, OptimConfig(), device=torch.device("cpu"), schedule_steps=10)
     for step in range(STEPS):
         total = sum(float(b.label_weights.sum(dtype=torch.float64)) for b in batches[step])
         for b in batches[step]:

@@ -100,7 +100,7 @@ def test_the_cli_configs_refuse_repeated_layer_ids():
     with pytest.raises(
         ValueError, match=r"--target-layer-ids \[2, 2\]: layer ids must be sorted and distinct"
     ):
-        TrainConfig(spool="s", target="t", target_layer_ids=[2, 2])
+        TrainConfig.from_flat(spool="s", target="t", target_layer_ids=[2, 2])
 
 
 def test_drafter_config_uses_the_producers_layer_rule():
@@ -108,10 +108,16 @@ def test_drafter_config_uses_the_producers_layer_rule():
     from transformers import Qwen3Config
 
     cfg = DrafterConfig.from_target_config(
-        Qwen3Config(num_hidden_layers=28, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-                    vocab_size=100),
+        Qwen3Config(
+            num_hidden_layers=28,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=128,
+            vocab_size=100,
+        ),
         mask_token_id=0,
-    )  # fmt: skip
+    )
     assert cfg.target_layer_ids == default_target_layer_ids(28)
 
 
@@ -585,10 +591,17 @@ def hybrid_target_config():
     """A Qwen3.5-style hybrid target (Gated DeltaNet 'linear_attention' layers + full attention), small."""
     from transformers import Qwen3_5Config
 
-    return Qwen3_5Config(text_config=dict(
-        hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
-        vocab_size=97, num_hidden_layers=8,
-    ))  # fmt: skip
+    return Qwen3_5Config(
+        text_config=dict(
+            hidden_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            intermediate_size=64,
+            vocab_size=97,
+            num_hidden_layers=8,
+        )
+    )
 
 
 def test_layer_type_names_are_the_modules():
@@ -653,11 +666,13 @@ def test_train_config_flags_for_the_layout():
     from dflash.consumer.config import TrainConfig
 
     base = {"spool": "s", "target": "t", "num_layers": 3}
-    assert TrainConfig(**base).layer_types is None  # auto
-    cfg = TrainConfig(**base, draft_layer_types="sliding, sliding,full", sliding_window=64)
-    assert cfg.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert TrainConfig.from_flat(**base).drafter.layer_types is None  # auto
+    cfg = TrainConfig.from_flat(**base, draft_layer_types="sliding, sliding,full", sliding_window=64)
+    assert cfg.drafter.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
     assert (
-        TrainConfig(**base, draft_layer_types="sliding_attention,full_attention,full").layer_types[0]
+        TrainConfig.from_flat(
+            **base, draft_layer_types="sliding_attention,full_attention,full"
+        ).drafter.layer_types[0]
         == "sliding_attention"
     )
     for bad, match in (
@@ -666,18 +681,21 @@ def test_train_config_flags_for_the_layout():
         ("", "sliding/full"),
     ):
         with pytest.raises(ValueError, match=match):
-            TrainConfig(**base, draft_layer_types=bad)
+            TrainConfig.from_flat(**base, draft_layer_types=bad)
     with pytest.raises(ValueError, match="sliding-window"):
-        TrainConfig(**base, sliding_window=0)
+        TrainConfig.from_flat(**base, sliding_window=0)
 
 
 def test_draft_spec_names_what_a_config_lacks():
     from dflash.common.drafter.dflash import DraftSpec
 
     good = DrafterConfig.from_target_config(
-        tiny_target_config(), num_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=9,
+        tiny_target_config(),
+        num_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=9,
         mask_token_id=5,
-    ).to_qwen3_config()  # fmt: skip
+    ).to_qwen3_config()
     spec = DraftSpec.from_config(good)
     assert spec.layer_types == ("sliding_attention", "full_attention") and spec.sliding_window == 9
     assert spec.window("full_attention") is None and spec.window("sliding_attention") == 9

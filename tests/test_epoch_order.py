@@ -35,12 +35,31 @@ def test_three_epochs_two_producers_train_in_order_and_never_a_row_twice_in_a_st
     data = _dataset(tmp_path / "data.jsonl", ROWS)
     run_dir = tmp_path / "run"
     cmd = [
-        "bash", str(REPO / "ops" / "run_all.sh"), "--producers", "cpu:2", "--consumers", "cpu:1",
-        "--model", str(tiny_target), "--dataset", str(data), "--run", "order", "--run-dir", str(run_dir),
-        "--spool", str(tmp_path / "spool"), "--checkpoint", str(tmp_path / "ckpt"), "--epochs", str(EPOCHS),
-        "--producer-args", f"--max-length {MAX_LENGTH} --batch-tokens 2048",
-        "--consumer-args", CONSUMER_ARGS + " --save-every 1000 --eval-every 0",
-    ]  # fmt: skip
+        "bash",
+        str(REPO / "ops" / "run_all.sh"),
+        "--producers",
+        "cpu:2",
+        "--consumers",
+        "cpu:1",
+        "--model",
+        str(tiny_target),
+        "--dataset",
+        str(data),
+        "--run",
+        "order",
+        "--run-dir",
+        str(run_dir),
+        "--spool",
+        str(tmp_path / "spool"),
+        "--checkpoint",
+        str(tmp_path / "ckpt"),
+        "--epochs",
+        str(EPOCHS),
+        "--producer-args",
+        f"--max-length {MAX_LENGTH} --batch-tokens 2048",
+        "--consumer-args",
+        CONSUMER_ARGS + " --save-every 1000 --eval-every 0",
+    ]
     life = Life(cmd, _env(tmp_path), tmp_path, 1)
     try:
         assert life.wait() == 0, life.text()[-4000:]
@@ -63,7 +82,9 @@ def test_three_epochs_two_producers_train_in_order_and_never_a_row_twice_in_a_st
     assert epochs_of_steps == sorted(epochs_of_steps), f"epochs out of order: {epochs_of_steps}"
 
     lengths = eligible_lengths(data, tiny_target, tmp_path / "hf-audit", max_length=MAX_LENGTH)
-    eligible = {int(i) for k in range(EPOCHS) for i in Epochs(rows=ROWS, epochs=EPOCHS).ids(k, sorted(lengths))}
+    eligible = {
+        int(i) for k in range(EPOCHS) for i in Epochs(rows=ROWS, epochs=EPOCHS).ids(k, sorted(lengths))
+    }
     trained = Counter(i for rec in steps for i in rec["samples"])
     assert set(trained) == eligible and max(trained.values()) == 1
     # the console says which epoch a step belongs to (the step's data, not a count of samples)

@@ -39,18 +39,40 @@ def _checkpoint_in_epoch_2(ckpt, rows: int) -> int | None:
 
 
 @pytest.mark.slow
-def test_two_epochs_kill9_mid_epoch_2_then_the_same_command_trains_each_row_once_per_epoch(tmp_path, tiny_target):
+def test_two_epochs_kill9_mid_epoch_2_then_the_same_command_trains_each_row_once_per_epoch(
+    tmp_path, tiny_target
+):
     from test_rerun import REPO
 
     data = _dataset(tmp_path / "data.jsonl", ROWS)
     run_dir, spool, ckpt = tmp_path / "run", tmp_path / "spool", tmp_path / "ckpt"
     cmd = [
-        "bash", str(REPO / "ops" / "run_all.sh"), "--keep-spool", "--producers", "cpu:2", "--consumers", "cpu:2",
-        "--model", str(tiny_target), "--dataset", str(data), "--run", "epochs", "--run-dir", str(run_dir),
-        "--spool", str(spool), "--checkpoint", str(ckpt), "--epochs", str(EPOCHS),
-        "--producer-args", f"--max-length {MAX_LENGTH} --batch-tokens 2048 --eval-samples {HELD_OUT}",
-        "--consumer-args", CONSUMER_ARGS + " --min-split-tokens 32 --eval-every 4 --eval-budget 1",
-    ]  # fmt: skip
+        "bash",
+        str(REPO / "ops" / "run_all.sh"),
+        "--keep-spool",
+        "--producers",
+        "cpu:2",
+        "--consumers",
+        "cpu:2",
+        "--model",
+        str(tiny_target),
+        "--dataset",
+        str(data),
+        "--run",
+        "epochs",
+        "--run-dir",
+        str(run_dir),
+        "--spool",
+        str(spool),
+        "--checkpoint",
+        str(ckpt),
+        "--epochs",
+        str(EPOCHS),
+        "--producer-args",
+        f"--max-length {MAX_LENGTH} --batch-tokens 2048 --eval-samples {HELD_OUT}",
+        "--consumer-args",
+        CONSUMER_ARGS + " --min-split-tokens 32 --eval-every 4 --eval-budget 1",
+    ]
     env = _env(tmp_path)
     lives: list[Life] = []
     try:
@@ -93,7 +115,9 @@ def test_two_epochs_kill9_mid_epoch_2_then_the_same_command_trains_each_row_once
             group_steps.setdefault((life_of[rec["pid"]], rec["step"]), []).extend(rec["samples"])
     for (life_no, step), ids in sorted(group_steps.items()):
         assert len({i // ROWS for i in ids}) <= 1, f"life {life_no} step {step} mixes epochs: {ids}"
-        assert len({i % ROWS for i in ids}) == len(ids), f"life {life_no} step {step} trains a row twice: {ids}"
+        assert len({i % ROWS for i in ids}) == len(ids), (
+            f"life {life_no} step {step} trains a row twice: {ids}"
+        )
     assert final.epoch == EPOCHS - 1 and final.meta["epoch"] == EPOCHS - 1  # the checkpoint records the epoch
 
     # the plan each launch printed: samples x epochs and the steps they make in full streams. Steps taken

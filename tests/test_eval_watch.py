@@ -111,10 +111,17 @@ def setup(tmp_path_factory):
 
 def _save(store: Path, step: int, weights: dict, config: DrafterConfig, keep_last: int = 10) -> None:
     save_checkpoint(
-        str(store), RUN, step, model_state=weights, optimizer_state={}, scheduler_state={},
-        rng_state=capture_rng_state(), trained=SampleSet(),
-        config={"train": {"target": "tiny"}, "drafter": config.to_dict()}, keep_last=keep_last,
-    )  # fmt: skip
+        str(store),
+        RUN,
+        step,
+        model_state=weights,
+        optimizer_state={},
+        scheduler_state={},
+        rng_state=capture_rng_state(),
+        trained=SampleSet(),
+        config={"train": {"target": "tiny"}, "drafter": config.to_dict()},
+        keep_last=keep_last,
+    )
 
 
 def _watch(target_dir: Path, store: Path, run_dir: Path, *extra: str) -> int:

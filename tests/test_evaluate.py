@@ -192,9 +192,13 @@ def test_drafter_proposer_equals_the_training_forward(layout):
     torch.manual_seed(0)
     layer_types, window = layout or (None, None)
     config = DrafterConfig.from_target_config(
-        AutoConfig.from_pretrained(tiny_target_dir()), num_layers=2, block_size=8, mask_token_id=3,
-        layer_types=layer_types, sliding_window=window,
-    )  # fmt: skip
+        AutoConfig.from_pretrained(tiny_target_dir()),
+        num_layers=2,
+        block_size=8,
+        mask_token_id=3,
+        layer_types=layer_types,
+        sliding_window=window,
+    )
     drafter = DFlashDrafter(config, TargetHead(torch.randn(4096, 256) * 0.1, torch.randn(4096, 256) * 0.1))
     with torch.no_grad():
         for p in drafter.parameters():

@@ -95,7 +95,12 @@ def _batch(config: DrafterConfig, seed: int = 0):
 
 
 def _save(
-    tmp_path, model: DFlashDrafter, config: DrafterConfig, step: int = 7, run: str = "r1", target: str = "tiny-target"
+    tmp_path,
+    model: DFlashDrafter,
+    config: DrafterConfig,
+    step: int = 7,
+    run: str = "r1",
+    target: str = "tiny-target",
 ) -> str:
     store = str(tmp_path / "ckpt")
     opt = torch.optim.AdamW(model.parameters())
@@ -208,7 +213,11 @@ def test_export_is_readable_by_others_whatever_the_umask(tmp_path, config, targe
     finally:
         os.umask(old)
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
-    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {CONFIG_FILE: 0o644, CODE_FILE: 0o644, WEIGHTS_FILE: 0o644}
+    assert {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()} == {
+        CONFIG_FILE: 0o644,
+        CODE_FILE: 0o644,
+        WEIGHTS_FILE: 0o644,
+    }
 
 
 # ------------------------------------------------------------------------------------------- round trip
@@ -346,7 +355,9 @@ def test_sliding_layers_round_trip_through_the_exported_config(tmp_path, config)
 
     from transformers import Qwen3Config
 
-    sliding = dataclasses.replace(config, layer_types=["sliding_attention", "full_attention"], sliding_window=48)
+    sliding = dataclasses.replace(
+        config, layer_types=["sliding_attention", "full_attention"], sliding_window=48
+    )
     cfg = export_config(sliding, torch.bfloat16)
     assert cfg["layer_types"] == ["sliding_attention", "full_attention"]
     assert cfg["sliding_window"] == 48 and cfg["use_sliding_window"] is True
@@ -369,8 +380,12 @@ def test_tokenizer_files_come_from_the_target(tmp_path, config, target, caplog):
     model = _trained_like(config, target)
     store = _save(tmp_path / "a", model, config, target=str(tiny_target_dir()))
     assert main([f"{store}/r1", str(tmp_path / "with")]) == 0
-    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= {p.name for p in (tmp_path / "with").iterdir()}
-    assert (tmp_path / "with" / "tokenizer.json").read_bytes() == (tiny_target_dir() / "tokenizer.json").read_bytes()
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja"} <= {
+        p.name for p in (tmp_path / "with").iterdir()
+    }
+    assert (tmp_path / "with" / "tokenizer.json").read_bytes() == (
+        tiny_target_dir() / "tokenizer.json"
+    ).read_bytes()
 
     store = _save(tmp_path / "b", model, config, target="Org/hub-only-target")
     with caplog.at_level(logging.WARNING):

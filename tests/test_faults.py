@@ -84,9 +84,21 @@ def _eligible(data: Path, target: Path, cache: Path, *, max_length: int) -> set[
 
 def _produce_cmd(spool: Path, target: Path, data: Path, *extra: str) -> list[str]:
     return [
-        str(BIN / "dflash-produce"), "--gpus", "cpu:1", "--model", str(target), "--dataset", str(data),
-        "--spool", str(spool), "--max-length", "512", "--progress-s", "1", *extra,
-    ]  # fmt: skip
+        str(BIN / "dflash-produce"),
+        "--gpus",
+        "cpu:1",
+        "--model",
+        str(target),
+        "--dataset",
+        str(data),
+        "--spool",
+        str(spool),
+        "--max-length",
+        "512",
+        "--progress-s",
+        "1",
+        *extra,
+    ]
 
 
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -133,10 +145,24 @@ def test_spool_full_blocks_the_producer_drops_nothing_and_bounds_bytes_and_memor
     env = _env(tmp_path)
     prod_log = open(tmp_path / "produce.log", "w")  # noqa: SIM115 - closed in finally
     producer = subprocess.Popen(
-        _produce_cmd(spool, tiny_target, data, "--batch-tokens", "1024", "--budget-gb", str(budget / 1e9),
-                     "--run", "full", "--run-dir", str(run_dir)),
-        env=env, stdout=prod_log, stderr=subprocess.STDOUT, umask=0o022,
-    )  # fmt: skip
+        _produce_cmd(
+            spool,
+            tiny_target,
+            data,
+            "--batch-tokens",
+            "1024",
+            "--budget-gb",
+            str(budget / 1e9),
+            "--run",
+            "full",
+            "--run-dir",
+            str(run_dir),
+        ),
+        env=env,
+        stdout=prod_log,
+        stderr=subprocess.STDOUT,
+        umask=0o022,
+    )
     consumer = None
     # (time, spool bytes, largest shard so far, worker RSS MB), every 20 ms
     samples: list[tuple[float, int, int, float | None]] = []
@@ -148,7 +174,9 @@ def test_spool_full_blocks_the_producer_drops_nothing_and_bounds_bytes_and_memor
             if (spool / "state").is_dir():
                 # one walk gives the total AND each entry's size at that moment, so the bound below is
                 # checked per sample, whatever this thread's sampling rate on a loaded box
-                entries = [size for *_, size in Spool(spool, create=False)._scan(("tmp", "ready", "claimed"))]
+                entries = [
+                    size for *_, size in Spool(spool, create=False).scan.entries(("tmp", "ready", "claimed"))
+                ]
                 owners = [d for d in (spool / "claimed").iterdir() if d.is_dir()]
                 for d in [spool, *(spool / name for name in (*Spool.STATES, "state")), *owners]:
                     try:
@@ -182,11 +210,30 @@ def test_spool_full_blocks_the_producer_drops_nothing_and_bounds_bytes_and_memor
 
         # 2. a consumer drains the spool: the producer resumes and finishes
         consumer = subprocess.Popen(
-            consume_cmd(spool, tiny_target, "--checkpoint", str(ckpt), "--run", "full", "--run-dir", str(run_dir),
-                        "--save-every", "1000", "--log-every", "1", "--compile-backend", "eager",
-                        "--fill-wait-s", "0.2"),  # short steps are the point here: do not wait to fill
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, umask=0o022,
-        )  # fmt: skip
+            consume_cmd(
+                spool,
+                tiny_target,
+                "--checkpoint",
+                str(ckpt),
+                "--run",
+                "full",
+                "--run-dir",
+                str(run_dir),
+                "--save-every",
+                "1000",
+                "--log-every",
+                "1",
+                "--compile-backend",
+                "eager",
+                "--fill-wait-s",
+                "0.2",
+            ),  # short steps are the point here: do not wait to fill
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            umask=0o022,
+        )
         c_out, _ = consumer.communicate(timeout=300)
         assert consumer.returncode == 0, c_out[-3000:]
         assert producer.wait(timeout=60) == 0, (tmp_path / "produce.log").read_text()[-3000:]
@@ -256,8 +303,13 @@ def test_writer_threads_together_overshoot_the_budget_by_one_shard_at_most(tmp_p
     def job(i: int) -> WriteJob:
         sample = Sample(sample_index=i, input_ids=np.zeros(tokens, np.int32), loss_mask=np.ones(tokens, bool))
         hidden = torch.randn(tokens, len(LAYERS) * HIDDEN).to(torch.bfloat16)
-        return WriteJob(batch=Batch(bucket=tokens, pad_len=tokens, samples=[sample]), hidden=hidden, event=None,
-                    buffer=None, seq=writers.next_seq())  # fmt: skip
+        return WriteJob(
+            batch=Batch(bucket=tokens, pad_len=tokens, samples=[sample]),
+            hidden=hidden,
+            event=None,
+            buffer=None,
+            seq=writers.next_seq(),
+        )
 
     for i in range(2):  # queued before the threads start: both pick one up at once
         writers.jobs.put(job(i))
@@ -294,8 +346,10 @@ def test_producer_workers_die_with_their_parent(tmp_path, tiny_target):
     spool = tmp_path / "spool"
     parent = subprocess.Popen(
         _produce_cmd(spool, tiny_target, data, "--batch-tokens", "512", "--budget-gb", "1e-6"),
-        env=_env(tmp_path), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        env=_env(tmp_path),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         # one shard published and the budget exhausted: the worker lives on, blocked
         wait_until(
@@ -502,9 +556,23 @@ def s3_scenario(s3_endpoint, _s3_admin_client, tiny_target, tmp_path_factory):
 
     def consume(spool: Path, log: Path) -> subprocess.Popen:
         cmd = consume_cmd(
-            spool, tiny_target, "--checkpoint", url, "--run", S3_RUN, "--run-dir", str(run_dir),
-            "--save-every", "2", "--log-every", "1", "--compile-backend", "eager", "--keep-last", "3",
-        )  # fmt: skip
+            spool,
+            tiny_target,
+            "--checkpoint",
+            url,
+            "--run",
+            S3_RUN,
+            "--run-dir",
+            str(run_dir),
+            "--save-every",
+            "2",
+            "--log-every",
+            "1",
+            "--compile-backend",
+            "eager",
+            "--keep-last",
+            "3",
+        )
         return subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
 
     sc = SimpleNamespace(bucket=bucket, url=url, run_dir=run_dir, proxy=proxy, admin=admin, phase={})
@@ -517,8 +585,11 @@ def s3_scenario(s3_endpoint, _s3_admin_client, tiny_target, tmp_path_factory):
         proxy.set("flaky")
         sc.samples = _publish_synthetic(spool, range(0, 4))
         procs.append(consume(spool.root, tmp / "consumer1.log"))
-        wait_until(lambda: len(events("checkpoint")) >= 2 or procs[0].poll() is not None, timeout_s=180,
-                   what="two checkpoints through the flaky proxy")  # fmt: skip
+        wait_until(
+            lambda: len(events("checkpoint")) >= 2 or procs[0].poll() is not None,
+            timeout_s=180,
+            what="two checkpoints through the flaky proxy",
+        )
         sc.phase["flaky"] = dict(proxy.counts)
 
         # outage: every request fails for >= 3 s and >= 3 requests (only a checkpoint talks to S3 here, so
@@ -527,12 +598,22 @@ def s3_scenario(s3_endpoint, _s3_admin_client, tiny_target, tmp_path_factory):
         proxy.set("outage")
         t0, refused0 = time.monotonic(), proxy.counts["503"]
         sc.samples += _publish_synthetic(spool, range(4, 6), seed=1)
-        wait_until(lambda: time.monotonic() - t0 >= 3 and proxy.counts["503"] - refused0 >= 3 or procs[0].poll() is not None,
-                   timeout_s=60, what="the outage to refuse requests")  # fmt: skip
+        wait_until(
+            lambda: (
+                time.monotonic() - t0 >= 3
+                and proxy.counts["503"] - refused0 >= 3
+                or procs[0].poll() is not None
+            ),
+            timeout_s=60,
+            what="the outage to refuse requests",
+        )
         sc.phase["outage_refused"] = proxy.counts["503"] - refused0
         proxy.set("pass")
-        wait_until(lambda: len(events("checkpoint")) > n_ckpt or procs[0].poll() is not None, timeout_s=120,
-                   what="the checkpoint caught in the outage")  # fmt: skip
+        wait_until(
+            lambda: len(events("checkpoint")) > n_ckpt or procs[0].poll() is not None,
+            timeout_s=120,
+            what="the checkpoint caught in the outage",
+        )
         sc.phase["after_outage_failed"] = len(events("checkpoint_failed"))
 
         # deny: checkpoints fail (one error line each), training goes on, latest stays the last good one
@@ -540,8 +621,11 @@ def s3_scenario(s3_endpoint, _s3_admin_client, tiny_target, tmp_path_factory):
         sc.last_good_step = events("checkpoint")[-1]["step"]
         proxy.set("deny")
         sc.samples += _publish_synthetic(spool, range(6, 11), seed=2)
-        wait_until(lambda: len(events("checkpoint_failed")) >= 2 or procs[0].poll() is not None, timeout_s=120,
-                   what="two failed checkpoints")  # fmt: skip
+        wait_until(
+            lambda: len(events("checkpoint_failed")) >= 2 or procs[0].poll() is not None,
+            timeout_s=120,
+            what="two failed checkpoints",
+        )
         failed_step = events("checkpoint_failed")[-1]["step"]
         wait_until(
             lambda: (
@@ -832,10 +916,14 @@ def test_every_torch_load_in_the_source_tree_is_weights_only():
 # ------------------------------------------------------------- the first checkpoint of a run cannot be lost
 def _s3_env(proxy: FaultProxy) -> dict:
     env = cpu_env(
-        AWS_ENDPOINT_URL=proxy.url, AWS_ACCESS_KEY_ID=FAKE_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY=FAKE_SECRET_ACCESS_KEY,
-        AWS_DEFAULT_REGION="us-east-1", AWS_CONFIG_FILE=os.devnull, AWS_SHARED_CREDENTIALS_FILE=os.devnull,
+        AWS_ENDPOINT_URL=proxy.url,
+        AWS_ACCESS_KEY_ID=FAKE_ACCESS_KEY_ID,
+        AWS_SECRET_ACCESS_KEY=FAKE_SECRET_ACCESS_KEY,
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_CONFIG_FILE=os.devnull,
+        AWS_SHARED_CREDENTIALS_FILE=os.devnull,
         AWS_EC2_METADATA_DISABLED="true",
-    )  # fmt: skip
+    )
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_DEFAULT_PROFILE"):
         env.pop(name, None)
     return env
@@ -860,8 +948,18 @@ def test_a_store_that_refuses_writes_fails_the_run_before_its_first_step_or_at_i
         spool.register_producers(["p0"])
         _publish_synthetic(spool, range(0, 2))
         run_dir = tmp_path / "run1"
-        cmd = consume_cmd(spool.root, tiny_target, "--checkpoint", f"s3://{bucket}/ckpt", "--run", "first",
-                          "--run-dir", str(run_dir), "--compile-backend", "eager")  # fmt: skip
+        cmd = consume_cmd(
+            spool.root,
+            tiny_target,
+            "--checkpoint",
+            f"s3://{bucket}/ckpt",
+            "--run",
+            "first",
+            "--run-dir",
+            str(run_dir),
+            "--compile-backend",
+            "eager",
+        )
         p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
         assert p.returncode == 2, p.stderr[-3000:]
         line = p.stderr.strip().splitlines()[-1]
@@ -878,8 +976,20 @@ def test_a_store_that_refuses_writes_fails_the_run_before_its_first_step_or_at_i
         _publish_synthetic(spool, range(0, 1))
         run_dir = tmp_path / "run2"
         ledger = run_dir / "metrics" / "ledger-r0.jsonl"
-        cmd = consume_cmd(spool.root, tiny_target, "--checkpoint", f"s3://{bucket}/ckpt2", "--run", "first",
-                          "--run-dir", str(run_dir), "--compile-backend", "eager", "--save-every", "2")  # fmt: skip
+        cmd = consume_cmd(
+            spool.root,
+            tiny_target,
+            "--checkpoint",
+            f"s3://{bucket}/ckpt2",
+            "--run",
+            "first",
+            "--run-dir",
+            str(run_dir),
+            "--compile-backend",
+            "eager",
+            "--save-every",
+            "2",
+        )
         log = tmp_path / "consumer2.log"
         proc = subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
         try:
@@ -917,8 +1027,18 @@ def test_a_checkpoint_folder_nothing_can_be_written_into_is_refused_before_step_
     spool.register_producers(["p0"])
     _publish_synthetic(spool, range(0, 2))
     run_dir = tmp_path / "run"
-    cmd = consume_cmd(spool.root, tiny_target, "--checkpoint", str(ckpt), "--run", "first",
-                      "--run-dir", str(run_dir), "--compile-backend", "eager")  # fmt: skip
+    cmd = consume_cmd(
+        spool.root,
+        tiny_target,
+        "--checkpoint",
+        str(ckpt),
+        "--run",
+        "first",
+        "--run-dir",
+        str(run_dir),
+        "--compile-backend",
+        "eager",
+    )
     p = subprocess.run(cmd, env=cpu_env(), capture_output=True, text=True, timeout=180)
     assert p.returncode == 2, p.stderr[-3000:]
     line = p.stderr.strip().splitlines()[-1]

@@ -10,7 +10,7 @@ from test_feed import finish, make_shard, publish
 
 from dflash.common.contract.spool import Spool
 from dflash.common.contract.spool_records import BUDGET_PHASE
-from dflash.consumer.agreement import StepAgreement
+from dflash.consumer.agreement import RankView, StepAgreement
 from dflash.consumer.feed import ShardFeed
 
 CONTEXT = 64
@@ -28,8 +28,16 @@ def _first_stream(feed: ShardFeed, *, within_s: float):
 
 def _feed(spool: Spool) -> ShardFeed:
     # the producer's one heartbeat stays fresh for the test (timeout 60 s); the feed rescans every 5 s
-    return ShardFeed(spool, "c0", context_tokens=CONTEXT, poll_s=0.01, pool_streams=4, heartbeat_timeout_s=60.0,
-                     fill_wait_s=60.0, bucket=None)  # fmt: skip
+    return ShardFeed(
+        spool,
+        "c0",
+        context_tokens=CONTEXT,
+        poll_s=0.01,
+        pool_streams=4,
+        heartbeat_timeout_s=60.0,
+        fill_wait_s=60.0,
+        bucket=None,
+    )
 
 
 def test_a_short_pool_waits_while_a_producer_produces_and_packs_once_it_is_blocked_on_the_budget(tmp_path):
@@ -78,7 +86,20 @@ def test_a_full_pool_packs_at_once_and_a_done_producer_releases_the_rest(tmp_pat
 
 
 def _rank(has: bool, drained: bool = False, epoch: int = 0, tokens: int = 0) -> list[int]:
-    return [int(has), int(drained), 0, 0, epoch if has else -1, tokens]
+    view = RankView(
+        has_step=has,
+        drained=drained,
+        stop_asked=False,
+        save_failed=False,
+        epoch=epoch if has else -1,
+        tokens=tokens,
+    )
+    return view.encode()
+
+
+def test_a_rank_view_goes_through_the_collective_unchanged():
+    view = RankView(has_step=True, drained=False, stop_asked=True, save_failed=False, epoch=2, tokens=4096)
+    assert RankView.decode(view.encode()) == view and all(type(v) is int for v in view.encode())
 
 
 def test_ranks_step_only_when_every_rank_holds_a_step_or_is_drained():

@@ -66,17 +66,42 @@ def _config() -> Qwen3_5Config:
     head dims of 32: fla's kernels' smallest (the CUDA parametrization runs them)."""
     return Qwen3_5Config(
         text_config=dict(
-            vocab_size=4096, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
-            linear_num_value_heads=2, linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
-            full_attention_interval=3, max_position_embeddings=1024,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
-                                 mrope_section=[1, 1, 0], mrope_interleaved=True),
+            vocab_size=4096,
+            hidden_size=HIDDEN,
+            intermediate_size=64,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            linear_conv_kernel_dim=4,
+            full_attention_interval=3,
+            max_position_embeddings=1024,
+            rope_parameters=dict(
+                rope_type="default",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.25,
+                mrope_section=[1, 1, 0],
+                mrope_interleaved=True,
+            ),
         ),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=HIDDEN,
-                           patch_size=16, num_position_embeddings=64),
-        image_token_id=4090, video_token_id=4091, vision_start_token_id=4092, vision_end_token_id=4093,
-    )  # fmt: skip
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=HIDDEN,
+            patch_size=16,
+            num_position_embeddings=64,
+        ),
+        image_token_id=4090,
+        video_token_id=4091,
+        vision_start_token_id=4092,
+        vision_end_token_id=4093,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -108,8 +133,15 @@ def hybrid(tmp_path_factory) -> SimpleNamespace:
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
     gen = torch.Generator().manual_seed(0)
     for _ in range(60):
-        batch = build_draft_batch(packed, block_size=BLOCK, num_anchors=48, max_anchors_per_doc=8,
-                                  mask_token_id=3, gamma=7.0, generator=gen)  # fmt: skip
+        batch = build_draft_batch(
+            packed,
+            block_size=BLOCK,
+            num_anchors=48,
+            max_anchors_per_doc=8,
+            mask_token_id=3,
+            gamma=7.0,
+            generator=gen,
+        )
         loss = draft_loss(drafter(batch), batch, drafter.target_head.lm_head_weight)
         opt.zero_grad()
         loss.loss().backward()
@@ -122,10 +154,16 @@ def export(hybrid, tmp_path_factory):
     """The trained drafter through a checkpoint and dflash-export (what is served)."""
     tmp = tmp_path_factory.mktemp("export")
     save_checkpoint(
-        str(tmp / "ckpt"), "hy", 40, model_state=dict(hybrid.drafter.named_parameters()), optimizer_state={},
-        scheduler_state={}, rng_state=capture_rng_state(), trained=SampleSet(),
+        str(tmp / "ckpt"),
+        "hy",
+        40,
+        model_state=dict(hybrid.drafter.named_parameters()),
+        optimizer_state={},
+        scheduler_state={},
+        rng_state=capture_rng_state(),
+        trained=SampleSet(),
         config={"train": {"target": str(hybrid.path)}, "drafter": hybrid.drafter.config.to_dict()},
-    )  # fmt: skip
+    )
     out = tmp / "export"
     assert export_main([f"{tmp / 'ckpt'}/hy", str(out), "--dtype", "float32"]) == 0
     return out
@@ -251,9 +289,26 @@ def test_dflash_eval_baseline_equals_greedy_on_the_hybrid_target(hybrid, export,
     """``dflash-eval --baseline`` (fp32, 8 prompts, 64 tokens): 0 prompts differ from greedy; τ > 1 with
     blocks accepted in part. On CUDA the linear-attention kernels are fla's / causal-conv1d's when installed."""
     out = tmp_path / "eval.json"
-    argv = ["--target", str(hybrid.path), "--drafter", str(export), "--dataset", str(demo_dataset_path()),
-            "--num-prompts", str(PROMPTS), "--max-new-tokens", str(NEW), "--ignore-eos", "--baseline",
-            "--device", device, "--dtype", "float32", "--json", str(out)]  # fmt: skip
+    argv = [
+        "--target",
+        str(hybrid.path),
+        "--drafter",
+        str(export),
+        "--dataset",
+        str(demo_dataset_path()),
+        "--num-prompts",
+        str(PROMPTS),
+        "--max-new-tokens",
+        str(NEW),
+        "--ignore-eos",
+        "--baseline",
+        "--device",
+        device,
+        "--dtype",
+        "float32",
+        "--json",
+        str(out),
+    ]
     assert eval_main(argv) == 0
     report = json.loads(out.read_text())
     assert report["prompts"] == PROMPTS and report["generated_tokens"] == PROMPTS * NEW
@@ -276,8 +331,14 @@ def test_exported_spec_generate_equals_greedy_on_the_hybrid_target(hybrid, expor
     target, steps = hybrid.target, []
     for prompt in hybrid.prompts:
         ids = prompt[None]
-        stats = draft.spec_generate(input_ids=ids, max_new_tokens=NEW, temperature=0.0, target=target,
-                                    stop_token_ids=None, return_stats=True)  # fmt: skip
+        stats = draft.spec_generate(
+            input_ids=ids,
+            max_new_tokens=NEW,
+            temperature=0.0,
+            target=target,
+            stop_token_ids=None,
+            return_stats=True,
+        )
         greedy = target.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
         assert stats.output_ids.tolist() == greedy.tolist()
         steps += stats.generation.steps
@@ -290,15 +351,32 @@ def test_dflash_eval_refuses_a_target_it_cannot_roll_back(export, tmp_path, caps
     """An LFM2-style target (short-conv layers: a state, but not Gated DeltaNet's) is refused in one line:
     dflash-eval exits 2 before decoding (``spec_generate`` raises the same ValueError from ``TargetRunner``:
     test_cache_families_that_cannot_be_rolled_back_are_refused_in_one_line)."""
-    config = Lfm2Config(vocab_size=4096, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=2, num_key_value_heads=1, layer_types=["conv", "full_attention"])  # fmt: skip
+    config = Lfm2Config(
+        vocab_size=4096,
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        layer_types=["conv", "full_attention"],
+    )
     torch.manual_seed(0)
     model = Lfm2ForCausalLM(config).eval()
     model.save_pretrained(tmp_path / "lfm2")
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(tiny_target_dir() / name, tmp_path / "lfm2" / name)
-    argv = ["--target", str(tmp_path / "lfm2"), "--drafter", str(export), "--dataset", str(demo_dataset_path()),
-            "--num-prompts", "1", "--device", "cpu"]  # fmt: skip
+    argv = [
+        "--target",
+        str(tmp_path / "lfm2"),
+        "--drafter",
+        str(export),
+        "--dataset",
+        str(demo_dataset_path()),
+        "--num-prompts",
+        "1",
+        "--device",
+        "cpu",
+    ]
     with pytest.raises(SystemExit) as exc:
         eval_main(argv)
     err = capsys.readouterr().err

@@ -35,17 +35,42 @@ HIDDEN, LAYERS = 32, 4
 def _vlm_config() -> Qwen3_5Config:
     return Qwen3_5Config(
         text_config=dict(
-            vocab_size=4096, hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=LAYERS,
-            num_attention_heads=2, num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
-            linear_num_value_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-            full_attention_interval=2, max_position_embeddings=1024,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
-                                 mrope_section=[1, 1, 0], mrope_interleaved=True),
+            vocab_size=4096,
+            hidden_size=HIDDEN,
+            intermediate_size=64,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            full_attention_interval=2,
+            max_position_embeddings=1024,
+            rope_parameters=dict(
+                rope_type="default",
+                rope_theta=10000.0,
+                partial_rotary_factor=0.25,
+                mrope_section=[1, 1, 0],
+                mrope_interleaved=True,
+            ),
         ),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=HIDDEN,
-                           patch_size=16, num_position_embeddings=64),
-        image_token_id=4090, video_token_id=4091, vision_start_token_id=4092, vision_end_token_id=4093,
-    )  # fmt: skip
+        vision_config=dict(
+            depth=1,
+            hidden_size=16,
+            intermediate_size=32,
+            num_heads=2,
+            out_hidden_size=HIDDEN,
+            patch_size=16,
+            num_position_embeddings=64,
+        ),
+        image_token_id=4090,
+        video_token_id=4091,
+        vision_start_token_id=4092,
+        vision_end_token_id=4093,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +125,13 @@ def test_producer_runs_on_the_multimodal_hybrid_checkpoint(vlm_checkpoint, tmp_p
     compiled (every layer; the linear-attention mixers run outside the graphs) when asked, 0 recompiles."""
     path, vlm = vlm_checkpoint
     cfg = ProducerConfig(
-        model=str(path), layer_ids=[0, 1, 2], compile_options=TrunkCompileConfig(compile_backend=backend),
-        data=DataConfig(dataset=str(demo_dataset_path()), limit=6, max_length=128, cache_dir=str(tmp_path / "hf")),
-    )  # fmt: skip
+        model=str(path),
+        layer_ids=[0, 1, 2],
+        compile_options=TrunkCompileConfig(compile_backend=backend),
+        data=DataConfig(
+            dataset=str(demo_dataset_path()), limit=6, max_length=128, cache_dir=str(tmp_path / "hf")
+        ),
+    )
     with caplog.at_level(logging.INFO):
         result = run_producer(cfg, Worker(producer_id="h0", spool=str(tmp_path / "spool")))
     assert result["done"] and result["samples"] > 0 and result["recompiles"] == 0
@@ -218,9 +247,12 @@ def test_multimodal_hybrid_checkpoint_on_cuda_loads_text_only_and_produces_compi
     assert all(p.is_cuda for p in model.parameters())
     del model
     cfg = ProducerConfig(
-        model=str(path), layer_ids=[0, 1, 2],
-        data=DataConfig(dataset=str(demo_dataset_path()), limit=24, max_length=256, cache_dir=str(tmp_path / "hf")),
-    )  # fmt: skip
+        model=str(path),
+        layer_ids=[0, 1, 2],
+        data=DataConfig(
+            dataset=str(demo_dataset_path()), limit=24, max_length=256, cache_dir=str(tmp_path / "hf")
+        ),
+    )
     with caplog.at_level(logging.INFO):
         result = run_producer(cfg, Worker(producer_id="g0", spool=str(tmp_path / "spool"), device="cuda:0"))
     assert result["done"] and result["samples"] > 0 and result["recompiles"] == 0

@@ -1,5 +1,5 @@
 """``dflash-spool audit RUN_DIR``: the exactly-once audit a user can run on a run's sample ledgers
-(tools/ledger_audit.py): launches, lost tails, twice, and with the checkpoint store, missing samples."""
+(tools/spool/audit.py): launches, lost tails, twice, and with the checkpoint store, missing samples."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from dflash.common.checkpoints.save import save_checkpoint
 from dflash.common.contract.sample_set import SampleSet
-from dflash.tools import spool_cli
+from dflash.tools.spool import cli as spool_cli
 
 
 def _ledger(path, lines):
@@ -20,18 +20,24 @@ def _ledger(path, lines):
 def _two_launches(run_dir, *, retrain: list[int]):
     """Launch 1 (ranks 0, 1; pids 10, 11) checkpointed at step 2 and died after step 3 (its lost tail);
     launch 2 (rank 0 only, pid 20) resumed from step 2 and redid step 3's samples plus ``retrain``."""
-    _ledger(run_dir / "metrics" / "ledger-r0.jsonl", [
-        {"step": 1, "pid": 10, "epoch": 0, "samples": [0, 1]},
-        {"step": 2, "pid": 10, "epoch": 0, "samples": [2]},
-        {"step": 3, "pid": 10, "epoch": 0, "samples": [6]},
-        {"step": 3, "pid": 20, "epoch": 0, "samples": [6, 7, *retrain]},
-        {"step": 4, "pid": 20, "epoch": 1, "samples": [10, 11]},
-    ])  # fmt: skip
-    _ledger(run_dir / "metrics" / "ledger-r1.jsonl", [
-        {"step": 1, "pid": 11, "epoch": 0, "samples": [3]},
-        {"step": 2, "pid": 11, "epoch": 0, "samples": [4, 5]},
-        {"step": 3, "pid": 11, "epoch": 0, "samples": [8]},
-    ])  # fmt: skip
+    _ledger(
+        run_dir / "metrics" / "ledger-r0.jsonl",
+        [
+            {"step": 1, "pid": 10, "epoch": 0, "samples": [0, 1]},
+            {"step": 2, "pid": 10, "epoch": 0, "samples": [2]},
+            {"step": 3, "pid": 10, "epoch": 0, "samples": [6]},
+            {"step": 3, "pid": 20, "epoch": 0, "samples": [6, 7, *retrain]},
+            {"step": 4, "pid": 20, "epoch": 1, "samples": [10, 11]},
+        ],
+    )
+    _ledger(
+        run_dir / "metrics" / "ledger-r1.jsonl",
+        [
+            {"step": 1, "pid": 11, "epoch": 0, "samples": [3]},
+            {"step": 2, "pid": 11, "epoch": 0, "samples": [4, 5]},
+            {"step": 3, "pid": 11, "epoch": 0, "samples": [8]},
+        ],
+    )
 
 
 def test_an_exact_run_passes_with_its_lost_tail_and_epochs(tmp_path, capsys):
@@ -51,8 +57,17 @@ def test_a_sample_trained_twice_or_missing_from_the_ledgers_fails(tmp_path, caps
     assert report["twice"] == 1 and report["twice_first"] == [1]
     # the final checkpoint holds a sample no ledger line trained durably: missing
     store = tmp_path / "ckpt"
-    save_checkpoint(str(store), "r", 4, model_state={"w": torch.zeros(1)}, optimizer_state={}, scheduler_state={},
-                    rng_state={}, trained=SampleSet.from_indices([*range(12), 99]), config={})  # fmt: skip
+    save_checkpoint(
+        str(store),
+        "r",
+        4,
+        model_state={"w": torch.zeros(1)},
+        optimizer_state={},
+        scheduler_state={},
+        rng_state={},
+        trained=SampleSet.from_indices([*range(12), 99]),
+        config={},
+    )
     _two_launches(tmp_path, retrain=[8])
     assert spool_cli.main(["audit", str(tmp_path), "--checkpoint", str(store), "--run", "r"]) == 1
     out = capsys.readouterr().out

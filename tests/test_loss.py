@@ -171,9 +171,10 @@ def test_draft_loss_metrics_are_the_same_with_either_row_pass(monkeypatch):
     labels = torch.randint(0, v, (n, b), generator=g)
     labels[:, 1:3] = (hidden[:, 1:3] @ weight.t()).argmax(-1)  # some right guesses: τ > 1 somewhere
     batch = SimpleNamespace(
-        labels=labels, label_weights=(torch.rand(n, b, generator=g) > 0.2).float(),
+        labels=labels,
+        label_weights=(torch.rand(n, b, generator=g) > 0.2).float(),
         anchor_valid=torch.tensor([1, 1, 1, 1, 0, 1]).bool(),
-    )  # fmt: skip
+    )
     liger = draft_loss(hidden, batch, weight, lce=linear_cross_entropy("liger", chunk_tokens=7))
     chunked = draft_loss(hidden, batch, weight, lce=linear_cross_entropy("chunked", chunk_tokens=7))
     assert liger.tau_sum.item() > liger.num_blocks.item()  # the test sees accepted drafts
@@ -215,10 +216,10 @@ def test_auto_loss_is_liger_on_cuda_when_installed_else_chunked_and_says_so(monk
     import importlib.util
     import logging
 
-    from dflash.consumer.config import TrainConfig
+    from dflash.consumer.config import StepConfig
     from dflash.consumer.step import make_loss
 
-    cfg = TrainConfig(spool=str(tmp_path), target=str(tmp_path))
+    cfg = StepConfig()
     real = importlib.util.find_spec
     for installed in (True, False):
         monkeypatch.setattr(

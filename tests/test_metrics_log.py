@@ -94,9 +94,18 @@ def test_format_duration(s, want):
 
 def test_console_line_full():
     rec = {
-        "time": 0.0, "step": 1200, "loss": 2.314, "acc": [0.7, 0.52], "tau": 3.421, "lr": 5.8e-4,
-        "tok_s": 38_900.0, "prod_tok_s": 41_200.0, "spool_shards": 12, "spool_bytes": 3.1e9, "grad_norm": 0.9,
-    }  # fmt: skip
+        "time": 0.0,
+        "step": 1200,
+        "loss": 2.314,
+        "acc": [0.7, 0.52],
+        "tau": 3.421,
+        "lr": 5.8e-4,
+        "tok_s": 38_900.0,
+        "prod_tok_s": 41_200.0,
+        "spool_shards": 12,
+        "spool_bytes": 3.1e9,
+        "grad_norm": 0.9,
+    }
     assert format_console_line(rec, elapsed_s=845, eta_s=4320) == (
         "[14m] step=1200 loss=2.31 acc=0.61 τ=3.42 lr=5.8e-04 | prod=41.2K tok/s cons=38.9K tok/s"
         " | spool=12 shards/3.1 GB | ETA 1h12m"

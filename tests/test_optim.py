@@ -113,7 +113,9 @@ def test_checkpoints_move_between_master_adamw_and_torch_adamw():
     back.load_state_dict(torch_opt.state_dict())
     p0 = back.param_groups[0]["params"][0]
     assert back.state[p0]["exp_avg"].dtype == torch.float32  # torch's loader would have made it bf16
-    torch.testing.assert_close(back.state[p0]["exp_avg_sq"], opt.state[params[0]]["exp_avg_sq"], rtol=0, atol=0)
+    torch.testing.assert_close(
+        back.state[p0]["exp_avg_sq"], opt.state[params[0]]["exp_avg_sq"], rtol=0, atol=0
+    )
     with pytest.raises(ValueError, match="optimizer state of 3 parameters, this drafter has 1"):
         MasterAdamW([torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))], lr=1e-2).load_state_dict(sd)
 

@@ -37,9 +37,20 @@ def test_ledger_audit_catches_twice_and_missing(tmp_path):
 def test_small_mode_runs_every_phase_and_checks_its_accounting(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "pipeline_bench.py"), "--small", "--out", str(out), "--workdir", str(tmp_path / "work")],
-        env=cpu_env(), capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            str(BENCH / "pipeline_bench.py"),
+            "--small",
+            "--out",
+            str(out),
+            "--workdir",
+            str(tmp_path / "work"),
+        ],
+        env=cpu_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     res = json.loads((out / "pipeline_bench_small.json").read_text())
     ph = res["phases"]
@@ -47,7 +58,12 @@ def test_small_mode_runs_every_phase_and_checks_its_accounting(tmp_path):
     produced = ph["producer"]["samples"]
     assert produced > 0 and ph["together"]["producer"]["samples"] == produced
     for name in ("consumer", "together"):  # every produced sample trained exactly once, in both runs
-        assert ph[name]["ledger"] == {"trained_samples": produced, "eligible": produced, "twice": 0, "missing": 0}
+        assert ph[name]["ledger"] == {
+            "trained_samples": produced,
+            "eligible": produced,
+            "twice": 0,
+            "missing": 0,
+        }
     assert ph["producer"]["tok_s"] > 0 and ph["consumer"]["tok_s"] > 0 and 0 < ph["consumer"]["fill"] <= 1
     together = ph["together"]
     # the CPU run's producer and consumer work side by side on their own cores: the bound is min(P, C)

@@ -3,9 +3,9 @@ import math
 
 import pytest
 
-from dflash.tools import plan
-from dflash.tools.plan import PlanConfig, best_split, plan_splits
-from dflash.tools.plan_rates import ddp_efficiency, measure_rates, steady_rate
+from dflash.tools.plan import cli as plan
+from dflash.tools.plan.cli import PlanConfig, best_split, plan_splits
+from dflash.tools.plan.rates import ddp_efficiency, measure_rates, steady_rate
 
 
 def _best(**kw):
@@ -230,8 +230,16 @@ def test_a_producer_throttled_by_the_spool_budget_is_planned_at_its_unthrottled_
     (run / "metrics").mkdir(parents=True)
     recs, tokens, budget, main_wait = [], 0, 0.0, 0.0
     for k in range(21):  # one record every 10 s: 4000 tokens, 7.5 s of it waiting on the budget
-        recs.append({"time": 1000.0 + 10 * k, "elapsed_s": 10.0 * k, "tokens": tokens, "tok_s": 400.0,
-                     "budget_wait_s": budget, "main_wait_s": main_wait})  # fmt: skip
+        recs.append(
+            {
+                "time": 1000.0 + 10 * k,
+                "elapsed_s": 10.0 * k,
+                "tokens": tokens,
+                "tok_s": 400.0,
+                "budget_wait_s": budget,
+                "main_wait_s": main_wait,
+            }
+        )
         tokens, budget, main_wait = tokens + 4000, budget + 15.0, main_wait + 7.5  # 2 writer threads waited
     (run / "metrics" / "producer-n0p0.1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     (run / "metrics" / "consumer-0.jsonl").write_text(json.dumps({"time": 1.0, "tok_s": 3000.0}) + "\n")

@@ -3,8 +3,8 @@ import struct
 
 import pytest
 
-from dflash.tools import status
 from dflash.tools.plots import write_plots
+from dflash.tools.status import cli as status
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -14,9 +14,9 @@ from draft_reference import one_thread  # noqa: F401  (autouse fixture)
 from dflash.common.drafter.batch import build_draft_batch, pack_samples
 from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.model import DFlashDrafter, TargetHead
-from dflash.consumer.config import TrainConfig
-from dflash.consumer.optim import clipped_step
-from dflash.consumer.step import build_optimizer, cast_parameters, forward_backward
+from dflash.consumer.config import OptimConfig
+from dflash.consumer.optim import build_optimizer, clipped_step
+from dflash.consumer.step import cast_parameters, forward_backward
 
 H, K, V, WORDS, S, STEPS = 64, 2, 512, 32, 256, 400
 
@@ -41,19 +41,35 @@ def _batches(seed: int = 0) -> list:
         packed = pack_samples(docs, context_tokens=S)
         out.append(
             build_draft_batch(
-                packed, block_size=4, num_anchors=32, max_anchors_per_doc=16, mask_token_id=V - 1, gamma=7.0,
+                packed,
+                block_size=4,
+                num_anchors=32,
+                max_anchors_per_doc=16,
+                mask_token_id=V - 1,
+                gamma=7.0,
                 generator=g,
             )
-        )  # fmt: skip
+        )
     return out
 
 
-def _train(dtype: torch.dtype, batches: list, *, autocast: bool = False, precision: str = "auto") -> list[float]:
+def _train(
+    dtype: torch.dtype, batches: list, *, autocast: bool = False, precision: str = "auto"
+) -> list[float]:
     torch.manual_seed(0)
     cfg = DrafterConfig(
-        hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-        vocab_size=V, num_layers=2, block_size=4, target_layer_ids=[1, 2], num_target_layers=4, mask_token_id=V - 1,
-    )  # fmt: skip
+        hidden_size=H,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=V,
+        num_layers=2,
+        block_size=4,
+        target_layer_ids=[1, 2],
+        num_target_layers=4,
+        mask_token_id=V - 1,
+    )
     g = torch.Generator().manual_seed(1)
     # the frozen head and the hidden states are bf16 in both runs (as on CUDA, and as shards store them):
     # only the parameters' and Adam state's precision differ
@@ -62,8 +78,8 @@ def _train(dtype: torch.dtype, batches: list, *, autocast: bool = False, precisi
     model = DFlashDrafter(cfg, head)
     cast_parameters(model, dtype)
     assert model.rotary_emb.inv_freq.dtype == torch.float32  # buffers keep fp32
-    tcfg = TrainConfig(spool=".", target=".", lr=1e-2, total_steps=STEPS, warmup_ratio=0.05, precision=precision)
-    opt, sched = build_optimizer(model, tcfg, torch.device("cpu"))
+    tcfg = OptimConfig(lr=1e-2, warmup_ratio=0.05, precision=precision)
+    opt, sched = build_optimizer(model, tcfg, device=torch.device("cpu"), schedule_steps=STEPS)
     losses = []
     for batch in batches:
         batch = batch.to("cpu", hidden_dtype=dtype)

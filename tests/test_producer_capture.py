@@ -37,7 +37,7 @@ def _model(arch: str):
             num_experts_per_tok=2,
             moe_intermediate_size=32,
             shared_expert_intermediate_size=32,
-        ),  # fmt: skip
+        ),
     }[arch]()
     return AutoModelForCausalLM.from_config(cfg).eval()
 
@@ -83,8 +83,16 @@ def test_early_stop_runs_no_later_layer_and_matches_full_forward(qwen3):
     layers = find_decoder(qwen3)[1]
     calls: dict[str, int] = {}
     handles = []
-    for name, mod in [*((f"layer{i}", m) for i, m in enumerate(layers)), ("norm", qwen3.model.norm), ("lm_head", qwen3.lm_head)]:  # fmt: skip
-        handles.append(mod.register_forward_pre_hook(lambda m, a, name=name: calls.__setitem__(name, calls.get(name, 0) + 1)))  # fmt: skip
+    for name, mod in [
+        *((f"layer{i}", m) for i, m in enumerate(layers)),
+        ("norm", qwen3.model.norm),
+        ("lm_head", qwen3.lm_head),
+    ]:
+        handles.append(
+            mod.register_forward_pre_hook(
+                lambda m, a, name=name: calls.__setitem__(name, calls.get(name, 0) + 1)
+            )
+        )
     ids = torch.randint(0, 4096, (3, 20), generator=torch.Generator().manual_seed(3))
     layer_ids = [1, 2, 3, 4, 5]
     full = LayerCapture(qwen3, layer_ids, stop_early=False)

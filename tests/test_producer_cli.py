@@ -39,7 +39,12 @@ def demo_rows() -> list[dict]:
 
 
 def _env(tmp_path: Path) -> dict:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf"), "TOKENIZERS_PARALLELISM": "false"}  # fmt: skip
+    return {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(tmp_path / "hf"),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
 
 
 def _cmd(*args: str) -> list[str]:
@@ -66,9 +71,16 @@ def _save_trained(store: Path, run: str, trained: set[int]) -> None:
     from dflash.common.checkpoints.save import capture_rng_state, save_checkpoint
 
     save_checkpoint(
-        str(store), run, 10, model_state={"w": torch.zeros(2)}, optimizer_state={}, scheduler_state={},
-        rng_state=capture_rng_state(), trained=SampleSet.from_indices(sorted(trained)), config={},
-    )  # fmt: skip
+        str(store),
+        run,
+        10,
+        model_state={"w": torch.zeros(2)},
+        optimizer_state={},
+        scheduler_state={},
+        rng_state=capture_rng_state(),
+        trained=SampleSet.from_indices(sorted(trained)),
+        config={},
+    )
 
 
 @pytest.mark.slow
@@ -78,12 +90,35 @@ def test_two_cpu_workers_cover_dataset_exactly(tmp_path, target, demo_rows):
     _save_trained(tmp_path / "ckpt", "demo", trained)
     spool, run_dir = tmp_path / "spool", tmp_path / "run"
     res = subprocess.run(
-        _cmd("--gpus", "cpu:2", "--model", str(target), "--dataset", str(data), "--spool", str(spool),
-             "--run", "demo", "--checkpoint", str(tmp_path / "ckpt"), "--run-dir", str(run_dir),
-             "--max-length", str(MAX_LENGTH), "--batch-tokens", "512", "--cache-dir", str(tmp_path / "hf"),
-             "--progress-s", "1"),
-        env=_env(tmp_path), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        _cmd(
+            "--gpus",
+            "cpu:2",
+            "--model",
+            str(target),
+            "--dataset",
+            str(data),
+            "--spool",
+            str(spool),
+            "--run",
+            "demo",
+            "--checkpoint",
+            str(tmp_path / "ckpt"),
+            "--run-dir",
+            str(run_dir),
+            "--max-length",
+            str(MAX_LENGTH),
+            "--batch-tokens",
+            "512",
+            "--cache-dir",
+            str(tmp_path / "hf"),
+            "--progress-s",
+            "1",
+        ),
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "dflash-produce: done:" in res.stderr
 
@@ -92,7 +127,9 @@ def test_two_cpu_workers_cover_dataset_exactly(tmp_path, target, demo_rows):
     expected = set(range(len(rows))) - bad - short - trained
     assert len(got) == len(set(got)) and set(got) == expected
     assert {s.meta.producer_id for s in shards} == {"n0p0.1", "n0p1.1"}  # .1: the spool's first launch
-    assert all(int(i) % 2 == int(s.meta.producer_id.split(".")[0][-1]) for s in shards for i in s.sample_index)
+    assert all(
+        int(i) % 2 == int(s.meta.producer_id.split(".")[0][-1]) for s in shards for i in s.sample_index
+    )
     assert not any((spool / "tmp").iterdir())
     state = spool / "state"
     assert (state / "DONE-n0p0.1").exists() and (state / "DONE-n0p1.1").exists()
@@ -131,12 +168,29 @@ def test_sigterm_under_backpressure_stops_cleanly(tmp_path, target, demo_rows):
     spool = tmp_path / "spool"
     sems = SemaphoreSpy(tmp_path)
     proc = subprocess.Popen(
-        _cmd("--gpus", "cpu:1", "--model", str(target), "--dataset", str(data), "--spool", str(spool),
-             "--max-length", str(MAX_LENGTH), "--batch-tokens", "256", "--budget-gb", "1e-6",
-             "--cache-dir", str(tmp_path / "hf")),
+        _cmd(
+            "--gpus",
+            "cpu:1",
+            "--model",
+            str(target),
+            "--dataset",
+            str(data),
+            "--spool",
+            str(spool),
+            "--max-length",
+            str(MAX_LENGTH),
+            "--batch-tokens",
+            "256",
+            "--budget-gb",
+            "1e-6",
+            "--cache-dir",
+            str(tmp_path / "hf"),
+        ),
         env={**_env(tmp_path), **sems.env},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 240
         hb = spool / "state" / "producer-n0p0.1.json"
@@ -181,7 +235,10 @@ def test_parse_gpus():
         ("columns", r"no 'messages' or 'conversations' column \(columns: prompt\)"),
         ("no_template", r"has no chat template"),
         ("layer_ids", r"--layer-ids \[1, 8\]: outside 0..7 \(the target has 8 layers\)"),
-        ("layer_ids_repeated", r"--layer-ids \[3, 1, 1\]: layer ids must be sorted and distinct, e.g. \[1, 3\]"),
+        (
+            "layer_ids_repeated",
+            r"--layer-ids \[3, 1, 1\]: layer ids must be sorted and distinct, e.g. \[1, 3\]",
+        ),
         ("missing_model", r"cannot load target"),
         ("writer_threads", r"ProducerConfig.writer_threads=0: must be >= 1"),
     ],
@@ -211,8 +268,19 @@ def test_user_errors_are_one_line(tmp_path, target, demo_rows, capsys, case, pat
     elif case == "writer_threads":  # 0 is a bad value, not "the default"
         extra = ["--writer-threads", "0"]
     gpus = "zero" if case == "bad_gpus" else "cpu:1"
-    argv = ["--gpus", gpus, "--model", model, "--dataset", str(data), "--spool", str(tmp_path / "spool"),
-            "--cache-dir", str(tmp_path / "hf"), *extra]  # fmt: skip
+    argv = [
+        "--gpus",
+        gpus,
+        "--model",
+        model,
+        "--dataset",
+        str(data),
+        "--spool",
+        str(tmp_path / "spool"),
+        "--cache-dir",
+        str(tmp_path / "hf"),
+        *extra,
+    ]
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2

@@ -24,8 +24,15 @@ from dflash.producer.config import ProducerConfig, TrunkCompileConfig, Worker
 from dflash.producer.loop import produce
 from dflash.producer.trunk import Trunk, _TappedTrunk, warm_trunk
 
-_TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
-             num_key_value_heads=1, head_dim=16)  # fmt: skip
+_TINY = dict(
+    vocab_size=128,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+)
 _LINEAR = dict(
     linear_num_value_heads=2, linear_num_key_heads=1, linear_key_head_dim=16, linear_value_head_dim=16
 )
@@ -229,12 +236,16 @@ def test_produce_with_static_shapes_stores_the_eager_states(tmp_path):
     """The whole producer loop, compiled with static shapes: padding rows and lengths never reach a shard,
     every sample's states equal an eager forward of it alone, 0 recompiles."""
     rng = np.random.default_rng(1)
-    samples = [Sample(i, rng.integers(0, 128, n, dtype=np.int32), rng.random(n) < 0.7)
-               for i, n in enumerate(rng.integers(10, 200, 24))]  # fmt: skip
+    samples = [
+        Sample(i, rng.integers(0, 128, n, dtype=np.int32), rng.random(n) < 0.7)
+        for i, n in enumerate(rng.integers(10, 200, 24))
+    ]
     cfg = ProducerConfig(
-        model="tiny", data=DataConfig(dataset="x", max_length=256), buckets=BucketConfig(batch_tokens=512, pool_batches=1),
+        model="tiny",
+        data=DataConfig(dataset="x", max_length=256),
+        buckets=BucketConfig(batch_tokens=512, pool_batches=1),
         compile_options=TrunkCompileConfig(compile_backend="aot_eager", compile_shapes="static"),
-    )  # fmt: skip
+    )
     worker = Worker(producer_id="c0", spool=str(tmp_path / "spool"))
     trunk = warm_trunk(
         cfg, worker, LayerCapture(_model(), LAYERS, free_unused=True), None, [len(s) for s in samples]

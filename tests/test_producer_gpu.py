@@ -38,9 +38,10 @@ def test_produce_on_cuda_stores_each_samples_states(tmp_path):
         n = int(rng.integers(40, 300))
         samples.append(Sample(i, rng.integers(4, 4096, n, dtype=np.int32), rng.random(n) < 0.7))
     cfg = ProducerConfig(
-        model="tiny", data=DataConfig(dataset="synthetic", max_length=512),
+        model="tiny",
+        data=DataConfig(dataset="synthetic", max_length=512),
         buckets=BucketConfig(batch_tokens=1024, pool_batches=1),
-    )  # fmt: skip
+    )
     cap = LayerCapture(model, [1, 2, 3, 4, 5], free_unused=True)
     result = produce(
         cfg, Worker(producer_id="g0", spool=str(tmp_path / "spool"), device="cuda:0"), cap, samples

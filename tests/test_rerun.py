@@ -42,11 +42,31 @@ def _dataset(path: Path, rows: int = ROWS) -> Path:
 
 def _cmd(tiny_target, data, run, run_dir, spool, ckpt, *extra):
     return [
-        "bash", str(REPO / "ops" / "run_all.sh"), "--producers", "cpu:1", "--consumers", "cpu:1",
-        "--model", str(tiny_target), "--dataset", str(data), "--run", run, "--run-dir", str(run_dir),
-        "--spool", str(spool), "--checkpoint", str(ckpt), "--producer-args", PRODUCER_ARGS,
-        "--consumer-args", CONSUMER_ARGS, "--keep-spool", *extra,
-    ]  # fmt: skip
+        "bash",
+        str(REPO / "ops" / "run_all.sh"),
+        "--producers",
+        "cpu:1",
+        "--consumers",
+        "cpu:1",
+        "--model",
+        str(tiny_target),
+        "--dataset",
+        str(data),
+        "--run",
+        run,
+        "--run-dir",
+        str(run_dir),
+        "--spool",
+        str(spool),
+        "--checkpoint",
+        str(ckpt),
+        "--producer-args",
+        PRODUCER_ARGS,
+        "--consumer-args",
+        CONSUMER_ARGS,
+        "--keep-spool",
+        *extra,
+    ]
 
 
 def _env(tmp_path: Path) -> dict:

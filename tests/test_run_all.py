@@ -168,11 +168,28 @@ def _pipeline(tmp_path, tiny_target, *extra: str) -> list[str]:
     from dflash.tools.demo.assets import demo_dataset_path
 
     return [
-        "bash", SCRIPT, "--producers", "cpu:1", "--consumers", "cpu:1", "--model", str(tiny_target),
-        "--dataset", str(demo_dataset_path()), "--run", "t", "--run-dir", str(tmp_path / "run"),
-        "--spool", str(tmp_path / "shm" / "t"), "--checkpoint", str(tmp_path / "ckpt"),
-        "--producer-args", "--max-length 512 --batch-tokens 4096", *extra,
-    ]  # fmt: skip
+        "bash",
+        SCRIPT,
+        "--producers",
+        "cpu:1",
+        "--consumers",
+        "cpu:1",
+        "--model",
+        str(tiny_target),
+        "--dataset",
+        str(demo_dataset_path()),
+        "--run",
+        "t",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--spool",
+        str(tmp_path / "shm" / "t"),
+        "--checkpoint",
+        str(tmp_path / "ckpt"),
+        "--producer-args",
+        "--max-length 512 --batch-tokens 4096",
+        *extra,
+    ]
 
 
 def test_a_consumer_failing_at_start_up_leaves_nothing_in_shm(tmp_path, tiny_target):
@@ -184,12 +201,17 @@ def test_a_consumer_failing_at_start_up_leaves_nothing_in_shm(tmp_path, tiny_tar
     args = "--context-tokens 512 --num-anchors 32 --target-layer-ids 0,1 --compile-backend eager"
     proc = subprocess.run(
         _pipeline(tmp_path, tiny_target, "--consumer-args", args),
-        env={**cpu_env(), **spy.env}, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        env={**cpu_env(), **spy.env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 1, out[-3000:]
     assert "holds target layers" in out and "run_all.sh: FAILED: consumer-0" in out, out[-3000:]
-    assert spy.anonymous() >= 1, "the producers made no lock at all: the spy did not run, or they never started"
+    assert spy.anonymous() >= 1, (
+        "the producers made no lock at all: the spy did not run, or they never started"
+    )
     assert spy.named() == [], spy.named()[0][-3000:]
     assert list((tmp_path / "shm").iterdir()) == [], out[-2000:]
     assert "removed the spool" in out

@@ -47,7 +47,9 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def chi_square(observed: Counter, expected: dict, n: int, min_expected: float = 5.0) -> tuple[float, int, float]:
+def chi_square(
+    observed: Counter, expected: dict, n: int, min_expected: float = 5.0
+) -> tuple[float, int, float]:
     """Pearson's test of counts against probabilities: cells expecting >= 5 on their own, the rest pooled
     into one; -> (statistic, degrees of freedom, p-value = the chi-square survival function)."""
     big = [k for k, p in expected.items() if n * p >= min_expected]
@@ -59,7 +61,11 @@ def chi_square(observed: Counter, expected: dict, n: int, min_expected: float = 
         obs.append(rest_obs)
     stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True))
     df = len(exp) - 1
-    p_value = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    p_value = float(
+        torch.special.gammaincc(
+            torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)
+        )
+    )
     return stat, df, p_value
 
 
@@ -68,8 +74,12 @@ def chi_square(observed: Counter, expected: dict, n: int, min_expected: float = 
 
 def test_top_p_keeps_the_smallest_nucleus():
     logits = torch.tensor([0.5, 0.3, 0.15, 0.05]).log()
-    for top_p, want in ((1.0, [0.5, 0.3, 0.15, 0.05]), (0.7, [0.625, 0.375, 0, 0]), (0.5, [1, 0, 0, 0]),
-                        (0.81, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0])):  # fmt: skip
+    for top_p, want in (
+        (1.0, [0.5, 0.3, 0.15, 0.05]),
+        (0.7, [0.625, 0.375, 0, 0]),
+        (0.5, [1, 0, 0, 0]),
+        (0.81, [0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0]),
+    ):
         got = warp_probs(logits, Sampling(temperature=1.0, top_p=top_p))
         torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float32), atol=1e-6, rtol=0)
     sharp = warp_probs(logits, Sampling(temperature=0.5))
@@ -144,7 +154,10 @@ def test_certain_and_impossible_drafts():
     logits = torch.tensor([[0.0, 50.0, 0.0], [0.0, 0.0, 50.0], [1.0, 2.0, 3.0]])
     assert all(verify_sampled(logits, torch.tensor([1, 2]), None, sampling)[0] == 2 for _ in range(200))
     top = Sampling(temperature=1.0, top_p=0.5, generator=torch.Generator().manual_seed(0))
-    outcomes = {verify_sampled(torch.tensor([[3.0, 0.0, 0.0], [0.0, 0.0, 0.0]]), torch.tensor([2]), None, top) for _ in range(200)}
+    outcomes = {
+        verify_sampled(torch.tensor([[3.0, 0.0, 0.0], [0.0, 0.0, 0.0]]), torch.tensor([2]), None, top)
+        for _ in range(200)
+    }
     assert outcomes == {(0, 0)}  # token 2 is outside the nucleus: never accepted, never the residual draw
 
 
@@ -179,7 +192,9 @@ class MemoTarget:
                 if call[0] == "crop":
                     self.runner.crop(call[1])
                 else:
-                    out = self.runner.forward(torch.tensor(call[0]), last_logits_only=call[1], capture=call[2])
+                    out = self.runner.forward(
+                        torch.tensor(call[0]), last_logits_only=call[1], capture=call[2]
+                    )
             self.memo[key] = out
         self.tokens += ids.tolist()
         return self.memo[key]
@@ -209,7 +224,9 @@ class TargetLikeSampler(TargetGreedyProposer):
 
     def __init__(self, logits_after: dict[int, torch.Tensor]):
         self.logits_after = logits_after
-        self.noise = torch.randn(next(iter(logits_after.values())).shape[-1], generator=torch.Generator().manual_seed(5))
+        self.noise = torch.randn(
+            next(iter(logits_after.values())).shape[-1], generator=torch.Generator().manual_seed(5)
+        )
 
     def draft_logits(self, anchor_token: int, anchor_pos: int, block_len: int) -> torch.Tensor:
         base = self.logits_after.get(anchor_token, self.noise)  # a rare first token: any q will do
@@ -228,7 +245,9 @@ class MemoProposer:
         self.calls = []
 
     def extend(self, features: torch.Tensor, start: int) -> None:
-        self.calls.append(("extend", start, features.shape[0], round(float(features.double().sum()), 6), features))
+        self.calls.append(
+            ("extend", start, features.shape[0], round(float(features.double().sum()), 6), features)
+        )
 
     def propose(self, anchor_token: int, anchor_pos: int, block_len: int) -> torch.Tensor:
         self.calls.append(("propose", anchor_token, anchor_pos, block_len))
@@ -282,7 +301,11 @@ def _hf_warp(temperature: float, top_p: float):
 def _first_two(runner, proposer, sampling: Sampling) -> Counter:
     memo = MemoTarget(runner)
     return Counter(
-        tuple(speculative_generate(memo, proposer, torch.tensor(PROMPT), max_new_tokens=2, sampling=sampling).tokens)
+        tuple(
+            speculative_generate(
+                memo, proposer, torch.tensor(PROMPT), max_new_tokens=2, sampling=sampling
+            ).tokens
+        )
         for _ in range(RUNS)
     )
 
@@ -296,7 +319,9 @@ def _first_two(runner, proposer, sampling: Sampling) -> Counter:
         ("target-greedy", "greedy", 0.8, 0.9),
     ],
 )
-def test_the_first_speculated_token_is_distributed_as_the_targets_own_sampling(setup, proposer_kind, draft, temperature, top_p):
+def test_the_first_speculated_token_is_distributed_as_the_targets_own_sampling(
+    setup, proposer_kind, draft, temperature, top_p
+):
     """2,000 decodes of two tokens at temperature 1.0 (and once with T 0.8, top-p 0.9) on the tiny target.
 
     The answer's first token comes from the prefill, with no drafter involved; the first token that
@@ -306,7 +331,9 @@ def test_the_first_speculated_token_is_distributed_as_the_targets_own_sampling(s
     DFlash drafter (its drafts mostly rejected: the residual branch), and drafts sampled from a q near p
     (the p/q ratio)."""
     target, drafter, runner = setup
-    sampling = Sampling(temperature=temperature, top_p=top_p, draft=draft, generator=torch.Generator().manual_seed(7))
+    sampling = Sampling(
+        temperature=temperature, top_p=top_p, draft=draft, generator=torch.Generator().manual_seed(7)
+    )
     law, logits_after = _target_law(target, sampling, _hf_warp(temperature, top_p))
     argmax_after = {t1: int(logits.argmax()) for t1, logits in logits_after.items()}
     proposer = {
@@ -335,7 +362,11 @@ def test_a_sampler_that_is_not_lossless_fails_the_same_test(setup, monkeypatch):
     def biased(target_logits, draft, draft_probs, sampling):
         accepted, token = real(target_logits, draft, draft_probs, sampling)
         if accepted < draft.shape[0]:  # the bug: a fresh draw from p, which may be the rejected draft again
-            token = int(torch.multinomial(warp_probs(target_logits[accepted], sampling), 1, generator=sampling.generator))
+            token = int(
+                torch.multinomial(
+                    warp_probs(target_logits[accepted], sampling), 1, generator=sampling.generator
+                )
+            )
         return accepted, token
 
     monkeypatch.setattr(drafter_module, "verify_sampled", biased)
@@ -351,8 +382,13 @@ def test_greedy_sampling_is_the_greedy_loop(setup):
     greedy = speculative_generate(runner, DrafterProposer(drafter), prompt, max_new_tokens=12).tokens
     gen = torch.Generator().manual_seed(0)
     state = gen.get_state()
-    tiny = speculative_generate(runner, DrafterProposer(drafter), prompt, max_new_tokens=12,
-                                sampling=Sampling(temperature=1e-6, generator=gen)).tokens  # fmt: skip
+    tiny = speculative_generate(
+        runner,
+        DrafterProposer(drafter),
+        prompt,
+        max_new_tokens=12,
+        sampling=Sampling(temperature=1e-6, generator=gen),
+    ).tokens
     assert tiny == greedy and torch.equal(gen.get_state(), state)
 
 
@@ -370,15 +406,33 @@ def test_dflash_eval_samples_repeatably_and_reports_acceptance_per_position(tmp_
     config = DrafterConfig.from_target_config(target.config, num_layers=1, block_size=4, mask_token_id=3)
     torch.manual_seed(0)
     export_drafter(DFlashDrafter(config).state_dict(), config, tmp_path / "export", dtype=torch.float32)
-    argv = ["--target", str(tiny_target), "--drafter", str(tmp_path / "export"), "--dataset", str(demo_dataset_path()),
-            "--num-prompts", "2", "--max-new-tokens", "12", "--device", "cpu", "--temperature", "1.0", "--top-p", "0.9"]  # fmt: skip
+    argv = [
+        "--target",
+        str(tiny_target),
+        "--drafter",
+        str(tmp_path / "export"),
+        "--dataset",
+        str(demo_dataset_path()),
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--device",
+        "cpu",
+        "--temperature",
+        "1.0",
+        "--top-p",
+        "0.9",
+    ]
     reports = []
     for seed, baseline in (("0", ["--baseline"]), ("0", []), ("1", [])):
         path = tmp_path / f"eval-{seed}-{len(baseline)}.json"
         assert main([*argv, "--seed", seed, *baseline, "--json", str(path)]) == 0
         reports.append(json.loads(path.read_text()))
     table = capsys.readouterr().out
-    assert "temperature 1.0, top_p 0.9, draft greedy" in table and "prompts differing from greedy" not in table
+    assert (
+        "temperature 1.0, top_p 0.9, draft greedy" in table and "prompts differing from greedy" not in table
+    )
     first, again, other = reports
     assert first["sampling"] == {"temperature": 1.0, "top_p": 0.9, "draft": "greedy"}
     assert len(first["accept_rate"]) == 4 and first["accept_rate"][0] == 1.0

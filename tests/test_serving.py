@@ -38,7 +38,15 @@ LAYOUTS = {
     "full": {},
     "sliding": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 12},
 }
-BATCH_FIELDS = ("doc_ids", "anchors", "anchor_valid", "hidden", "positions", "block_input_ids", "block_positions")
+BATCH_FIELDS = (
+    "doc_ids",
+    "anchors",
+    "anchor_valid",
+    "hidden",
+    "positions",
+    "block_input_ids",
+    "block_positions",
+)
 
 # Runs in a fresh interpreter: loads each export with AutoModel(trust_remote_code) and reports, per folder,
 # the block outputs' distance to the trainer's and whether spec_generate equals HF greedy generate.
@@ -103,8 +111,15 @@ def _train(config: DrafterConfig, target, docs, steps: int = 60) -> DFlashDrafte
     opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
-        batch = build_draft_batch(packed, block_size=config.block_size, num_anchors=48, max_anchors_per_doc=16,
-                                  mask_token_id=config.mask_token_id, gamma=7.0, generator=gen)  # fmt: skip
+        batch = build_draft_batch(
+            packed,
+            block_size=config.block_size,
+            num_anchors=48,
+            max_anchors_per_doc=16,
+            mask_token_id=config.mask_token_id,
+            gamma=7.0,
+            generator=gen,
+        )
         loss = draft_loss(drafter(batch), batch, drafter.target_head.lm_head_weight)
         opt.zero_grad()
         loss.loss().backward()
@@ -115,10 +130,16 @@ def _train(config: DrafterConfig, target, docs, steps: int = 60) -> DFlashDrafte
 def _export(tmp_path: Path, name: str, drafter: DFlashDrafter, target_dir: Path) -> Path:
     store = tmp_path / "ckpt"
     save_checkpoint(
-        str(store), name, 40, model_state=dict(drafter.named_parameters()), optimizer_state={}, scheduler_state={},
-        rng_state=capture_rng_state(), trained=SampleSet(),
+        str(store),
+        name,
+        40,
+        model_state=dict(drafter.named_parameters()),
+        optimizer_state={},
+        scheduler_state={},
+        rng_state=capture_rng_state(),
+        trained=SampleSet(),
         config={"train": {"target": str(target_dir)}, "drafter": drafter.config.to_dict()},
-    )  # fmt: skip
+    )
     out = tmp_path / f"export-{name}"
     assert export_main([f"{store}/{name}", str(out), "--dtype", "float32"]) == 0
     assert export_main(["--check", str(out)]) == 0
@@ -133,20 +154,31 @@ def _prepare(tmp_path: Path, tiny_target: Path) -> dict[str, tuple[str, str]]:
     cases = {}
     docs = None
     for name, layout in LAYOUTS.items():
-        config = DrafterConfig.from_target_config(target.config, num_layers=2, block_size=8, mask_token_id=3, **layout)
+        config = DrafterConfig.from_target_config(
+            target.config, num_layers=2, block_size=8, mask_token_id=3, **layout
+        )
         docs = docs or _documents(target, prompts, config.target_layer_ids)
         drafter = _train(config, target, docs)
         folder = _export(tmp_path, name, drafter, tiny_target)
         batch = build_draft_batch(
-            pack_samples(docs, context_tokens=sum(d[0].shape[0] for d in docs)), block_size=8, num_anchors=60,
-            max_anchors_per_doc=20, mask_token_id=3, gamma=7.0, generator=torch.Generator().manual_seed(1),
-        )  # fmt: skip
+            pack_samples(docs, context_tokens=sum(d[0].shape[0] for d in docs)),
+            block_size=8,
+            num_anchors=60,
+            max_anchors_per_doc=20,
+            mask_token_id=3,
+            gamma=7.0,
+            generator=torch.Generator().manual_seed(1),
+        )
         with torch.no_grad():
             blocks = drafter(batch)  # the trainer's drafter, as trained (not reloaded)
         data = {
-            "batch": {k: getattr(batch, k) for k in BATCH_FIELDS}, "block_size": batch.block_size, "blocks": blocks,
-            "prompts": prompts, "new_tokens": NEW_TOKENS, "eos": EOS,
-        }  # fmt: skip
+            "batch": {k: getattr(batch, k) for k in BATCH_FIELDS},
+            "block_size": batch.block_size,
+            "blocks": blocks,
+            "prompts": prompts,
+            "new_tokens": NEW_TOKENS,
+            "eos": EOS,
+        }
         torch.save(data, tmp_path / f"{name}.pt")
         cases[name] = (str(folder), str(tmp_path / f"{name}.pt"))
     return cases
@@ -154,13 +186,21 @@ def _prepare(tmp_path: Path, tiny_target: Path) -> dict[str, tuple[str, str]]:
 
 def _run_child(tmp_path: Path, tiny_target: Path, device: str, cases: dict) -> dict:
     env = {
-        **os.environ, "HF_MODULES_CACHE": str(tmp_path / "hf-modules"), "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": "",
-    }  # fmt: skip
+        **os.environ,
+        "HF_MODULES_CACHE": str(tmp_path / "hf-modules"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": "",
+    }
     proc = subprocess.run(
         [sys.executable, "-c", CHILD, str(tiny_target), device, json.dumps(cases)],
-        capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
@@ -170,14 +210,21 @@ def _assert_parity(result: dict, atol: float) -> None:
     assert result["project_imported"] == [], "the fresh interpreter imported the dflash package"
     for name, layout in LAYOUTS.items():
         got = result[name]
-        assert got["class"].startswith("transformers_modules.") and got["class"].endswith(".dflash.DFlashDraftModel")
+        assert got["class"].startswith("transformers_modules.") and got["class"].endswith(
+            ".dflash.DFlashDraftModel"
+        )
         assert got["layer_types"] == layout.get("layer_types", ["full_attention"] * 2)
         assert got["window"] == layout.get("sliding_window")
         assert got["max_diff"] <= atol, (name, got["max_diff"])
         assert all(run["equal"] for run in got["runs"]), (name, got["runs"])
         steps = [n for run in got["runs"] for n in run["steps"]]
-        assert sum(steps) / len(steps) > 1.5, (name, steps)  # drafts were accepted, often: not only bonus tokens
-        print(f"{name}: block max diff {got['max_diff']:.2e}, tau {sum(steps) / len(steps):.2f} over {len(steps)} steps")
+        assert sum(steps) / len(steps) > 1.5, (
+            name,
+            steps,
+        )  # drafts were accepted, often: not only bonus tokens
+        print(
+            f"{name}: block max diff {got['max_diff']:.2e}, tau {sum(steps) / len(steps):.2f} over {len(steps)} steps"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -213,14 +260,29 @@ def test_spec_generate_takes_the_public_call(tiny_target):
     drafter = DFlashDrafter(config).eval()
     ids = torch.tensor([[5, 17, 99, 300]])
     with pytest.raises(ValueError, match=r"batch size 1"):
-        drafter.spec_generate(input_ids=ids.repeat(2, 1), max_new_tokens=4, temperature=0.0, target=target, stop_token_ids=None)
-    full = drafter.spec_generate(input_ids=ids, max_new_tokens=12, temperature=0.0, target=target, stop_token_ids=None)
+        drafter.spec_generate(
+            input_ids=ids.repeat(2, 1), max_new_tokens=4, temperature=0.0, target=target, stop_token_ids=None
+        )
+    full = drafter.spec_generate(
+        input_ids=ids, max_new_tokens=12, temperature=0.0, target=target, stop_token_ids=None
+    )
     assert full.shape == (1, 16) and torch.equal(full[:, :4], ids)
     stop = int(full[0, 7])
-    cut = drafter.spec_generate(input_ids=ids, max_new_tokens=12, temperature=0.0, target=target, stop_token_ids=[stop])
+    cut = drafter.spec_generate(
+        input_ids=ids, max_new_tokens=12, temperature=0.0, target=target, stop_token_ids=[stop]
+    )
     first = full[0, 4:].tolist().index(stop)
     assert cut.tolist() == full[:, : 4 + first + 1].tolist()
-    stats = SimpleNamespace(**vars(drafter.spec_generate(
-        input_ids=ids, max_new_tokens=12, temperature=0.0, target=target, stop_token_ids=None, return_stats=True
-    )))  # fmt: skip
+    stats = SimpleNamespace(
+        **vars(
+            drafter.spec_generate(
+                input_ids=ids,
+                max_new_tokens=12,
+                temperature=0.0,
+                target=target,
+                stop_token_ids=None,
+                return_stats=True,
+            )
+        )
+    )
     assert stats.num_output_tokens == 12 and sum(stats.acceptance_lengths) == 11  # the prefill emits one

@@ -28,9 +28,13 @@ def exports(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("exports")
     out = {}
     for name, kw in (("full", {}), ("sliding", {"layer_types": SLIDING, "sliding_window": 32})):
-        config = DrafterConfig.from_target_config(target.config, num_layers=2, block_size=8, mask_token_id=3, **kw)
+        config = DrafterConfig.from_target_config(
+            target.config, num_layers=2, block_size=8, mask_token_id=3, **kw
+        )
         torch.manual_seed(0)
-        out[name] = export_drafter(DFlashDrafter(config).state_dict(), config, root / name, tokenizer_dir=tiny_target_dir())
+        out[name] = export_drafter(
+            DFlashDrafter(config).state_dict(), config, root / name, tokenizer_dir=tiny_target_dir()
+        )
     return out
 
 
@@ -72,7 +76,12 @@ def test_our_exports_pass_for_every_loader(exports, capsys, name):
     ("export", "change", "field", "loaders"),
     [
         ("full", {"dflash_config__mask_token_id": _DROP}, "dflash_config.mask_token_id", (VLLM, SGLANG, HF)),
-        ("full", {"dflash_config__target_layer_ids": _DROP}, "dflash_config.target_layer_ids", (VLLM, SGLANG, HF)),
+        (
+            "full",
+            {"dflash_config__target_layer_ids": _DROP},
+            "dflash_config.target_layer_ids",
+            (VLLM, SGLANG, HF),
+        ),
         ("full", {"block_size": _DROP, "dflash_config__block_size": _DROP}, "block_size", (VLLM, SGLANG, HF)),
         ("full", {"block_size": _DROP}, "block_size", (HF,)),
         ("full", {"block_size": 4}, "block_size", (VLLM, SGLANG, HF)),  # top level != dflash_config
@@ -143,8 +152,17 @@ def test_a_tokenizer_whose_mask_token_has_another_id_fails_for_sglang(exports, t
     """SGLang refuses a dflash_config.mask_token_id that differs from the tokenizer's '<|MASK|>' id."""
     folder = _copy(exports["full"], tmp_path / "tok")
     tok = json.loads((folder / "tokenizer.json").read_text())
-    tok["added_tokens"].append({"id": 17, "content": "<|MASK|>", "special": True, "single_word": False,
-                                "lstrip": False, "rstrip": False, "normalized": False})  # fmt: skip
+    tok["added_tokens"].append(
+        {
+            "id": 17,
+            "content": "<|MASK|>",
+            "special": True,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+        }
+    )
     (folder / "tokenizer.json").write_text(json.dumps(tok))
     code, out = _check(capsys, folder)
     assert code == 2, out
@@ -155,9 +173,15 @@ def test_a_public_style_folder_without_remote_code_fails_only_for_transformers(e
     """The layout of the public Qwen3 drafters' config.json (transformers-4 fields: rope_theta, top-level
     block_size only, no auto_map): served by vLLM and SGLang, not by AutoModel(trust_remote_code)."""
     folder = _copy(
-        exports["full"], tmp_path / "public", auto_map=_DROP, rope_parameters=_DROP, dflash_config__block_size=_DROP,
-        layer_types=_DROP, use_sliding_window=_DROP, sliding_window=_DROP,
-    )  # fmt: skip
+        exports["full"],
+        tmp_path / "public",
+        auto_map=_DROP,
+        rope_parameters=_DROP,
+        dflash_config__block_size=_DROP,
+        layer_types=_DROP,
+        use_sliding_window=_DROP,
+        sliding_window=_DROP,
+    )
     (folder / CODE_FILE).unlink()
     report = check_folder(folder)
     assert report.missed_by(VLLM) == [] and report.missed_by(SGLANG) == []
@@ -187,10 +211,24 @@ def test_check_against_the_target(exports, tmp_path, capsys):
     cfg.update(hidden_size=512, num_hidden_layers=4)
     (other / CONFIG_FILE).write_text(json.dumps(cfg))
     tok = json.loads((other / "tokenizer.json").read_text())
-    tok["added_tokens"].append({"id": 9, "content": "<|MASK|>", "special": True, "single_word": False,
-                                "lstrip": False, "rstrip": False, "normalized": False})  # fmt: skip
+    tok["added_tokens"].append(
+        {
+            "id": 9,
+            "content": "<|MASK|>",
+            "special": True,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+        }
+    )
     (other / "tokenizer.json").write_text(json.dumps(tok))
     assert main(["--check", str(exports["full"]), "--target", str(other)]) == 2
     out = capsys.readouterr().out
-    for field in ("hidden_size", "num_target_layers", "dflash_config.target_layer_ids", "dflash_config.mask_token_id"):
+    for field in (
+        "hidden_size",
+        "num_target_layers",
+        "dflash_config.target_layer_ids",
+        "dflash_config.mask_token_id",
+    ):
         assert f"] {field}:" in out, (field, out)

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _run_step(command: str) -> list[tuple[float, str]]:
     """setup_run on ``command`` (the functions of setup_venv.sh only), each output line with its time."""
     script = (
-        'eval "$(sed -n \'/^setup_say()/p;/^setup_run()/,/^}/p\' ops/setup_venv.sh)"; '
+        "eval \"$(sed -n '/^setup_say()/p;/^setup_run()/,/^}/p' ops/setup_venv.sh)\"; "
         f"setup_t0=$SECONDS; setup_run 'a fake step' bash -c '{command}'"
     )
     proc = subprocess.Popen(["bash", "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
@@ -38,4 +38,8 @@ def test_filtered_pip_lines_do_not_count_as_progress():
 def test_shown_lines_are_passed_through():
     lines = _run_step("echo Collecting torch; echo noise; echo Successfully installed torch")
     shown = [line for _, line in lines]
-    assert "  Collecting torch" in shown and "  Successfully installed torch" in shown and "noise" not in " ".join(shown)
+    assert (
+        "  Collecting torch" in shown
+        and "  Successfully installed torch" in shown
+        and "noise" not in " ".join(shown)
+    )

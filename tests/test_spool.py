@@ -430,7 +430,7 @@ def test_byte_accounting_per_state_and_bucket_and_cache(tmp_path, monkeypatch):
     reader.ack(c)
     calls.clear()
     assert sp.total_bytes() == b1 + b2 + 100 and calls == [str(t)]
-    assert len(sp._size_cache) == 2  # forgotten once acked
+    assert len(sp.scan._size_cache) == 2  # forgotten once acked
 
 
 def test_wait_for_budget(tmp_path, monkeypatch):
@@ -487,7 +487,7 @@ def test_heartbeat_state_and_rates(tmp_path, monkeypatch):
     sp = Spool(tmp_path)
     clock = [1000.0]
     monkeypatch.setattr(spool_mod.time, "time", lambda: clock[0])
-    sp._started = 1000.0
+    sp.records._started = 1000.0
     clock[0] = 1002.0
     sp.heartbeat("producer", "p0", {"samples": 10, "tokens": 400, "note": "x"})
     hb = json.loads((sp.state_dir / "producer-p0.json").read_text())

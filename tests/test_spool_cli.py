@@ -17,7 +17,7 @@ from dflash.common.contract.shard import Shard, ShardMeta
 from dflash.common.contract.shard_reader import shard_nbytes
 from dflash.common.contract.shard_writer import write_shard
 from dflash.common.contract.spool import Spool
-from dflash.tools.spool_cli import main
+from dflash.tools.spool.cli import main
 
 CLI = Path(sys.executable).with_name("dflash-spool")
 
@@ -236,5 +236,9 @@ def test_free_discards_the_shards_keeps_the_records_and_refuses_a_live_spool(tmp
     held = sp.acquire_lock("consumer-r0", "a live consumer")  # noqa: F841 (held for the test)
     publish_real(sp, 128, 9)
     rc, _, err = run(capsys, "free", str(sp.root))
-    assert rc == 2 and "in use by a live process: a live consumer (pid" in err and "holds lock-consumer-r0" in err
+    assert (
+        rc == 2
+        and "in use by a live process: a live consumer (pid" in err
+        and "holds lock-consumer-r0" in err
+    )
     assert len(list(sp.ready_dir.iterdir())) == 1

@@ -14,7 +14,7 @@ from dflash.common.contract.liveness import lock_is_held
 from dflash.common.contract.names import shard_name
 from dflash.common.contract.spool import Spool
 from dflash.common.contract.spool_records import RunMismatchError, SpoolBusyError
-from dflash.tools.spool_cli import main as spool_main
+from dflash.tools.spool.cli import main as spool_main
 
 IDENT = {
     "run": "alpha",
@@ -80,11 +80,13 @@ def _publish(sp: Spool, producer: str, seq: int, where: str = "ready") -> None:
 
     t = 8
     shard = Shard(
-        input_ids=torch.zeros(t, dtype=torch.int32), loss_mask=torch.ones(t, dtype=torch.bool),
-        cu_seqlens=torch.tensor([0, 4, 8]), sample_index=torch.tensor([2 * seq, 2 * seq + 1]),
+        input_ids=torch.zeros(t, dtype=torch.int32),
+        loss_mask=torch.ones(t, dtype=torch.bool),
+        cu_seqlens=torch.tensor([0, 4, 8]),
+        sample_index=torch.tensor([2 * seq, 2 * seq + 1]),
         hidden=torch.zeros(t, 4, dtype=torch.bfloat16),
         meta=ShardMeta(target_model="t", layer_ids=[1], hidden_size=4, producer_id=producer, bucket=8),
-    )  # fmt: skip
+    )
     tmp = sp.new_tmp_path(shard_name(8, producer, seq))
     if where == "tmp":
         write_shard(tmp, shard)

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from dflash.common.contract.spool import Spool
-from dflash.tools import status
+from dflash.tools.status import cli as status
 
 pytestmark = pytest.mark.pipeline  # every test here starts processes
 
@@ -292,8 +292,15 @@ def _launch_run(tmp_path, producer_counters: dict, *, alive: bool = False):
     sp = Spool(spool)
     sp.register_producers(["n0p0.2"])
     for pid_, t in (("n0p0.1", now - 9000), ("n0p0.2", now - 500)):
-        hb = {"role": "producer", "id": pid_, "pid": os.getpid() if alive else _dead_pid(),
-              "host": socket.gethostname(), "time": t, "counters": producer_counters, "rates": {}}  # fmt: skip
+        hb = {
+            "role": "producer",
+            "id": pid_,
+            "pid": os.getpid() if alive else _dead_pid(),
+            "host": socket.gethostname(),
+            "time": t,
+            "counters": producer_counters,
+            "rates": {},
+        }
         (spool / "state" / f"producer-{pid_}.json").write_text(json.dumps(hb))
     return run
 
@@ -372,9 +379,18 @@ def test_campaign_epoch_and_held_out_tau_are_shown(tmp_path, capsys):
     now = time.time()
     extra = [
         {"event": "eval", "step": 1200, "decode_tau": 2.71, "time": now - 4, "eval_docs": 64},
-        {"time": now - 3, "step": 1201, "loss": 2.3, "acc": [0.7], "tau": 3.4, "lr": 5e-4, "total_steps": 9000,
-         "epoch": 2, "epochs": 6},
-    ]  # fmt: skip
+        {
+            "time": now - 3,
+            "step": 1201,
+            "loss": 2.3,
+            "acc": [0.7],
+            "tau": 3.4,
+            "lr": 5e-4,
+            "total_steps": 9000,
+            "epoch": 2,
+            "epochs": 6,
+        },
+    ]
     path.write_text(path.read_text() + "".join(json.dumps(r) + "\n" for r in extra))
     status.main([str(run)])
     out = capsys.readouterr().out
@@ -403,14 +419,30 @@ def _over_run(tmp_path, consumer_end: dict | None, producer_phase: str):
     (run / "logs").mkdir(parents=True)
     (run / "run.json").write_text(json.dumps({"spool": str(tmp_path / "gone-spool")}))
     (run / "pids").write_text(f"producer {_dead_pid()}\nconsumer-0 {_dead_pid()}\n")
+
     def step(s: int, t: float) -> dict:
-        return {"time": t, "step": s, "loss": 2.0, "acc": [0.5], "tau": 2.0, "lr": 1e-4, "total_steps": 40, "eta_s": 5.0}
+        return {
+            "time": t,
+            "step": s,
+            "loss": 2.0,
+            "acc": [0.5],
+            "tau": 2.0,
+            "lr": 1e-4,
+            "total_steps": 40,
+            "eta_s": 5.0,
+        }
 
     _jsonl(
         run / "metrics" / "producer-n0p0.1.jsonl", [{"time": now - 900, "samples": 10, "phase": "stopped"}]
     )
-    _jsonl(run / "metrics" / "producer-n0p0.2.jsonl", [{"time": now - 60, "samples": 90, "total": 90, "phase": producer_phase}])  # fmt: skip
-    _jsonl(run / "metrics" / "consumer-1.jsonl", [step(10, now - 800), {"event": "end", "stopped": True, "time": now - 790}])  # fmt: skip
+    _jsonl(
+        run / "metrics" / "producer-n0p0.2.jsonl",
+        [{"time": now - 60, "samples": 90, "total": 90, "phase": producer_phase}],
+    )
+    _jsonl(
+        run / "metrics" / "consumer-1.jsonl",
+        [step(10, now - 800), {"event": "end", "stopped": True, "time": now - 790}],
+    )
     rank0 = [step(10, now - 800), {"event": "end", "stopped": True, "time": now - 790}, step(40, now - 30)]
     _jsonl(
         run / "metrics" / "consumer-0.jsonl",
@@ -454,8 +486,21 @@ def test_a_producer_waiting_on_the_budget_is_blocked_and_the_eta_is_the_training
         run / "metrics" / "producer-n0p0.2.jsonl",
         [{"time": now - 700 + k, "samples": 30 * k} for k in range(0, 10)],
     )
-    _jsonl(run / "metrics" / "consumer-0.jsonl", [{"time": now - 10, "step": 100, "loss": 2.0, "acc": [0.5], "tau": 2.0,
-                                                  "lr": 1e-4, "total_steps": 400, "eta_s": 610.0}])  # fmt: skip
+    _jsonl(
+        run / "metrics" / "consumer-0.jsonl",
+        [
+            {
+                "time": now - 10,
+                "step": 100,
+                "loss": 2.0,
+                "acc": [0.5],
+                "tau": 2.0,
+                "lr": 1e-4,
+                "total_steps": 400,
+                "eta_s": 610.0,
+            }
+        ],
+    )
     status.main([str(run), "--json", "--stale-s", "1000"])
     snap = json.loads(capsys.readouterr().out)
     assert {p["id"]: p["state"] for p in snap["processes"] if p["role"] == "producer"} == {

@@ -1,7 +1,7 @@
 """A checkpoint store that stops taking saves mid-run: the consumer trains on for a bounded number of failed
 saves, then writes its state to local disk and stops with one line; the same command, once the store is
 back, resumes from that state, uploads it and trains every remaining sample, each sample trained once
-(consumer/store_outage.py, docs/reliability.md)."""
+(consumer/checkpointing/outage.py, docs/reliability.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pipeline_helpers import consume_cmd
 from test_faults import FaultProxy, _publish_synthetic, _s3_env
 
 from dflash.common.contract.spool import Spool
-from dflash.consumer.store_outage import OutagePolicy, with_retries
+from dflash.consumer.checkpointing.outage import OutagePolicy, with_retries
 
 SAVE_EVERY = 2
 OUTAGE_SAVES = 2
@@ -65,9 +65,24 @@ def test_a_store_outage_stops_training_within_the_bound_and_the_same_command_res
     metrics = run_dir / "metrics" / "consumer-0.jsonl"
     spool = Spool(tmp_path / "spool")
     spool.register_producers(["p0"])
-    cmd = consume_cmd(spool.root, tiny_target, "--checkpoint", f"s3://{bucket}/ckpt", "--run", "outage",
-                      "--run-dir", str(run_dir), "--compile-backend", "eager", "--eval-every", "0",
-                      "--save-every", str(SAVE_EVERY), "--outage-saves", str(OUTAGE_SAVES))  # fmt: skip
+    cmd = consume_cmd(
+        spool.root,
+        tiny_target,
+        "--checkpoint",
+        f"s3://{bucket}/ckpt",
+        "--run",
+        "outage",
+        "--run-dir",
+        str(run_dir),
+        "--compile-backend",
+        "eager",
+        "--eval-every",
+        "0",
+        "--save-every",
+        str(SAVE_EVERY),
+        "--outage-saves",
+        str(OUTAGE_SAVES),
+    )
 
     def latest() -> str | None:
         try:
@@ -83,9 +98,13 @@ def test_a_store_outage_stops_training_within_the_bound_and_the_same_command_res
         proc = subprocess.Popen(cmd, env=env, stdout=open(log1, "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
         try:
             wait_until(
-                lambda: any(r.get("event") == "checkpoint" for r in read_jsonl(metrics)) or proc.poll() is not None,
-                timeout_s=180, what="the first checkpoint",
-            )  # fmt: skip
+                lambda: (
+                    any(r.get("event") == "checkpoint" for r in read_jsonl(metrics))
+                    or proc.poll() is not None
+                ),
+                timeout_s=180,
+                what="the first checkpoint",
+            )
             proxy.set("deny")
             samples += _publish_synthetic(spool, range(2, 14), seed=1)  # 12 more steps: more than the bound
             rc1 = proc.wait(timeout=240)

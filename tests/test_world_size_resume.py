@@ -16,7 +16,7 @@ from ledger_audit import read_jsonl
 from pipeline_helpers import consume_cmd, cpu_env, write_synthetic_spool
 
 from dflash.common.contract.spool import Spool
-from dflash.tools.ledger_audit import audit, exactly_once
+from dflash.tools.spool.audit import audit, exactly_once
 
 SHARDS, PER_SHARD, TOKENS = 10, 6, 96
 SAMPLES = SHARDS * PER_SHARD
@@ -26,13 +26,27 @@ PLAN_LINE = re.compile(r"campaign: .* = (\d+) steps, warm-up (\d+)")
 
 def _spool(root: Path) -> Spool:
     spool = write_synthetic_spool(
-        root, hidden_size=256, layer_ids=[1, 2, 3, 4, 5], num_shards=SHARDS, samples_per_shard=PER_SHARD,
-        tokens_per_sample=TOKENS, vocab=4096,
-    )  # fmt: skip
+        root,
+        hidden_size=256,
+        layer_ids=[1, 2, 3, 4, 5],
+        num_shards=SHARDS,
+        samples_per_shard=PER_SHARD,
+        tokens_per_sample=TOKENS,
+        vocab=4096,
+    )
     # what producers record before their first shard: the run's plan and the data's size
     spool.bind_run({"run": "ws", "plan": {"rows": SAMPLES, "epochs": 1}})
-    spool.write_campaign(0, {"node_rank": 0, "num_nodes": 1, "epochs": 1, "samples": SAMPLES,
-                             "tokens": SAMPLES * TOKENS, "loss_tokens": SAMPLES * TOKENS // 2})  # fmt: skip
+    spool.write_campaign(
+        0,
+        {
+            "node_rank": 0,
+            "num_nodes": 1,
+            "epochs": 1,
+            "samples": SAMPLES,
+            "tokens": SAMPLES * TOKENS,
+            "loss_tokens": SAMPLES * TOKENS // 2,
+        },
+    )
     return spool
 
 
@@ -43,11 +57,37 @@ def _life(tmp_path: Path, spool: Spool, target: Path, world: int, name: str, sto
     port = free_port()
     procs, logs = [], []
     for rank in range(world):
-        env = cpu_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))  # fmt: skip
-        cmd = consume_cmd(spool.root, target, "--checkpoint", str(tmp_path / "ckpt"), "--run", "ws", "--run-dir",
-                          str(run_dir), "--context-tokens", str(CONTEXT), "--log-every", "1", "--save-every", "1000",
-                          "--eval-every", "0", "--fill-wait-s", "1", "--compile-backend", "eager", "--lr", "1e-3")  # fmt: skip
+        env = cpu_env(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        cmd = consume_cmd(
+            spool.root,
+            target,
+            "--checkpoint",
+            str(tmp_path / "ckpt"),
+            "--run",
+            "ws",
+            "--run-dir",
+            str(run_dir),
+            "--context-tokens",
+            str(CONTEXT),
+            "--log-every",
+            "1",
+            "--save-every",
+            "1000",
+            "--eval-every",
+            "0",
+            "--fill-wait-s",
+            "1",
+            "--compile-backend",
+            "eager",
+            "--lr",
+            "1e-3",
+        )
         log = tmp_path / f"{name}-r{rank}.log"
         logs.append(log)
         procs.append(subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT))  # noqa: SIM115
@@ -55,9 +95,12 @@ def _life(tmp_path: Path, spool: Spool, target: Path, world: int, name: str, sto
         if stop_after is not None:
             ledger = run_dir / "metrics" / "ledger-r0.jsonl"
             wait_until(
-                lambda: any(r["step"] >= stop_after for r in read_jsonl(ledger)) or procs[0].poll() is not None,
-                timeout_s=300, what=f"{name}: step {stop_after}",
-            )  # fmt: skip
+                lambda: (
+                    any(r["step"] >= stop_after for r in read_jsonl(ledger)) or procs[0].poll() is not None
+                ),
+                timeout_s=300,
+                what=f"{name}: step {stop_after}",
+            )
             for p in procs:  # as run_all.sh stops a group: every rank
                 p.send_signal(signal.SIGTERM)
         rcs = [p.wait(timeout=300) for p in procs]

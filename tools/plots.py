@@ -101,8 +101,12 @@ def _per_rank_plot(
             drawn = True
     if events is not None:
         name, key, what = events
-        pts = [(r["step"], r[key]) for recs in consumers.values() for r in recs
-               if r.get("event") == name and is_number(r.get(key)) and is_number(r.get("step"))]  # fmt: skip
+        pts = [
+            (r["step"], r[key])
+            for recs in consumers.values()
+            for r in recs
+            if r.get("event") == name and is_number(r.get(key)) and is_number(r.get("step"))
+        ]
         if pts:
             ax.plot(*zip(*sorted(pts), strict=True), "o-", lw=1.6, label=what)
             drawn = True
@@ -193,9 +197,14 @@ def write_plots(run_dir: str | Path) -> list[Path]:
 
     for ykey, ylabel, title, name, events in (
         ("loss", "loss", "training loss", "loss.png", None),
-        ("tau", "τ (acceptance length)", "acceptance length τ", "tau.png",
-         ("eval", "decode_tau", "held-out, decode order (what serving sees)")),
-    ):  # fmt: skip
+        (
+            "tau",
+            "τ (acceptance length)",
+            "acceptance length τ",
+            "tau.png",
+            ("eval", "decode_tau", "held-out, decode order (what serving sees)"),
+        ),
+    ):
         p = _per_rank_plot(consumers, ykey, ylabel, title, out_dir / name, events=events)
         if p:
             written.append(p)

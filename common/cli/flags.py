@@ -9,8 +9,8 @@ standard library only: ~150 lines against a new dependency.
 A field becomes ``--field-name``; its type gives the parser (``int``, ``float``, ``str``, ``X | None``,
 ``bool`` as a switch, ``list[int]`` as a comma list); its attribute docstring (the string literal right
 below the field, as in torchtitan's configs) is the help text; its default is the flag's default, shown by
-:class:`DefaultsHelpFormatter`. ``field(metadata=flag(...))`` changes what the field cannot say itself:
-another name, choices, a positional, or leaving the field off the command line.
+:class:`DefaultsHelpFormatter`; a ``Literal`` type is its choices. ``field(metadata=flag(...))`` changes
+what the field cannot say itself: another name, a positional, or leaving the field off the command line.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ class Flag:
     """The option (``--heartbeat-timeout``), default ``--`` + the field name with dashes."""
     help: str | None = None
     """Help text when the field's docstring is not the right words for a command line."""
-    choices: tuple[Any, ...] | None = None
     metavar: str | None = None
     positional: bool = False
     negate: bool = False
@@ -131,7 +130,7 @@ def check_choices(cfg: Any) -> None:
     dataclass instance ``cfg`` holds a value outside its type (None passes for ``Literal[...] | None``).
 
     Why: the ``Literal`` is the one list of choices; argparse checks flags against it (add_flags) and
-    this checks library callers, so no config lists its choices twice (in ``flag(choices=...)`` and in
+    this checks library callers, so no config lists its choices twice (in the flag and in
     ``__post_init__``). Call it from ``__post_init__``."""
     hints = _hints(type(cfg))
     for f in dataclasses.fields(cfg):
@@ -190,9 +189,8 @@ def add_flags(
                 parser.add_argument(name, action="store_true", default=False, **kw)
             continue
         kw["type"] = meta.parse or _parser_of(tp)
-        choices = meta.choices or (typing.get_args(tp) if typing.get_origin(tp) is typing.Literal else None)
-        if choices:
-            kw["choices"] = list(choices)
+        if typing.get_origin(tp) is typing.Literal:  # the one list of choices (check_choices reads it too)
+            kw["choices"] = list(typing.get_args(tp))
         if meta.metavar or meta.name:
             kw["metavar"] = meta.metavar or meta.name.lstrip("-").replace("-", "_").upper()
         if meta.nargs is not None:

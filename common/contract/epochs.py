@@ -48,7 +48,9 @@ class Epochs:
         if self.epochs < 1:
             raise ValueError(f"epochs must be >= 1, got {self.epochs}")
         if not 0 <= self.eval_samples < max(self.rows, 1):
-            raise ValueError(f"eval samples must be in [0, {self.rows}) for {self.rows} rows, got {self.eval_samples}")
+            raise ValueError(
+                f"eval samples must be in [0, {self.rows}) for {self.rows} rows, got {self.eval_samples}"
+            )
 
     @classmethod
     def from_plan(cls, plan: dict) -> Epochs:

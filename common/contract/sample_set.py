@@ -29,6 +29,7 @@ _CODEC_RAW, _CODEC_ZSTD = 0, 1
 class SampleSetFormatError(ValueError):
     """Bytes that are not a valid serialized SampleSet (wrong magic/version, truncated, checksum)."""
 
+
 def _as_index_array(indices: Iterable[int] | torch.Tensor | np.ndarray) -> np.ndarray:
     if isinstance(indices, torch.Tensor):
         arr = indices.detach().cpu().reshape(-1).numpy()
@@ -48,6 +49,7 @@ def _as_index_array(indices: Iterable[int] | torch.Tensor | np.ndarray) -> np.nd
 
 class SampleSet:
     """Trained sample indices of epoch ``epoch``. ``size_hint`` pre-sizes the bitmap (it grows anyway)."""
+
     def __init__(self, epoch: int = 0, size_hint: int = 0):
         if epoch < 0:
             raise ValueError(f"SampleSet epoch must be >= 0, got {epoch}")
@@ -140,7 +142,6 @@ class SampleSet:
         raw = self._used_bytes().tobytes()
         codec, payload = _CODEC_RAW, raw
         if compress:
-
             codec, payload = _CODEC_ZSTD, zstandard.ZstdCompressor(level=3).compress(raw)
         header = _HEADER.pack(MAGIC, VERSION, codec, 0, self.epoch, len(raw), len(self), zlib.crc32(raw), 0)
         return header + payload
@@ -158,7 +159,6 @@ class SampleSet:
             )
         payload = bytes(data[_HEADER.size :])
         if codec == _CODEC_ZSTD:
-
             try:
                 raw = zstandard.ZstdDecompressor().decompress(payload, max_output_size=num_bytes)
             except zstandard.ZstdError as err:

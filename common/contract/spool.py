@@ -1,8 +1,10 @@
 """The spool's shard flow: every state transition of a shard, as the methods of one class.
 
 The crash-safe spool between producers and consumers is one directory and POSIX renames
-(docs/architecture.md); the run records and the read-only scans live in spool_records.py and spool_scan.py,
-the renames themselves (and what a crash halfway leaves) in spool_files.py.
+(docs/architecture.md). ``Spool`` is the flow and holds two parts: its ``records`` (``SpoolRecords``,
+spool_records.py: run record, locks, producers, heartbeats) and its ``scan`` (``SpoolScan``, spool_scan.py:
+read-only accounting); its methods of the same names hand each call to the part that owns it, so callers
+keep one object. The renames themselves (and what a crash halfway leaves) are in spool_files.py.
 
 Every state change of a shard is one ``os.rename`` inside one filesystem, so a process killed at any
 instant leaves each shard in exactly one state:
@@ -28,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash.common.contract.liveness import heartbeat_alive
+from dflash.common.contract.liveness import SpoolLock, heartbeat_alive
 from dflash.common.contract.names import check_id, is_shard_name, parse_shard_name
 from dflash.common.contract.spool_files import (
     ACKED_SEP,
@@ -41,8 +43,8 @@ from dflash.common.contract.spool_files import (
     remove,
     return_to_ready,
 )
-from dflash.common.contract.spool_records import SpoolError, SpoolRecords
-from dflash.common.contract.spool_scan import SpoolScan, entry_nbytes
+from dflash.common.contract.spool_records import SpoolError, SpoolRecords, read_json
+from dflash.common.contract.spool_scan import SpoolScan, entry_nbytes, scan_dirs, scan_names
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +64,11 @@ def default_budget_bytes(root: str | Path, fraction: float = 0.5) -> int:
     return int((st.f_bavail * st.f_frsize + held) * fraction)
 
 
-class Spool(SpoolRecords, SpoolScan):
+class Spool:
     """A spool directory. One object per process and role (consumers: one per consumer id); it may be
     shared by that process's threads (its caches are hints guarded by a lock)."""
+
+    STATES = SpoolScan.STATES
 
     def __init__(self, root: str | Path, *, create: bool = True):
         self.root = Path(root).absolute()
@@ -75,11 +79,11 @@ class Spool(SpoolRecords, SpoolScan):
         self.state_dir = self.root / "state"
         self.acked_dir = self.root / "acked"  # acked shards being deleted (see ack)
         self._lock = threading.RLock()
-        self._size_cache: dict[tuple[str, int], int] = {}  # (name, inode) -> bytes; shards are immutable
         self._adopted: set[str] = set()  # consumer ids whose leftovers this object has taken over
-        self._rate_ref: dict[tuple[str, str], tuple[float, dict]] = {}
-        self._rates: dict[tuple[str, str], dict] = {}
-        self._started = time.time()
+        self.records = SpoolRecords(self.root, self.state_dir)
+        """``state/``: the run record, launch locks, producers and their markers, the campaign, heartbeats."""
+        self.scan = SpoolScan(self.root, self.claimed_dir, self.records)
+        """What the spool holds, read without changing it: bytes per state, ``stats``."""
         if create:
             for d in (
                 self.tmp_dir,
@@ -110,12 +114,76 @@ class Spool(SpoolRecords, SpoolScan):
                 continue
             os.chmod(d, DIR_MODE)
 
+    # ---- the records' and the scan's methods, on the spool itself (one object for every caller) ----
+
+    def read_run(self) -> dict | None:
+        return self.records.read_run()
+
+    def bind_run(self, identity: dict, *, who: str = "this launch") -> dict:
+        return self.records.bind_run(identity, who=who)
+
+    def next_launch(self) -> int:
+        return self.records.next_launch()
+
+    def acquire_lock(self, name: str, holder: str) -> SpoolLock:
+        return self.records.acquire_lock(name, holder)
+
+    def live_locks(self) -> dict[str, str]:
+        return self.records.live_locks()
+
+    def register_producers(self, producer_ids: list[str]) -> None:
+        self.records.register_producers(producer_ids)
+
+    def registered_producers(self) -> list[str]:
+        return self.records.registered_producers()
+
+    def write_campaign(self, node_rank: int, record: dict) -> None:
+        self.records.write_campaign(node_rank, record)
+
+    def read_campaign(self) -> list[dict] | None:
+        return self.records.read_campaign()
+
+    def mark_done(self, producer_id: str) -> None:
+        self.records.mark_done(producer_id)
+
+    def clear_done(self, producer_id: str) -> None:
+        self.records.clear_done(producer_id)
+
+    def done_producers(self) -> list[str]:
+        return self.records.done_producers()
+
+    def producers_done(self) -> bool:
+        return self.records.producers_done()
+
+    def mark_epoch_done(self, producer_id: str, epoch: int) -> None:
+        self.records.mark_epoch_done(producer_id, epoch)
+
+    def epochs_done(self) -> dict[str, int]:
+        return self.records.epochs_done()
+
+    def heartbeat(self, role: str, proc_id: str, counters: dict) -> None:
+        self.records.heartbeat(role, proc_id, counters)
+
+    def heartbeats(self) -> list[dict]:
+        return self.records.heartbeats()
+
+    def ready_bytes(self) -> int:
+        return self.scan.ready_bytes()
+
+    def total_bytes(self) -> int:
+        return self.scan.total_bytes()
+
+    def stats(self, *, heartbeat_timeout_s: float = 60.0) -> dict:
+        return self.scan.stats(heartbeat_timeout_s=heartbeat_timeout_s)
+
+    # ---- the flow ----
+
     def leftover_shards(self) -> list[Path]:
         """Published shards still in the flow (ready/ and claimed/): a previous launch's leftovers when no
         process of the run is live."""
-        out = [self.ready_dir / n for n in self._scan_names(self.ready_dir)]
-        for d in self._scan_dirs(self.claimed_dir):
-            out += [d / n for n in self._scan_names(d)]
+        out = [self.ready_dir / n for n in scan_names(self.ready_dir)]
+        for d in scan_dirs(self.claimed_dir):
+            out += [d / n for n in scan_names(d)]
         return sorted(out, key=lambda p: p.name)
 
     def discard_flow(self) -> dict:
@@ -157,13 +225,11 @@ class Spool(SpoolRecords, SpoolScan):
             raise SpoolError(f"shard {name} is already live in the spool (reused producer seq?)")
         inode = os.lstat(tmp_path).st_ino
         os.rename(tmp_path, dest)
-        size = entry_nbytes(str(dest)) if nbytes is None else int(nbytes)
-        with self._lock:
-            self._size_cache[(name, inode)] = size
+        self.scan.remember_size(name, inode, entry_nbytes(str(dest)) if nbytes is None else int(nbytes))
         return dest
 
     def _claimed_copies(self, name: str) -> Iterator[Path]:
-        for d in self._scan_dirs(self.claimed_dir):
+        for d in scan_dirs(self.claimed_dir):
             if (d / name).exists():
                 yield d / name
 
@@ -175,9 +241,9 @@ class Spool(SpoolRecords, SpoolScan):
             self.tmp_dir,
             self.ready_dir,
             self.quarantine_dir,
-            *self._scan_dirs(self.claimed_dir),
+            *scan_dirs(self.claimed_dir),
         ):
-            for name in self._scan_names(state_dir):
+            for name in scan_names(state_dir):
                 _, pid, seq = parse_shard_name(name)
                 if pid == producer_id:
                     best = max(best, seq)
@@ -188,7 +254,7 @@ class Spool(SpoolRecords, SpoolScan):
         never while another live process uses the same producer id."""
         check_id("producer_id", producer_id)
         n = 0
-        for name in self._scan_names(self.tmp_dir):
+        for name in scan_names(self.tmp_dir):
             if parse_shard_name(name)[1] == producer_id:
                 remove(self.tmp_dir / name)
                 n += 1
@@ -200,7 +266,7 @@ class Spool(SpoolRecords, SpoolScan):
         """Remove the tmp/ leftovers of every producer whose id starts with ``prefix`` (dflash-produce
         of node N passes "nNp" while it holds that node's producer lock, so none of them is live)."""
         n = 0
-        for name in self._scan_names(self.tmp_dir):
+        for name in scan_names(self.tmp_dir):
             if parse_shard_name(name)[1].startswith(prefix):
                 remove(self.tmp_dir / name)
                 n += 1
@@ -260,8 +326,8 @@ class Spool(SpoolRecords, SpoolScan):
         ``recover_dead_claims`` gives them back)."""
         if not self.producers_done():
             return False
-        dirs = (self.tmp_dir, self.ready_dir, *self._scan_dirs(self.claimed_dir))
-        return not any(any(True for _ in self._scan_names(d)) for d in dirs)
+        dirs = (self.tmp_dir, self.ready_dir, *scan_dirs(self.claimed_dir))
+        return not any(any(True for _ in scan_names(d)) for d in dirs)
 
     # ---- consumer side ----
 
@@ -278,7 +344,7 @@ class Spool(SpoolRecords, SpoolScan):
         with self._lock:
             if consumer_id not in self._adopted:
                 self._adopt(consumer_id)
-        for name in claim_order(list(self._scan_names(self.ready_dir)), bucket):
+        for name in claim_order(list(scan_names(self.ready_dir)), bucket):
             try:
                 os.rename(self.ready_dir / name, mine / name)
             except FileNotFoundError:
@@ -361,8 +427,8 @@ class Spool(SpoolRecords, SpoolScan):
         left alone until its claimed dir is older than the timeout."""
         n = 0
         now = time.time()
-        for d in self._scan_dirs(self.claimed_dir):
-            hb = self._read_json(self.state_dir / f"consumer-{d.name}.json")
+        for d in scan_dirs(self.claimed_dir):
+            hb = read_json(self.state_dir / f"consumer-{d.name}.json")
             if hb is not None:
                 dead = not heartbeat_alive(hb, timeout_s=heartbeat_timeout_s, now=now)
             else:

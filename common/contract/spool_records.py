@@ -1,8 +1,8 @@
 """The spool's records of who runs on it: the run record (which run the spool belongs to), launches and their
 locks, the producers registered for a launch and their DONE markers, the campaign they counted, and every
-process's heartbeat. ``Spool`` (spool.py) is the shard flow; this base class is everything else in
-``state/``, so each file stays small enough to read: the records share no invariant with the flow but the
-directory.
+process's heartbeat. ``Spool`` (spool.py) is the shard flow and holds one ``SpoolRecords`` for everything
+else in ``state/``: the records share no invariant with the flow but the directory, so they are a part of
+their own with their own lock.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -66,11 +67,19 @@ sides record is another run. A consumer records only ``run``; a producer fills i
 
 
 FLAG_OF = {
-    "model": "--model", "layer_ids": "--layer-ids", "epochs": "--epochs", "shuffle_seed": "--shuffle-seed",
-    "eval_samples": "--eval-samples", "rows": "dataset rows (--limit)", "max_length": "--max-length",
-    "min_loss_tokens": "min supervised tokens (2 x --block-size)", "format": "--format",
-    "train_reasoning": "--no-train-reasoning", "spec": "--dataset", "fingerprint": "dataset content (fingerprint)",
-}  # fmt: skip
+    "model": "--model",
+    "layer_ids": "--layer-ids",
+    "epochs": "--epochs",
+    "shuffle_seed": "--shuffle-seed",
+    "eval_samples": "--eval-samples",
+    "rows": "dataset rows (--limit)",
+    "max_length": "--max-length",
+    "min_loss_tokens": "min supervised tokens (2 x --block-size)",
+    "format": "--format",
+    "train_reasoning": "--no-train-reasoning",
+    "spec": "--dataset",
+    "fingerprint": "dataset content (fingerprint)",
+}
 """The flag (or what) behind each field of a run record, for the line that names a difference."""
 
 
@@ -91,8 +100,9 @@ def differences(recorded: dict, given: dict, keys: list[str]) -> list[str]:
         if isinstance(a, dict) and isinstance(b, dict):
             out += [
                 f"{FLAG_OF.get(k, k)} {_short(a.get(k))} recorded, {_short(b.get(k))} given"
-                for k in sorted(a.keys() & b.keys()) if a[k] != b[k]
-            ]  # fmt: skip
+                for k in sorted(a.keys() & b.keys())
+                if a[k] != b[k]
+            ]
         else:
             out.append(f"{FLAG_OF.get(key, key)} {_short(a)} recorded, {_short(b)} given")
     return out
@@ -119,6 +129,14 @@ def describe_run(rec: dict) -> str:
     return f"run {rec.get('run')!r}" + (f" ({', '.join(parts)})" if parts else "")
 
 
+def read_json(path: Path) -> dict | None:
+    """A record's JSON, or None when it is not there (yet) or torn (a writer crashed before the rename)."""
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
     with open(tmp, "w") as f:
@@ -128,14 +146,18 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 class SpoolRecords:
     """``state/`` of a spool: run record, launch locks, producer registration and DONE markers, campaign,
-    heartbeats. Subclassed by ``Spool``, which sets the directories these methods use (``state_dir``, …)."""
+    heartbeats. One per ``Spool`` (its ``records``), shared by that process's threads."""
 
-    root: Path
-    state_dir: Path
+    def __init__(self, root: Path, state_dir: Path) -> None:
+        self.root, self.state_dir = root, state_dir
+        self._lock = threading.RLock()
+        self._rate_ref: dict[tuple[str, str], tuple[float, dict]] = {}
+        self._rates: dict[tuple[str, str], dict] = {}
+        self._started = time.time()
 
     def read_run(self) -> dict | None:
         """state/run.json: the run this spool belongs to (None for a spool no launch has bound yet)."""
-        return self._read_json(self.state_dir / RUN_FILE)
+        return read_json(self.state_dir / RUN_FILE)
 
     def bind_run(self, identity: dict, *, who: str = "this launch") -> dict:
         """Bind the spool to ``identity`` (``run`` plus any of model, layer_ids, dataset, plan) or check
@@ -239,7 +261,7 @@ class SpoolRecords:
 
     def read_campaign(self) -> list[dict] | None:
         """Every node's campaign record, or None until all ``num_nodes`` nodes have written theirs."""
-        recs = [r for p in sorted(self.state_dir.glob("campaign-n*.json")) if (r := self._read_json(p))]
+        recs = [r for p in sorted(self.state_dir.glob("campaign-n*.json")) if (r := read_json(p))]
         if not recs or len({int(r["node_rank"]) for r in recs}) < int(recs[0].get("num_nodes", 1)):
             return None
         return recs
@@ -273,7 +295,7 @@ class SpoolRecords:
         out = {}
         for name in os.listdir(self.state_dir):
             if name.startswith("epoch-") and name.endswith(".json"):
-                rec = self._read_json(self.state_dir / name)
+                rec = read_json(self.state_dir / name)
                 if rec is not None and isinstance(rec.get("epoch_done"), int):
                     out[name[len("epoch-") : -len(".json")]] = rec["epoch_done"]
         return out
@@ -323,14 +345,7 @@ class SpoolRecords:
         out = []
         for name in sorted(os.listdir(self.state_dir)):
             if name.endswith(".json") and not name.startswith(".") and name != "producers.json":
-                hb = self._read_json(self.state_dir / name)
+                hb = read_json(self.state_dir / name)
                 if hb is not None and "role" in hb:
                     out.append(hb)
         return out
-
-    @staticmethod
-    def _read_json(path: Path) -> dict | None:
-        try:
-            return json.loads(path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
-            return None

@@ -1,20 +1,21 @@
 """What a spool holds, read without changing it: shards and bytes per state and bucket, and the processes'
 heartbeats (``Spool.stats``, ``total_bytes`` for the byte budget). A scan tolerates entries moving or
-vanishing under it: producers and consumers keep renaming while it runs."""
+vanishing under it: producers and consumers keep renaming while it runs. ``Spool`` holds one ``SpoolScan``
+(its ``scan``), handed the spool's records for the heartbeats and producers a snapshot reports."""
 
 from __future__ import annotations
 
 import logging
 import os
 import stat
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from dflash.common.contract.liveness import (
-    heartbeat_alive,
-)
+from dflash.common.contract.liveness import heartbeat_alive
 from dflash.common.contract.names import is_shard_name, parse_shard_name
+from dflash.common.contract.spool_records import SpoolRecords
 
 log = logging.getLogger(__name__)
 
@@ -50,30 +51,42 @@ FLOW = ("tmp", "ready", "claimed", "acked")
 seen in its later state and never missed (acked/: being deleted, still holding its bytes)."""
 
 
+def scan_dirs(parent: Path) -> list[Path]:
+    """The sub-directories of ``parent`` (none when it vanished): the owners' folders under claimed/."""
+    try:
+        with os.scandir(parent) as it:
+            return [Path(e.path) for e in it if e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+
+
+def scan_names(d: Path) -> Iterator[str]:
+    """The shard names in ``d`` (none when it vanished)."""
+    try:
+        with os.scandir(d) as it:
+            names = [e.name for e in it if is_shard_name(e.name)]
+    except FileNotFoundError:
+        return iter(())
+    return iter(names)
+
+
 class SpoolScan:
-    """Read-only accounting of a spool's states (subclassed by ``Spool``, which sets the directories)."""
+    """Read-only accounting of a spool's states: one per ``Spool``, shared by that process's threads (the
+    size cache is a hint guarded by a lock)."""
 
     STATES = ("tmp", "ready", "claimed", "quarantine")
-    root: Path
 
-    @staticmethod
-    def _scan_dirs(parent: Path) -> list[Path]:
-        try:
-            with os.scandir(parent) as it:
-                return [Path(e.path) for e in it if e.is_dir(follow_symlinks=False)]
-        except FileNotFoundError:
-            return []
+    def __init__(self, root: Path, claimed_dir: Path, records: SpoolRecords) -> None:
+        self.root, self.claimed_dir, self.records = root, claimed_dir, records
+        self._lock = threading.Lock()
+        self._size_cache: dict[tuple[str, int], int] = {}  # (name, inode) -> bytes; shards are immutable
 
-    @staticmethod
-    def _scan_names(d: Path) -> Iterator[str]:
-        try:
-            with os.scandir(d) as it:
-                names = [e.name for e in it if is_shard_name(e.name)]
-        except FileNotFoundError:
-            return iter(())
-        return iter(names)
+    def remember_size(self, name: str, inode: int, size: int) -> None:
+        """The bytes of a shard just published (its writer knows them: no walk at the next scan)."""
+        with self._lock:
+            self._size_cache[(name, inode)] = size
 
-    def _scan(self, states: tuple[str, ...]) -> list[tuple[str, str, str, int]]:
+    def entries(self, states: tuple[str, ...]) -> list[tuple[str, str, str, int]]:
         """(state, owner, entry name, bytes) for every entry (ack trash included: it still takes space).
         Published shards never change, so their size is cached by (name, inode) and a poll costs one
         scandir per directory; tmp/ and quarantine/ are walked. States are scanned in flow order
@@ -82,7 +95,7 @@ class SpoolScan:
         out: dict[str, tuple[str, str, str, int]] = {}
         seen: set[tuple[str, int]] = set()
         for state in states:
-            dirs = self._scan_dirs(self.claimed_dir) if state == "claimed" else [self.root / state]
+            dirs = scan_dirs(self.claimed_dir) if state == "claimed" else [self.root / state]
             cached = state in ("ready", "claimed")
             for d in dirs:
                 try:
@@ -108,11 +121,11 @@ class SpoolScan:
         return list(out.values())
 
     def ready_bytes(self) -> int:
-        return sum(s for *_, s in self._scan(("ready",)))
+        return sum(s for *_, s in self.entries(("ready",)))
 
     def total_bytes(self) -> int:
         """Bytes in tmp+ready+claimed, and acked shards not yet deleted (what backpressure limits)."""
-        return sum(s for *_, s in self._scan(FLOW))
+        return sum(s for *_, s in self.entries(FLOW))
 
     def stats(self, *, heartbeat_timeout_s: float = 60.0) -> dict:
         """Shards and bytes per state and per bucket, per-consumer claims, process heartbeats (pid, age,
@@ -120,7 +133,7 @@ class SpoolScan:
         states: dict[str, dict] = {s: {"shards": 0, "bytes": 0, "buckets": {}} for s in self.STATES}
         claimed_by: dict[str, dict] = {}
         acked = 0
-        for state, owner, name, size in self._scan((*self.STATES, "acked")):
+        for state, owner, name, size in self.entries((*self.STATES, "acked")):
             if state == "acked":  # deleted as we look: only its bytes count (they still hold the budget)
                 acked += size
                 continue
@@ -140,7 +153,7 @@ class SpoolScan:
                 c["bytes"] += size
         now = time.time()
         procs = []
-        for hb in self.heartbeats():
+        for hb in self.records.heartbeats():
             procs.append(
                 {
                     "role": hb.get("role"),
@@ -160,8 +173,11 @@ class SpoolScan:
             "total_bytes": sum(states[s]["bytes"] for s in ("tmp", "ready", "claimed")) + acked,
             "claimed_by": claimed_by,
             "processes": procs,
-            "producers": {"registered": self.registered_producers(), "done": self.done_producers()},
-            "producers_done": self.producers_done(),
-            "drained": self.producers_done()
+            "producers": {
+                "registered": self.records.registered_producers(),
+                "done": self.records.done_producers(),
+            },
+            "producers_done": self.records.producers_done(),
+            "drained": self.records.producers_done()
             and not any(states[s]["shards"] for s in ("tmp", "ready", "claimed")),
         }

@@ -96,8 +96,11 @@ class DraftSpec:
             raise ValueError(f"config dflash_config must be a dict, got {type(dflash).__name__}")
         num_layers = int(config.num_hidden_layers)
         block_size = dflash.get("block_size", getattr(config, "block_size", None))
-        for name, value in (("block_size", block_size), ("dflash_config.mask_token_id", dflash.get("mask_token_id")),
-                            ("dflash_config.target_layer_ids", dflash.get("target_layer_ids"))):  # fmt: skip
+        for name, value in (
+            ("block_size", block_size),
+            ("dflash_config.mask_token_id", dflash.get("mask_token_id")),
+            ("dflash_config.target_layer_ids", dflash.get("target_layer_ids")),
+        ):
             if value is None:
                 raise ValueError(f"config has no {name}")
         layer_types = tuple(getattr(config, "layer_types", None) or [FULL] * num_layers)
@@ -494,9 +497,12 @@ class DraftAttention(nn.Module):
         k_blk, v_blk = self.keys_values(x, cos[s:], sin[s:])
         k, v = torch.cat([k_ctx, k_blk]), torch.cat([v_ctx, v_blk])
         out = draft_attention(
-            q.to(v.dtype).transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], mask,
+            q.to(v.dtype).transpose(0, 1)[None],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            mask,
             scale=self.head_dim**-0.5,
-        )  # fmt: skip
+        )
         return self.o_proj(out[0].transpose(0, 1).reshape(q_len, self.num_heads * self.head_dim))
 
     def attend_blocks(self, h, cos, sin, keys, values, visible_mask) -> torch.Tensor:
@@ -516,7 +522,7 @@ class DraftAttention(nn.Module):
             attn_mask=visible_mask,
             scale=self.head_dim**-0.5,
             enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # fmt: skip  [A, heads, B, D]
+        )  # [A, heads, B, D]
         return self.o_proj(out.transpose(1, 2).reshape(a, b, self.num_heads * self.head_dim))
 
 
@@ -648,7 +654,7 @@ class DraftMath:
                 block_size=batch.block_size,
                 backend=self.attention_backend,
                 sliding_window=self.spec.window(t),
-            )  # fmt: skip
+            )
             for t in dict.fromkeys(self.spec.layer_types)
         }
 
@@ -720,14 +726,18 @@ class DraftMath:
                 )
             )[:, None]
             for t in dict.fromkeys(self.spec.layer_types)
-        }  # fmt: skip  [A, 1, B, L+B] per layer type
+        }  # [A, 1, B, L+B] per layer type
         x = self.target_head.embed(block_ids.to(device)).to(dtype)
         cos, sin = self.rotary_emb(positions.reshape(-1), dtype)
         for i, layer in enumerate(self.layers):
             x = layer.block_forward(
-                x, cos, sin, None if keys is None else keys[i], None if values is None else values[i],
+                x,
+                cos,
+                sin,
+                None if keys is None else keys[i],
+                None if values is None else values[i],
                 masks[layer.layer_type],
-            )  # fmt: skip
+            )
         return self.norm(x)
 
     @torch.inference_mode()
@@ -757,9 +767,13 @@ class DraftMath:
         runner = TargetRunner(target, self.spec.target_layer_ids)
         try:
             gen = speculative_generate(
-                runner, DrafterProposer(self), input_ids[0], max_new_tokens=max_new_tokens,
-                stop_token_ids=stop_token_ids or (), sampling=sampling,
-            )  # fmt: skip
+                runner,
+                DrafterProposer(self),
+                input_ids[0],
+                max_new_tokens=max_new_tokens,
+                stop_token_ids=stop_token_ids or (),
+                sampling=sampling,
+            )
         finally:
             runner.close()
         new = torch.tensor(gen.tokens, dtype=input_ids.dtype, device=input_ids.device)
@@ -767,9 +781,13 @@ class DraftMath:
         if not return_stats:
             return output_ids
         return SimpleNamespace(
-            output_ids=output_ids, num_input_tokens=input_ids.shape[1], num_output_tokens=len(gen.tokens),
-            acceptance_lengths=[n for _, _, n in gen.steps], generation=gen, wall_s=gen.wall_s,
-        )  # fmt: skip
+            output_ids=output_ids,
+            num_input_tokens=input_ids.shape[1],
+            num_output_tokens=len(gen.tokens),
+            acceptance_lengths=[n for _, _, n in gen.steps],
+            generation=gen,
+            wall_s=gen.wall_s,
+        )
 
 
 # ------------------------------------------------------------------------------------------- 6. decoding
@@ -937,9 +955,12 @@ class TargetRunner:
         self._capture, self._captured = capture, {}
         try:
             out = self.model(
-                input_ids=ids[None].to(self.device), position_ids=positions[None], use_cache=True,
-                **{self._cache_kw: self.cache}, logits_to_keep=1 if last_logits_only else 0,
-            )  # fmt: skip
+                input_ids=ids[None].to(self.device),
+                position_ids=positions[None],
+                use_cache=True,
+                **{self._cache_kw: self.cache},
+                logits_to_keep=1 if last_logits_only else 0,
+            )
         finally:
             self._capture = False
         feats = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1) if capture else None
@@ -958,8 +979,13 @@ def _linear_state(layer: Any) -> list[tuple[torch.Tensor | None, torch.Tensor | 
     for k in range(layer.number_of_states):
         conv = layer.conv_states[k] if layer.is_conv_states_initialized[k] else None
         rec = layer.recurrent_states[k] if layer.is_recurrent_states_initialized[k] else None
-        out.append((None if conv is None else conv.clone(), None if rec is None else rec.clone(),
-                    bool(layer.has_previous_state[k])))  # fmt: skip
+        out.append(
+            (
+                None if conv is None else conv.clone(),
+                None if rec is None else rec.clone(),
+                bool(layer.has_previous_state[k]),
+            )
+        )
     return out
 
 

@@ -39,7 +39,9 @@ def default_target_layer_ids(num_target_layers: int, k: int = 5) -> list[int]:
     return [start + (2 * i * span + k - 1) // (2 * (k - 1)) for i in range(k)]
 
 
-def check_layer_ids(layer_ids: list[int], num_layers: int | None = None, *, what: str = "--layer-ids") -> list[int]:
+def check_layer_ids(
+    layer_ids: list[int], num_layers: int | None = None, *, what: str = "--layer-ids"
+) -> list[int]:
     """The layer ids as ints when they are non-empty, sorted, distinct and (given ``num_layers``) in
     [0, num_layers); else ValueError, one line naming ``what``. Sorted and distinct because the drafter's
     input is the concatenation of the listed layers' features in this order: a repeat only duplicates a
@@ -96,7 +98,9 @@ def resolve_layer_types(
     list of the wrong length, is a ValueError (one line)."""
     if layer_types is None:
         hybrid = is_hybrid_target(target_config)
-        layer_types = [SLIDING] * (num_layers - 1) + [FULL] if hybrid and num_layers > 1 else [FULL] * num_layers
+        layer_types = (
+            [SLIDING] * (num_layers - 1) + [FULL] if hybrid and num_layers > 1 else [FULL] * num_layers
+        )
     if len(layer_types) != num_layers:
         raise ValueError(f"draft-layer-types names {len(layer_types)} layers, num-layers is {num_layers}")
     if SLIDING not in layer_types:

@@ -62,14 +62,36 @@ def liger_rows(logits: torch.Tensor, labels: torch.Tensor, need_grad: bool):
     row_loss = torch.empty(rows, dtype=torch.float32, device=logits.device)
     preds = torch.empty(rows, dtype=torch.int64, device=logits.device)
     liger_cross_entropy_kernel[(rows,)](
-        X_ptr=logits, X_stride=logits.stride(-2), Y_ptr=labels, Y_stride=labels.stride(-1), weight_ptr=None,
-        loss_ptr=row_loss, z_loss_ptr=None, loss_stride=row_loss.stride(-1), token_accuracy_ptr=None,
-        token_accuracy_stride=0, predicted_tokens_ptr=preds, predicted_tokens_stride=preds.stride(-1),
-        n_cols=vocab, n_non_ignore=1, sum_non_ignore_weight=1, weight_sum=0.0, ignore_index=-100,
-        lse_square_scale=0.0, label_smoothing=0.0, reduction="sum", softcap=None, RETURN_Z_LOSS=False,
-        RETURN_TOKEN_ACCURACY=False, RETURN_PREDICTED_TOKENS=True, BLOCK_SIZE=min(32768, triton.next_power_of_2(vocab)),
-        HAS_WEIGHT=False, HAS_SOFTCAPPING=False, HAS_GRADIENTS=need_grad, num_warps=32,
-    )  # fmt: skip
+        X_ptr=logits,
+        X_stride=logits.stride(-2),
+        Y_ptr=labels,
+        Y_stride=labels.stride(-1),
+        weight_ptr=None,
+        loss_ptr=row_loss,
+        z_loss_ptr=None,
+        loss_stride=row_loss.stride(-1),
+        token_accuracy_ptr=None,
+        token_accuracy_stride=0,
+        predicted_tokens_ptr=preds,
+        predicted_tokens_stride=preds.stride(-1),
+        n_cols=vocab,
+        n_non_ignore=1,
+        sum_non_ignore_weight=1,
+        weight_sum=0.0,
+        ignore_index=-100,
+        lse_square_scale=0.0,
+        label_smoothing=0.0,
+        reduction="sum",
+        softcap=None,
+        RETURN_Z_LOSS=False,
+        RETURN_TOKEN_ACCURACY=False,
+        RETURN_PREDICTED_TOKENS=True,
+        BLOCK_SIZE=min(32768, triton.next_power_of_2(vocab)),
+        HAS_WEIGHT=False,
+        HAS_SOFTCAPPING=False,
+        HAS_GRADIENTS=need_grad,
+        num_warps=32,
+    )
     return row_loss, preds, logits if need_grad else None
 
 

@@ -70,7 +70,9 @@ def summarize(
         wall_s=wall,
         tokens_per_s=tokens / wall if wall > 0 else 0.0,
         outputs=[list(g.tokens) for g in gens],
-        sampling={"temperature": sampling.temperature, "top_p": sampling.top_p, "draft": sampling.draft} if sampled else None,
+        sampling={"temperature": sampling.temperature, "top_p": sampling.top_p, "draft": sampling.draft}
+        if sampled
+        else None,
     )
     if baseline is not None:
         base_tokens = sum(len(g.tokens) for g in baseline)
@@ -80,6 +82,8 @@ def summarize(
             "tokens_per_s": base_tps,
             "wall_s": base_wall,
             "speedup": report.tokens_per_s / base_tps if base_tps else 0.0,
-            "mismatched_prompts": None if sampled else sum(g.tokens != b.tokens for g, b in zip(gens, baseline, strict=True)),
+            "mismatched_prompts": None
+            if sampled
+            else sum(g.tokens != b.tokens for g, b in zip(gens, baseline, strict=True)),
         }
     return report

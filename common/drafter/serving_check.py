@@ -34,9 +34,15 @@ VLLM, SGLANG, HF = "vLLM", "SGLang", "transformers"
 LOADERS = (VLLM, SGLANG, HF)
 SGLANG_DEFAULT_MASK_TOKEN = "<|MASK|>"
 REQUIRED_SHAPE_FIELDS = (
-    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size",
-    "vocab_size", "rms_norm_eps", "max_position_embeddings",
-)  # fmt: skip
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "vocab_size",
+    "rms_norm_eps",
+    "max_position_embeddings",
+)
 """Read by every loader, with a Qwen3Config default when absent: a missing one is silently another model."""
 
 
@@ -59,7 +65,9 @@ class CheckReport:
     block_size: int | None = None
 
     def add(self, loaders: tuple[str, ...] | str, name: str, problem: str, *, fatal: bool = True) -> None:
-        self.findings.append(Finding((loaders,) if isinstance(loaders, str) else loaders, name, problem, fatal))
+        self.findings.append(
+            Finding((loaders,) if isinstance(loaders, str) else loaders, name, problem, fatal)
+        )
 
     def missed_by(self, loader: str) -> list[Finding]:
         return [f for f in self.findings if f.fatal and loader in f.loaders]
@@ -72,16 +80,23 @@ class CheckReport:
         """The report: one line per finding, then one verdict line per loader."""
         lines = [f"{self.folder}:"] + [f"  {f.line()}" for f in self.findings]
         serve = {
-            VLLM: f"--speculative-config '{{\"method\": \"dflash\", \"model\": \"{self.folder}\", "
-            f"\"num_speculative_tokens\": {self.block_size - 1}}}'" if self.block_size else "",
+            VLLM: f'--speculative-config \'{{"method": "dflash", "model": "{self.folder}", '
+            f'"num_speculative_tokens": {self.block_size - 1}}}\''
+            if self.block_size
+            else "",
             SGLANG: f"--speculative-algorithm DFLASH --speculative-draft-model-path {self.folder} "
-            f"--speculative-num-draft-tokens {self.block_size}" if self.block_size else "",
+            f"--speculative-num-draft-tokens {self.block_size}"
+            if self.block_size
+            else "",
             HF: "AutoModel.from_pretrained(FOLDER, trust_remote_code=True).spec_generate(...)",
         }
         for loader in LOADERS:
             missed = self.missed_by(loader)
             if missed:
-                lines.append(f"{loader}: would miss {len(missed)}: " + ", ".join(dict.fromkeys(f.field for f in missed)))
+                lines.append(
+                    f"{loader}: would miss {len(missed)}: "
+                    + ", ".join(dict.fromkeys(f.field for f in missed))
+                )
             else:
                 lines.append(f"{loader}: ok" + (f" ({serve[loader]})" if serve[loader] else ""))
         return "\n".join(lines)
@@ -110,7 +125,9 @@ def check_folder(path: str | Path, target: str | Path | None = None) -> CheckRep
     _check_identity(cfg, root, report)
     dflash = cfg.get("dflash_config")
     if not isinstance(dflash, dict):
-        report.add(LOADERS, "dflash_config", "missing or not an object (mask token, target layers, block size)")
+        report.add(
+            LOADERS, "dflash_config", "missing or not an object (mask token, target layers, block size)"
+        )
         dflash = {}
     _check_shape_fields(cfg, report)
     _check_dflash_fields(cfg, dflash, report)
@@ -132,10 +149,19 @@ def _check_against_target(cfg: dict, dflash: dict, target: Path, report: CheckRe
         report.add(LOADERS, "target", f"{target / CONFIG_FILE} unreadable ({err}): not compared")
         return
     text = tcfg.get("text_config") if isinstance(tcfg.get("text_config"), dict) else tcfg
-    for draft_key, target_key in (("hidden_size", "hidden_size"), ("num_target_layers", "num_hidden_layers"),
-                                  ("vocab_size", "vocab_size")):  # fmt: skip
-        if cfg.get(draft_key) is not None and text.get(target_key) is not None and cfg[draft_key] != text[target_key]:
-            report.add(LOADERS, draft_key, f"{cfg[draft_key]}, the target's {target_key} is {text[target_key]}")
+    for draft_key, target_key in (
+        ("hidden_size", "hidden_size"),
+        ("num_target_layers", "num_hidden_layers"),
+        ("vocab_size", "vocab_size"),
+    ):
+        if (
+            cfg.get(draft_key) is not None
+            and text.get(target_key) is not None
+            and cfg[draft_key] != text[target_key]
+        ):
+            report.add(
+                LOADERS, draft_key, f"{cfg[draft_key]}, the target's {target_key} is {text[target_key]}"
+            )
     ids, layers = dflash.get("target_layer_ids"), text.get("num_hidden_layers")
     if isinstance(ids, list) and _is_int(layers) and any(not (_is_int(i) and 0 <= i < layers) for i in ids):
         report.add((VLLM, SGLANG), "dflash_config.target_layer_ids", f"{ids}: the target has {layers} layers")
@@ -147,14 +173,24 @@ def _check_against_target(cfg: dict, dflash: dict, target: Path, report: CheckRe
 
 def _check_identity(cfg: dict, root: Path, report: CheckReport) -> None:
     if cfg.get("architectures") != ["DFlashDraftModel"]:
-        report.add((VLLM, SGLANG), "architectures", f"{cfg.get('architectures')!r}, expected ['DFlashDraftModel']")
+        report.add(
+            (VLLM, SGLANG), "architectures", f"{cfg.get('architectures')!r}, expected ['DFlashDraftModel']"
+        )
     if cfg.get("model_type") != "qwen3":
-        report.add(LOADERS, "model_type", f"{cfg.get('model_type')!r}, expected 'qwen3' (loaded as a Qwen3Config)")
+        report.add(
+            LOADERS, "model_type", f"{cfg.get('model_type')!r}, expected 'qwen3' (loaded as a Qwen3Config)"
+        )
     auto_map = cfg.get("auto_map")
     if auto_map is None:
-        report.add(HF, "auto_map", "missing: AutoModel(trust_remote_code=True) gives a plain Qwen3Model, no spec_generate")
+        report.add(
+            HF,
+            "auto_map",
+            "missing: AutoModel(trust_remote_code=True) gives a plain Qwen3Model, no spec_generate",
+        )
     elif (auto_map or {}).get("AutoModel") != AUTO_MAP["AutoModel"]:
-        report.add(HF, "auto_map", f"AutoModel is {auto_map.get('AutoModel')!r}, expected {AUTO_MAP['AutoModel']!r}")
+        report.add(
+            HF, "auto_map", f"AutoModel is {auto_map.get('AutoModel')!r}, expected {AUTO_MAP['AutoModel']!r}"
+        )
     elif not (root / CODE_FILE).is_file():
         report.add(HF, CODE_FILE, "missing: auto_map points at a file the folder does not hold")
 
@@ -162,43 +198,80 @@ def _check_identity(cfg: dict, root: Path, report: CheckReport) -> None:
 def _check_shape_fields(cfg: dict, report: CheckReport) -> None:
     for name in REQUIRED_SHAPE_FIELDS:
         if not isinstance(cfg.get(name), int | float) or isinstance(cfg.get(name), bool):
-            report.add(LOADERS, name, f"{cfg.get(name)!r}: missing or not a number (the Qwen3Config default would be used)")
+            report.add(
+                LOADERS,
+                name,
+                f"{cfg.get(name)!r}: missing or not a number (the Qwen3Config default would be used)",
+            )
     if cfg.get("hidden_act", "silu") != "silu":
-        report.add((SGLANG, VLLM), "hidden_act", f"{cfg.get('hidden_act')!r}: SGLang refuses anything but 'silu'")
+        report.add(
+            (SGLANG, VLLM), "hidden_act", f"{cfg.get('hidden_act')!r}: SGLang refuses anything but 'silu'"
+        )
     if cfg.get("attention_bias", False):
-        report.add(LOADERS, "attention_bias", "true: the drafter has no bias tensors (vLLM/SGLang would build q/k/v/o biases)")
+        report.add(
+            LOADERS,
+            "attention_bias",
+            "true: the drafter has no bias tensors (vLLM/SGLang would build q/k/v/o biases)",
+        )
     theta = cfg.get("rope_theta")
     params = cfg.get("rope_parameters") if isinstance(cfg.get("rope_parameters"), dict) else {}
     if theta is None and "rope_theta" not in params:
-        report.add(LOADERS, "rope_theta", "missing (and no rope_parameters.rope_theta): vLLM would rotate with 1e6")
+        report.add(
+            LOADERS, "rope_theta", "missing (and no rope_parameters.rope_theta): vLLM would rotate with 1e6"
+        )
     elif theta is not None and "rope_theta" in params and float(theta) != float(params["rope_theta"]):
-        report.add(LOADERS, "rope_theta", f"{theta} != rope_parameters.rope_theta {params['rope_theta']}: readers disagree")
+        report.add(
+            LOADERS,
+            "rope_theta",
+            f"{theta} != rope_parameters.rope_theta {params['rope_theta']}: readers disagree",
+        )
     elif theta is None:
-        report.add(HF, "rope_theta", "only in rope_parameters: transformers-4 era readers (z-lab MLX) need the top level", fatal=False)
+        report.add(
+            HF,
+            "rope_theta",
+            "only in rope_parameters: transformers-4 era readers (z-lab MLX) need the top level",
+            fatal=False,
+        )
 
 
 def _check_dflash_fields(cfg: dict, dflash: dict, report: CheckReport) -> None:
     ids = dflash.get("target_layer_ids")
     num_target = cfg.get("num_target_layers", dflash.get("num_target_layers"))
     if not (isinstance(ids, list) and ids and all(_is_int(i) for i in ids)):
-        report.add(LOADERS, "dflash_config.target_layer_ids", f"{ids!r}: missing or not a non-empty list of ints")
+        report.add(
+            LOADERS, "dflash_config.target_layer_ids", f"{ids!r}: missing or not a non-empty list of ints"
+        )
     elif _is_int(num_target) and not all(0 <= i < num_target for i in ids):
-        report.add(LOADERS, "dflash_config.target_layer_ids", f"{ids} outside [0, num_target_layers={num_target})")
+        report.add(
+            LOADERS, "dflash_config.target_layer_ids", f"{ids} outside [0, num_target_layers={num_target})"
+        )
     aux = cfg.get("eagle_aux_hidden_state_layer_ids")
     if aux is not None and isinstance(ids, list) and aux != [i + 1 for i in ids]:
         report.add(VLLM, "eagle_aux_hidden_state_layer_ids", f"{aux} != target_layer_ids + 1: vLLM raises")
     if not _is_int(cfg.get("num_target_layers")):
-        report.add(HF, "num_target_layers", "missing at the top level: the z-lab DFlashDraftModel reads it at init")
+        report.add(
+            HF, "num_target_layers", "missing at the top level: the z-lab DFlashDraftModel reads it at init"
+        )
     top, nested = cfg.get("block_size"), dflash.get("block_size")
     if top is None and nested is None:
         report.add(LOADERS, "block_size", "missing (top level and dflash_config): SGLang would assume 16")
     elif top is not None and nested is not None and top != nested:
-        report.add(LOADERS, "block_size", f"top level {top} != dflash_config.block_size {nested}: SGLang reads the nested one, transformers the top one")
+        report.add(
+            LOADERS,
+            "block_size",
+            f"top level {top} != dflash_config.block_size {nested}: SGLang reads the nested one, transformers the top one",
+        )
     else:
         if top is None:
-            report.add(HF, "block_size", "missing at the top level: the z-lab DFlashDraftModel reads config.block_size")
+            report.add(
+                HF,
+                "block_size",
+                "missing at the top level: the z-lab DFlashDraftModel reads config.block_size",
+            )
         if nested is None:
-            report.add(SGLANG, "dflash_config.block_size", "missing: SGLang falls back to the top level", fatal=False)
+            report.add(
+                SGLANG, "dflash_config.block_size", "missing: SGLang falls back to the top level", fatal=False
+            )
         size = nested if nested is not None else top
         if not _is_int(size) or size < 2:
             report.add(LOADERS, "block_size", f"{size!r}: must be an int >= 2")
@@ -207,17 +280,25 @@ def _check_dflash_fields(cfg: dict, dflash: dict, report: CheckReport) -> None:
     for name, where in (("is_causal", cfg), ("causal", dflash), ("use_swa", dflash)):
         if name in where:
             label = name if where is cfg else f"dflash_config.{name}"
-            report.add((VLLM, SGLANG), label, "present: it overrides the per-layer rule (sliding causal, full non-causal) the drafter was trained with")
+            report.add(
+                (VLLM, SGLANG),
+                label,
+                "present: it overrides the per-layer rule (sliding causal, full non-causal) the drafter was trained with",
+            )
 
 
 def _check_layout(cfg: dict, dflash: dict, report: CheckReport) -> None:
     num_layers = cfg.get("num_hidden_layers")
     types = cfg.get("layer_types")
     if types is None:
-        report.add(LOADERS, "layer_types", "absent: every loader assumes full attention in every layer", fatal=False)
+        report.add(
+            LOADERS, "layer_types", "absent: every loader assumes full attention in every layer", fatal=False
+        )
         return
     if not isinstance(types, list) or len(types) != num_layers or set(types) - {FULL, SLIDING}:
-        report.add(LOADERS, "layer_types", f"{types!r}: must be num_hidden_layers={num_layers} of {FULL}/{SLIDING}")
+        report.add(
+            LOADERS, "layer_types", f"{types!r}: must be num_hidden_layers={num_layers} of {FULL}/{SLIDING}"
+        )
         return
     window, swa = cfg.get("sliding_window"), dflash.get("swa_window_size")
     if SLIDING not in types:
@@ -225,15 +306,37 @@ def _check_layout(cfg: dict, dflash: dict, report: CheckReport) -> None:
             report.add(LOADERS, "sliding_window", f"{window} with no sliding layer (unused)", fatal=False)
         return
     if not (_is_int(window) and window >= 1):
-        report.add(LOADERS, "sliding_window", f"{window!r}: layers slide, so a positive int is needed (vLLM and SGLang raise)")
+        report.add(
+            LOADERS,
+            "sliding_window",
+            f"{window!r}: layers slide, so a positive int is needed (vLLM and SGLang raise)",
+        )
     elif cfg.get("use_sliding_window") is not True:
-        report.add(LOADERS, "use_sliding_window", "not true: transformers' Qwen3Config then drops sliding_window (vLLM and SGLang raise, the z-lab reference runs full attention)")
+        report.add(
+            LOADERS,
+            "use_sliding_window",
+            "not true: transformers' Qwen3Config then drops sliding_window (vLLM and SGLang raise, the z-lab reference runs full attention)",
+        )
     if swa is not None and swa != window:
-        report.add((VLLM, SGLANG), "dflash_config.swa_window_size", f"{swa} != sliding_window {window}: it overrides it")
+        report.add(
+            (VLLM, SGLANG),
+            "dflash_config.swa_window_size",
+            f"{swa} != sliding_window {window}: it overrides it",
+        )
     if FULL in types:
-        report.add(VLLM, "layer_types", "mixed sliding/full layers need vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1)", fatal=False)
-    report.add(HF, "layer_types", "z-lab's own DFlashDraftModel runs sliding layers as a symmetric, non-causal window: "
-               "load with trust_remote_code=True so that this folder's dflash.py runs them as trained", fatal=False)
+        report.add(
+            VLLM,
+            "layer_types",
+            "mixed sliding/full layers need vLLM's V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1)",
+            fatal=False,
+        )
+    report.add(
+        HF,
+        "layer_types",
+        "z-lab's own DFlashDraftModel runs sliding layers as a symmetric, non-causal window: "
+        "load with trust_remote_code=True so that this folder's dflash.py runs them as trained",
+        fatal=False,
+    )
 
 
 def _tokenizer_vocab(root: Path) -> dict[str, int] | None:
@@ -242,7 +345,11 @@ def _tokenizer_vocab(root: Path) -> dict[str, int] | None:
     if not path.is_file():
         return None
     data = json.loads(path.read_text())
-    vocab = dict(data.get("model", {}).get("vocab") or {}) if isinstance(data.get("model", {}).get("vocab"), dict) else {}
+    vocab = (
+        dict(data.get("model", {}).get("vocab") or {})
+        if isinstance(data.get("model", {}).get("vocab"), dict)
+        else {}
+    )
     for tok in data.get("added_tokens") or []:
         vocab[tok["content"]] = int(tok["id"])
     return vocab
@@ -253,7 +360,11 @@ def _check_mask_token(cfg: dict, dflash: dict, root: Path, report: CheckReport) 
     mask = dflash.get("mask_token_id")
     vocab_size = cfg.get("vocab_size")
     if mask is None:
-        report.add(LOADERS, "dflash_config.mask_token_id", "missing: vLLM raises, SGLang takes or adds '<|MASK|>' (not the trained token)")
+        report.add(
+            LOADERS,
+            "dflash_config.mask_token_id",
+            "missing: vLLM raises, SGLang takes or adds '<|MASK|>' (not the trained token)",
+        )
         return
     if not _is_int(mask) or mask < 0:
         report.add(LOADERS, "dflash_config.mask_token_id", f"{mask!r}: must be a non-negative int")
@@ -263,18 +374,33 @@ def _check_mask_token(cfg: dict, dflash: dict, root: Path, report: CheckReport) 
     try:
         vocab = _tokenizer_vocab(root)
     except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as err:
-        report.add(SGLANG, "tokenizer.json", f"unreadable ({err}): the mask-token check was skipped", fatal=False)
+        report.add(
+            SGLANG, "tokenizer.json", f"unreadable ({err}): the mask-token check was skipped", fatal=False
+        )
         return
     name = dflash.get("mask_token", SGLANG_DEFAULT_MASK_TOKEN)
     if vocab is None:
-        report.add(SGLANG, "tokenizer", f"no tokenizer.json (pass --target DIR): SGLang refuses if the target's tokenizer has {name!r} with an id other than {mask}", fatal=False)
+        report.add(
+            SGLANG,
+            "tokenizer",
+            f"no tokenizer.json (pass --target DIR): SGLang refuses if the target's tokenizer has {name!r} with an id other than {mask}",
+            fatal=False,
+        )
     elif name in vocab and vocab[name] != mask:
-        report.add(SGLANG, "dflash_config.mask_token_id", f"{mask}, but the tokenizer has {name!r} = {vocab[name]}: SGLang refuses")
+        report.add(
+            SGLANG,
+            "dflash_config.mask_token_id",
+            f"{mask}, but the tokenizer has {name!r} = {vocab[name]}: SGLang refuses",
+        )
 
 
 def _weight_names_and_shapes(root: Path) -> dict[str, list[int]]:
     index = root / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else [WEIGHTS_FILE]
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.is_file()
+        else [WEIGHTS_FILE]
+    )
     out = {}
     for name in files:
         with safe_open(str(root / name), framework="pt") as f:
@@ -308,24 +434,43 @@ def _check_weights(cfg: dict, root: Path, report: CheckReport) -> None:
         return
     prefixed = sorted(k for k in have if k.startswith("model."))
     if prefixed:
-        report.add((VLLM, HF), "tensor names", f"{len(prefixed)} start with 'model.' (e.g. {prefixed[0]}): vLLM would look for model.model.*")
+        report.add(
+            (VLLM, HF),
+            "tensor names",
+            f"{len(prefixed)} start with 'model.' (e.g. {prefixed[0]}): vLLM would look for model.model.*",
+        )
         have = {k.removeprefix("model."): v for k, v in have.items()}
     for name in ("embed_tokens.weight", "lm_head.weight"):
         if name in have:
-            report.add((VLLM, SGLANG), name, "present: SGLang ignores it (the target's is used), vLLM uses it unless equal to the target's", fatal=False)
+            report.add(
+                (VLLM, SGLANG),
+                name,
+                "present: SGLang ignores it (the target's is used), vLLM uses it unless equal to the target's",
+                fatal=False,
+            )
     if "mask_hidden" in " ".join(have):
         report.add(VLLM, "mask_hidden", "present: vLLM asserts there is none")
     try:
         want = expected_shapes(drafter_config_from_export(_shape_config(cfg)))
     except (ExportError, ValueError, TypeError, KeyError) as err:
-        report.add(LOADERS, "tensors", f"not checked: the config does not describe a drafter ({err})", fatal=False)
+        report.add(
+            LOADERS, "tensors", f"not checked: the config does not describe a drafter ({err})", fatal=False
+        )
         return
     missing = sorted(set(want) - set(have))
     extra = sorted(set(have) - set(want) - {"embed_tokens.weight", "lm_head.weight"})
     if missing:
         report.add(LOADERS, "tensors", f"{len(missing)} missing, e.g. {missing[:3]}")
     if extra:
-        report.add(LOADERS, "tensors", f"{len(extra)} unexpected, e.g. {extra[:3]} (vLLM refuses, SGLang and transformers drop them)")
-    wrong = [f"{n} {have[n]} (config: {list(want[n])})" for n in sorted(set(want) & set(have)) if have[n] != list(want[n])]
+        report.add(
+            LOADERS,
+            "tensors",
+            f"{len(extra)} unexpected, e.g. {extra[:3]} (vLLM refuses, SGLang and transformers drop them)",
+        )
+    wrong = [
+        f"{n} {have[n]} (config: {list(want[n])})"
+        for n in sorted(set(want) & set(have))
+        if have[n] != list(want[n])
+    ]
     if wrong:
         report.add(LOADERS, "tensor shapes", f"{len(wrong)} differ from the config, e.g. {wrong[0]}")

@@ -181,9 +181,16 @@ class _Tokenize:
     per sample (``segment`` 0, 1, ...), or one row of status "bad:<reason>" (segment 0)."""
 
     def __init__(
-        self, tokenizer, column: str, max_length: int, min_loss_tokens: int, indices: np.ndarray, *,
-        train_reasoning: bool = True, fmt: str = "auto",
-    ):  # fmt: skip
+        self,
+        tokenizer,
+        column: str,
+        max_length: int,
+        min_loss_tokens: int,
+        indices: np.ndarray,
+        *,
+        train_reasoning: bool = True,
+        fmt: str = "auto",
+    ):
         self.tokenizer, self.column = tokenizer, column
         self.max_length, self.min_loss_tokens = max_length, min_loss_tokens
         self.indices = indices  # position in the slice -> global sample index
@@ -320,9 +327,14 @@ def tokenize_slice(ds, tokenizer, cfg: DataConfig, indices: np.ndarray):
         cfg.train_reasoning,
     )
     fn = _Tokenize(
-        tokenizer, column, cfg.max_length, cfg.min_loss_tokens, indices,
-        train_reasoning=cfg.train_reasoning, fmt=cfg.format,
-    )  # fmt: skip
+        tokenizer,
+        column,
+        cfg.max_length,
+        cfg.min_loss_tokens,
+        indices,
+        train_reasoning=cfg.train_reasoning,
+        fmt=cfg.format,
+    )
     num_proc = cfg.num_proc if cfg.num_proc and cfg.num_proc > 1 and len(sub) >= 2 * cfg.num_proc else None
     return sub.map(
         fn,

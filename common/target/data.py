@@ -173,8 +173,11 @@ def _load_json_fallback(spec: str, files: list[str], err: BaseException, *, quie
     if bad and not quiet:
         log.warning(
             "dataset %s: %d of %d lines are not valid JSON (first: %s); they are dropped as unparseable",
-            spec, bad, total, examples[0],
-        )  # fmt: skip
+            spec,
+            bad,
+            total,
+            examples[0],
+        )
     elif not quiet:
         log.info("dataset %s: rows have mixed types (%s); reading rows one by one", spec, error_line(err))
     try:

@@ -43,7 +43,9 @@ class TargetInfo:
     def line(self) -> str:
         what = self.cls
         if self.multimodal:
-            what += " (text model of a multimodal checkpoint" + (", vision tower loaded)" if self.vision_params else ", no vision tower)")  # fmt: skip
+            what += " (text model of a multimodal checkpoint" + (
+                ", vision tower loaded)" if self.vision_params else ", no vision tower)"
+            )
         if self.kernels is not None:
             what += f"; {self.kernels.line()}"
         return what
@@ -81,8 +83,11 @@ def load_target(path: str, *, dtype: torch.dtype, device: str) -> tuple[nn.Modul
         log.warning(
             "%s: %s loaded with its vision tower (%.1f M parameters on the GPU, never run): this transformers "
             "has no text-only class for model_type %r",
-            path, type(model).__name__, vision / 1e6, config.model_type,
-        )  # fmt: skip
+            path,
+            type(model).__name__,
+            vision / 1e6,
+            config.model_type,
+        )
     kernels = prepare_kernels(model, "cuda" if device.startswith("cuda") else "cpu")
     return model, TargetInfo(
         cls=type(model).__name__, multimodal=multimodal, vision_params=vision, kernels=kernels

@@ -41,24 +41,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_data import FillPlan, SpoolFiller, write_target_head  # noqa: E402
 from consumer_bench import LINEAR_ATTENTION, PRESETS, run_reference  # noqa: E402
 
-from dflash.common.cli.flags import add_flags, from_args
 from dflash.common.drafter.layers import default_target_layer_ids
-from dflash.consumer.config import TrainConfig
+from dflash.consumer.config import LogConfig, add_train_flags, train_config_from_args
 
-FIXED = ("spool", "target", "run", "run_dir", "checkpoint", "save_every", "max_steps", "total_steps")
+FIXED = ("spool", "target", "run", "run_dir", "store", "save_every", "max_steps", "total_steps")
 """TrainConfig fields the bench sets itself (a variant's flags cannot)."""
 PER_INTERVAL = (
-    "loss", "gpu_busy", "gpu_ms", "gpu_gap_max_ms", "host_wait_ms", "host_launch_ms", "gc_ms", "gc_max_ms", "gc_full",
+    "loss",
+    "gpu_busy",
+    "gpu_ms",
+    "gpu_gap_max_ms",
+    "host_wait_ms",
+    "host_launch_ms",
+    "gc_ms",
+    "gc_max_ms",
+    "gc_full",
     "alloc_retries",
-    "mem_reserved_gb", "sm_clock_mhz", "gpu_temp_c", "power_w",
-)  # fmt: skip
+    "mem_reserved_gb",
+    "sm_clock_mhz",
+    "gpu_temp_c",
+    "power_w",
+)
 
 
 def variant_parser(context: int, anchors: int) -> argparse.ArgumentParser:
     """dflash-consume's TrainConfig flags (bar ``FIXED``), with the bench's shapes as defaults."""
     p = argparse.ArgumentParser(prog="variant flags", add_help=False)
     defaults = {"log_every": 10, "eval_every": 0, "context_tokens": context, "num_anchors": anchors}
-    add_flags(p, TrainConfig, exclude=FIXED, defaults={**defaults, "max_anchors_per_doc": anchors})
+    add_train_flags(p, exclude=FIXED, defaults={**defaults, "max_anchors_per_doc": anchors})
     return p
 
 
@@ -108,18 +118,24 @@ def child(args: argparse.Namespace, flags: list[str]) -> None:
     max_steps = args.warmup + args.steps
     steps_run = max_steps
     if parsed.profile_steps:  # profiled steps come after the measured ones: they never time an interval
-        count = TrainConfig(spool=".", target=".", profile_steps=parsed.profile_steps).profile_window[1]
+        count = LogConfig(profile_steps=parsed.profile_steps).profile_window[1]
         parsed.profile_steps = f"{max_steps + 1}:{count}"
         steps_run += count
     run_dir = Path(args.workdir) / f"run-{args.name}"
     shutil.rmtree(run_dir, ignore_errors=True)
     fixed = dict(
-        spool=args.spool, target=args.target, run="bench", run_dir=str(run_dir), checkpoint=None,
-        save_every=10**9, max_steps=steps_run, total_steps=steps_run,
-    )  # fmt: skip
-    cfg = from_args(TrainConfig, parsed, **fixed, device=args.device)
+        spool=args.spool,
+        target=args.target,
+        run="bench",
+        run_dir=str(run_dir),
+        store=None,
+        save_every=10**9,
+        max_steps=steps_run,
+        total_steps=steps_run,
+    )
+    cfg = train_config_from_args(parsed, **fixed)
     t0 = time.monotonic()
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, device=args.device)
     try:
         summary = trainer.train()
     finally:
@@ -131,8 +147,8 @@ def child(args: argparse.Namespace, flags: list[str]) -> None:
         "fill": round(summary["fill"], 4),
         "first_step_s": round(summary["first_step_s"], 1) if summary["first_step_s"] else None,
         "recompiles_after_warmup": summary["recompiles_after_warmup"],
-        "precision": cfg.resolved_precision(trainer.device.type),
-        "loss_impl": cfg.resolved_loss_impl(trainer.device.type),
+        "precision": cfg.optim.resolved_precision(trainer.device.type),
+        "loss_impl": cfg.step.resolved_loss_impl(trainer.device.type),
         "train_s": round(time.monotonic() - t0, 1),
     }
     profile = run_dir / "profile-r0.txt"
@@ -147,10 +163,16 @@ def fill_master(preset: str, *, root: Path, context: int, steps: int, producers:
 
     shape = PRESETS[preset]
     plan = FillPlan(
-        spool=str(root), hidden_size=shape["hidden_size"], layer_ids=default_target_layer_ids(shape["num_target_layers"], 5),
-        vocab_size=shape["vocab_size"], context_tokens=context, total_tokens=int((steps + 8) * context * 1.05),
-        budget_bytes=int(1e15), producers=producers, seed=0,
-    )  # fmt: skip
+        spool=str(root),
+        hidden_size=shape["hidden_size"],
+        layer_ids=default_target_layer_ids(shape["num_target_layers"], 5),
+        vocab_size=shape["vocab_size"],
+        context_tokens=context,
+        total_tokens=int((steps + 8) * context * 1.05),
+        budget_bytes=int(1e15),
+        producers=producers,
+        seed=0,
+    )
     Spool(root)
     t = time.monotonic()
     filler = SpoolFiller(plan)
@@ -181,18 +203,27 @@ def main() -> None:
         child(args, flags[1:] if flags[:1] == ["--"] else flags)
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--variant", action="append", required=True, help="NAME=FLAGS (dflash-consume's flags), repeatable")
+    p.add_argument(
+        "--variant", action="append", required=True, help="NAME=FLAGS (dflash-consume's flags), repeatable"
+    )
     p.add_argument("--preset", default="32b", choices=sorted(PRESETS))
     p.add_argument("--steps", type=int, default=80, help="measured steps per variant")
     p.add_argument("--warmup", type=int, default=10, help="steps before the measured ones")
-    p.add_argument("--context", type=int, default=4096, help="the spool's context (a variant's --context-tokens must match)")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=4096,
+        help="the spool's context (a variant's --context-tokens must match)",
+    )
     p.add_argument("--anchors", type=int, default=256)
     p.add_argument("--device", default="cuda")
     p.add_argument("--producers", type=int, default=12)
     p.add_argument("--reference", default=None, help="folder holding ref_consumer_step.py: run it first")
     p.add_argument("--reference-timeout-s", type=int, default=120)
     p.add_argument("--variant-timeout-s", type=int, default=170)
-    p.add_argument("--min-variant-s", type=int, default=45, help="start no variant with less of the budget left")
+    p.add_argument(
+        "--min-variant-s", type=int, default=45, help="start no variant with less of the budget left"
+    )
     p.add_argument("--budget-s", type=int, default=480, help="the whole call, from this script's start")
     p.add_argument("--workdir", default=None)
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -203,14 +234,25 @@ def main() -> None:
         try:
             variant_parser(args.context, args.anchors).parse_args(flags)
         except SystemExit:
-            raise SystemExit(f"variant {name}: flags {shlex.join(flags)!r} are not dflash-consume's") from None
+            raise SystemExit(
+                f"variant {name}: flags {shlex.join(flags)!r} are not dflash-consume's"
+            ) from None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results = out / "ab.jsonl"
 
     def record(rec: dict) -> None:
-        shown = ("intervals_ms", "intervals_gpu_busy", "intervals_host_wait_ms", "intervals_gc_ms", "intervals_loss")
-        print(json.dumps({k: v for k, v in rec.items() if not k.startswith("intervals_") or k in shown}), flush=True)
+        shown = (
+            "intervals_ms",
+            "intervals_gpu_busy",
+            "intervals_host_wait_ms",
+            "intervals_gc_ms",
+            "intervals_loss",
+        )
+        print(
+            json.dumps({k: v for k, v in rec.items() if not k.startswith("intervals_") or k in shown}),
+            flush=True,
+        )
         with results.open("a") as f:
             f.write(json.dumps(rec) + "\n")
 
@@ -234,22 +276,64 @@ def main() -> None:
     copy = shm / f"dflash-ab-{os.getpid()}-run"
     try:
         max_steps = args.warmup + args.steps
-        record({"variant": "prefill", **fill_master(args.preset, root=master, context=args.context, steps=max_steps + 4, producers=args.producers)})
+        record(
+            {
+                "variant": "prefill",
+                **fill_master(
+                    args.preset,
+                    root=master,
+                    context=args.context,
+                    steps=max_steps + 4,
+                    producers=args.producers,
+                ),
+            }
+        )
         for name, flags in variants:
             left = args.budget_s - (time.monotonic() - t_start)
             if left < args.min_variant_s:
-                record({"variant": name, "flags": shlex.join(flags), "skipped": f"{left:.0f} s of the budget left"})
+                record(
+                    {
+                        "variant": name,
+                        "flags": shlex.join(flags),
+                        "skipped": f"{left:.0f} s of the budget left",
+                    }
+                )
                 continue
             link_copy(master, copy)
             limit = int(min(args.variant_timeout_s, left))
             js = workdir / f"{name}.json"
             js.unlink(missing_ok=True)
             cmd = [
-                "timeout", "-k", "10", str(limit), sys.executable, str(Path(__file__).resolve()), "child", "--name", name,
-                "--spool", str(copy), "--target", str(target), "--workdir", str(workdir), "--json", str(js),
-                "--device", args.device, "--steps", str(args.steps), "--warmup", str(args.warmup),
-                "--anchors", str(args.anchors), "--context", str(args.context), "--", *flags,
-            ]  # fmt: skip
+                "timeout",
+                "-k",
+                "10",
+                str(limit),
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "child",
+                "--name",
+                name,
+                "--spool",
+                str(copy),
+                "--target",
+                str(target),
+                "--workdir",
+                str(workdir),
+                "--json",
+                str(js),
+                "--device",
+                args.device,
+                "--steps",
+                str(args.steps),
+                "--warmup",
+                str(args.warmup),
+                "--anchors",
+                str(args.anchors),
+                "--context",
+                str(args.context),
+                "--",
+                *flags,
+            ]
             t = time.monotonic()
             with open(out / f"{name}.log", "w") as log:
                 rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
@@ -268,9 +352,20 @@ def main() -> None:
     finally:
         shutil.rmtree(master, ignore_errors=True)
         shutil.rmtree(copy, ignore_errors=True)
-    cols = ("variant", "ms_per_step_median", "vs_reference", "gpu_busy_median", "fill", "first_step_s",
-            "recompiles_after_warmup", "gc_ms_total", "alloc_retries_total", "peak_mem_gb_first_fifth",
-            "peak_mem_gb_last_fifth", "wall_s")  # fmt: skip
+    cols = (
+        "variant",
+        "ms_per_step_median",
+        "vs_reference",
+        "gpu_busy_median",
+        "fill",
+        "first_step_s",
+        "recompiles_after_warmup",
+        "gc_ms_total",
+        "alloc_retries_total",
+        "peak_mem_gb_first_fifth",
+        "peak_mem_gb_last_fifth",
+        "wall_s",
+    )
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for line in results.read_text().splitlines():
         rec = json.loads(line)

@@ -26,7 +26,6 @@ for the frozen lm_head (no weight grad); attention counts only the (query, key) 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import re
@@ -43,16 +42,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_data import FillPlan, SpoolFiller, write_target_head  # noqa: E402
 
-from dflash.common.cli.flags import add_flags
 from dflash.common.drafter.batch import build_draft_batch, pack_samples
 from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.dflash import recompile_count
 from dflash.common.drafter.layers import FULL, HYBRID_SLIDING_WINDOW, SLIDING, default_target_layer_ids
 from dflash.common.drafter.model import DFlashDrafter, TargetHead
-from dflash.consumer.config import TrainConfig
-from dflash.consumer.optim import clipped_step
+from dflash.consumer.config import TrainConfig, add_train_flags, train_flag_names
+from dflash.consumer.optim import build_optimizer, clipped_step
 from dflash.consumer.step import (
-    build_optimizer,
     cast_parameters,
     compile_drafter,
     forward_backward,
@@ -175,9 +172,15 @@ def random_packed(context: int, width: int, vocab: int, pinned_hidden: torch.Ten
 
 
 def run(
-    preset: str, *, steps: int, context: int, anchors: int, device: torch.device, backend: str,
+    preset: str,
+    *,
+    steps: int,
+    context: int,
+    anchors: int,
+    device: torch.device,
+    backend: str,
     precision: str | None = None,
-) -> dict:  # fmt: skip
+) -> dict:
     cfg = DrafterConfig(
         **PRESETS[preset], num_layers=5, block_size=16, mask_token_id=0, target_layer_ids=list(range(1, 6)),
         **preset_layers(preset),
@@ -189,13 +192,22 @@ def run(
     )
     model = DFlashDrafter(cfg, head).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    tcfg = TrainConfig(
-        spool=".", target=".", device=str(device), total_steps=steps, compile_backend=backend,
+    tcfg = TrainConfig.from_flat(
+        spool=".",
+        target=".",
+        total_steps=steps,
+        compile_backend=backend,
         **({"precision": precision} if precision else {}),
-    )  # fmt: skip
-    cast_parameters(model, tcfg.param_dtype(device.type))
-    optimizer, schedule = build_optimizer(model, tcfg, device)
-    loss_fn = make_loss(tcfg, device)
+    )
+    cast_parameters(model, tcfg.optim.param_dtype(device.type))
+    optimizer, schedule = build_optimizer(
+        model,
+        tcfg.optim,
+        device=device,
+        schedule_steps=tcfg.schedule_steps,
+        compile_backend=tcfg.compile_options.resolved_backend(device.type),
+    )
+    loss_fn = make_loss(tcfg.step, device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     compile_drafter(model, backend)
     width = cfg.hidden_size * cfg.num_context_layers
@@ -229,7 +241,7 @@ def run(
             loss_scale=1.0 / weight.clamp(min=1e-6).to(device),
             lce=loss_fn,
         )
-        clipped_step(optimizer, trainable, tcfg.grad_clip)
+        clipped_step(optimizer, trainable, tcfg.optim.grad_clip)
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         return pairs, float(weight)
@@ -271,8 +283,8 @@ def run(
         "first_step_s": round(first_step_s, 1),
         "recompiles_after_warmup": recompiles,
         "backend": backend,
-        "precision": tcfg.resolved_precision(device.type),
-        "loss_impl": tcfg.resolved_loss_impl(device.type),
+        "precision": tcfg.optim.resolved_precision(device.type),
+        "loss_impl": tcfg.step.resolved_loss_impl(device.type),
     }
     if device.type == "cuda":
         peak = matmul_peak_tflops(device)
@@ -361,11 +373,13 @@ def prefill_spool(
     return spool, target, plan, filler, written, time.monotonic() - t_fill
 
 
-def train_counting_pairs(cfg: TrainConfig, *, count_steps: int) -> tuple[Trainer, dict, list[float], float]:
+def train_counting_pairs(
+    cfg: TrainConfig, *, device: str, count_steps: int
+) -> tuple[Trainer, dict, list[float], float]:
     """The real Trainer's run, the mask's visible pairs counted in its first ``count_steps`` steps:
     (trainer, its summary, the pairs per step, seconds)."""
     t0 = time.monotonic()
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, device=device)
     pairs: list[float] = []
     train_step = trainer.train_step
 
@@ -373,16 +387,20 @@ def train_counting_pairs(cfg: TrainConfig, *, count_steps: int) -> tuple[Trainer
         # (the batches are built in the data worker process or the input thread: counted here, on the
         # step's own device batch; the host sync this costs stays out of the timed steps)
         if not item.padding and trainer.step < count_steps:
-            pairs.append(visible_pairs(item.batch, cfg.block_size))
+            pairs.append(visible_pairs(item.batch, cfg.drafter.block_size))
         return train_step(item, stats)
 
     trainer.train_step = counted_step
     if os.environ.get("DFLASH_BENCH_PYSPY"):  # "delay_s:duration_s:out": sample every thread's stacks
         delay, duration, out = os.environ["DFLASH_BENCH_PYSPY"].split(":", 2)
         subprocess.Popen(
-            ["bash", "-c", f"sleep {delay}; py-spy record --pid {os.getpid()} --duration {duration} "
-             f"--rate 50 --format raw --nonblocking --threads -o {out} >/dev/null 2>&1"]
-        )  # fmt: skip
+            [
+                "bash",
+                "-c",
+                f"sleep {delay}; py-spy record --pid {os.getpid()} --duration {duration} "
+                f"--rate 50 --format raw --nonblocking --threads -o {out} >/dev/null 2>&1",
+            ]
+        )
     try:
         summary = trainer.train()
     finally:
@@ -435,13 +453,25 @@ def run_trainer(
     run_dir = workdir / f"run-{preset}-{precision}-{int(time.time())}"
     ckpt = workdir / "ckpt"
     shutil.rmtree(ckpt, ignore_errors=True)
-    cfg = TrainConfig(
-        spool=str(spool), target=str(target), run="bench", run_dir=str(run_dir),
-        checkpoint=str(ckpt) if save_every else None, save_every=save_every or 10**9, keep_last=1,
-        max_steps=max_steps, total_steps=max_steps, precision=precision, seed=seed, bucket=bucket, **options,
-    )  # fmt: skip
+    cfg = TrainConfig.from_flat(
+        spool=str(spool),
+        target=str(target),
+        run="bench",
+        run_dir=str(run_dir),
+        store=str(ckpt) if save_every else None,
+        save_every=save_every or 10**9,
+        keep_last=1,
+        max_steps=max_steps,
+        total_steps=max_steps,
+        precision=precision,
+        seed=seed,
+        bucket=bucket,
+        **{k: v for k, v in options.items() if k != "device"},
+    )
     try:
-        trainer, summary, pairs, total_s = train_counting_pairs(cfg, count_steps=max(warmup, 3))
+        trainer, summary, pairs, total_s = train_counting_pairs(
+            cfg, device=device, count_steps=max(warmup, 3)
+        )
     finally:
         filler.close()
         shutil.rmtree(spool, ignore_errors=True)
@@ -452,9 +482,11 @@ def run_trainer(
     all_steps = sum(n for _, n in plain + with_save)
     mean_all = sum(p * n for p, n in plain + with_save) / max(1, all_steps)
     flops = step_flops(
-        trainer.drafter_config, context=context, anchors=anchors,
+        trainer.drafter_config,
+        context=context,
+        anchors=anchors,
         visible_pairs=statistics.mean(pairs) if pairs else 0.0,
-    )  # fmt: skip
+    )
     cuda = device.startswith("cuda")
     peak = matmul_peak_tflops(torch.device(device)) if cuda else float("nan")
     mem = [r["mem_gb"] for r in history if r["step"] >= warmup and "mem_gb" in r]
@@ -510,9 +542,14 @@ def feed_throughput(
 
     def build(packed):
         return build_draft_batch(
-            packed, block_size=16, num_anchors=anchors, max_anchors_per_doc=anchors, mask_token_id=0,
-            gamma=7.0, generator=gen,
-        )  # fmt: skip
+            packed,
+            block_size=16,
+            num_anchors=anchors,
+            max_anchors_per_doc=anchors,
+            mask_token_id=0,
+            gamma=7.0,
+            generator=gen,
+        )
 
     pipe = InputPipeline(
         lambda w: feed.next_packed(wait_s=w),
@@ -556,9 +593,19 @@ def feed_throughput(
 # sweeps over --precision and --seed, and each mode's claim order. Every other field is a flag of this
 # script, named, typed, defaulted and documented as on dflash-consume (the flags are made from TrainConfig).
 BENCH_SETS = (
-    "spool", "target", "run", "run_dir", "checkpoint", "save_every", "keep_last", "max_steps", "total_steps",
-    "precision", "seed", "bucket",
-)  # fmt: skip
+    "spool",
+    "target",
+    "run",
+    "run_dir",
+    "store",
+    "save_every",
+    "keep_last",
+    "max_steps",
+    "total_steps",
+    "precision",
+    "seed",
+    "bucket",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -580,18 +627,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--producers", type=int, default=12, help="processes pre-filling the spool")
     p.add_argument("--seed", type=int, action="append", help="trainer seed(s): init and anchors (default 0)")
-    p.add_argument("--save-runs", type=int, default=10**6, help="trainer mode: checkpoints in the first N runs only "
-                   "(a 32B-class final save writes ~31 GB: tens of seconds per run)")  # fmt: skip
+    p.add_argument(
+        "--save-runs",
+        type=int,
+        default=10**6,
+        help="trainer mode: checkpoints in the first N runs only "
+        "(a 32B-class final save writes ~31 GB: tens of seconds per run)",
+    )
     p.add_argument("--json", default=None)
-    consumer = p.add_argument_group("dflash-consume's options (shapes, loss, compile, loop); --max-anchors-per-doc "
-                                    "follows --num-anchors unless given")  # fmt: skip
-    add_flags(consumer, TrainConfig, exclude=BENCH_SETS, defaults={"max_anchors_per_doc": None})
+    consumer = p.add_argument_group(
+        "dflash-consume's options (shapes, loss, compile, loop); --max-anchors-per-doc "
+        "follows --num-anchors unless given"
+    )
+    add_train_flags(consumer, exclude=BENCH_SETS, defaults={"max_anchors_per_doc": None})
     return p
 
 
 def consumer_options(args: argparse.Namespace) -> dict:
     """The TrainConfig fields of the consumer's flags (and the bench's --device)."""
-    names = {f.name for f in dataclasses.fields(TrainConfig)} - set(BENCH_SETS)
+    names = train_flag_names() - set(BENCH_SETS)
     options = {k: getattr(args, k) for k in names if hasattr(args, k)}
     if options["max_anchors_per_doc"] is None:
         options["max_anchors_per_doc"] = options["num_anchors"]
@@ -603,26 +657,50 @@ def _run_one(
 ) -> dict:
     if args.mode == "step":
         device = torch.device(args.device)
-        backend = TrainConfig(spool=".", target=".", **options).resolved_compile_backend(device.type)
+        flags = {k: v for k, v in options.items() if k != "device"}
+        backend = TrainConfig.from_flat(spool=".", target=".", **flags).compile_options.resolved_backend(
+            device.type
+        )
         r = run(
-            preset, steps=args.steps, context=options["context_tokens"], anchors=options["num_anchors"],
-            device=device, backend=backend, precision=precision,
-        )  # fmt: skip
+            preset,
+            steps=args.steps,
+            context=options["context_tokens"],
+            anchors=options["num_anchors"],
+            device=device,
+            backend=backend,
+            precision=precision,
+        )
         r["mode"] = "step (hand-built batches, no feed/spool/input pipeline)"
         return r
     return run_trainer(
-        preset, steps=args.steps, warmup=args.warmup, options=options, precision=precision,
-        workdir=Path(args.workdir), producers=args.producers, seed=seed,
+        preset,
+        steps=args.steps,
+        warmup=args.warmup,
+        options=options,
+        precision=precision,
+        workdir=Path(args.workdir),
+        producers=args.producers,
+        seed=seed,
         save_every=args.save_every if args.mode == "trainer" and run_no < args.save_runs else None,
-        learnable=args.mode == "learning", feed_only=args.mode == "feed",
+        learnable=args.mode == "learning",
+        feed_only=args.mode == "feed",
         bucket="random" if args.mode == "trainer" else "oldest",
-    )  # fmt: skip
+    )
 
 
 COLUMNS = (
-    "mode", "preset", "precision", "ms_per_step_median", "context_tok_s", "fill", "mfu", "vs_reference",
-    "first_step_s", "recompiles_after_warmup", "peak_mem_drift_pct",
-)  # fmt: skip
+    "mode",
+    "preset",
+    "precision",
+    "ms_per_step_median",
+    "context_tok_s",
+    "fill",
+    "mfu",
+    "vs_reference",
+    "first_step_s",
+    "recompiles_after_warmup",
+    "peak_mem_drift_pct",
+)
 
 
 def main() -> None:

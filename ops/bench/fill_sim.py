@@ -40,7 +40,7 @@ from dflash.common.contract.names import shard_name
 from dflash.common.contract.shard import Shard, ShardMeta
 from dflash.common.contract.shard_writer import write_shard
 from dflash.common.contract.spool import Spool
-from dflash.consumer.config import TrainConfig
+from dflash.consumer.config import FeedConfig
 from dflash.consumer.feed import ShardFeed
 from dflash.producer.buckets import BucketConfig, Bucketer, Sample
 
@@ -56,7 +56,9 @@ def lengths(rng: random.Random, total: int, *, median: int, sigma: float, cap: i
     return out
 
 
-def produce(spool: Spool, pid: str, sizes: list[int], first_index: int, rate: float, stop: threading.Event) -> None:
+def produce(
+    spool: Spool, pid: str, sizes: list[int], first_index: int, rate: float, stop: threading.Event
+) -> None:
     """One producer: bucket the samples as dflash-produce does, write each batch as a shard at ``rate``."""
     bucketer, t0, written = Bucketer(BucketConfig()), time.monotonic(), 0
     spool.heartbeat("producer", pid, {"phase": "produce"})
@@ -70,12 +72,15 @@ def produce(spool: Spool, pid: str, sizes: list[int], first_index: int, rate: fl
         if wait > 0 and stop.wait(wait):
             return
         shard = Shard(
-            input_ids=torch.zeros(t, dtype=torch.int32), loss_mask=torch.ones(t, dtype=torch.bool),
+            input_ids=torch.zeros(t, dtype=torch.int32),
+            loss_mask=torch.ones(t, dtype=torch.bool),
             cu_seqlens=torch.tensor([0, *np.cumsum(seqlens).tolist()], dtype=torch.int64),
             sample_index=torch.tensor([s.sample_index for s in batch.samples], dtype=torch.int64),
             hidden=torch.zeros(t, WIDTH, dtype=torch.bfloat16),
-            meta=ShardMeta(target_model="sim", layer_ids=[1], hidden_size=WIDTH, producer_id=pid, bucket=batch.bucket),
-        )  # fmt: skip
+            meta=ShardMeta(
+                target_model="sim", layer_ids=[1], hidden_size=WIDTH, producer_id=pid, bucket=batch.bucket
+            ),
+        )
         tmp = spool.new_tmp_path(shard_name(batch.bucket, pid, seq))
         spool.publish(tmp, nbytes=write_shard(tmp, shard))
         spool.heartbeat("producer", pid, {"phase": "produce", "tokens": written})
@@ -102,19 +107,31 @@ def simulate(args: argparse.Namespace, root: Path) -> dict:
     threads = [
         threading.Thread(
             target=produce,
-            args=(spool, pid, sizes[i :: args.producers], i * 10**7, args.producer_rate * args.time_scale / args.producers, stop),
+            args=(
+                spool,
+                pid,
+                sizes[i :: args.producers],
+                i * 10**7,
+                args.producer_rate * args.time_scale / args.producers,
+                stop,
+            ),
             daemon=True,
-        )  # fmt: skip
+        )
         for i, pid in enumerate(pids)
     ]
     old, scale = args.policy == "old", args.time_scale
     feeds = [
         ShardFeed(
-            spool, f"r{r}", context_tokens=args.context, bucket="random", heartbeat_timeout_s=60.0 / scale,
-            fill_wait_s=(2.0 if old else args.fill_wait_s) / scale, poll_s=0.01,
+            spool,
+            f"r{r}",
+            context_tokens=args.context,
+            bucket="random",
+            heartbeat_timeout_s=60.0 / scale,
+            fill_wait_s=(2.0 if old else args.fill_wait_s) / scale,
+            poll_s=0.01,
             pool_streams=1 if old else args.pool_streams,  # old: packed at one stream's worth
-            min_split_tokens=256 if old else TrainConfig.min_split_tokens,
-        )  # fmt: skip
+            min_split_tokens=256 if old else FeedConfig.min_split_tokens,
+        )
         for r in range(args.ranks)
     ]
     for t in threads:
@@ -148,12 +165,22 @@ def simulate(args: argparse.Namespace, root: Path) -> dict:
     wall = time.monotonic() - t0
     slots = steps * args.ranks * args.context
     return {
-        "policy": args.policy, "context": args.context, "ranks": args.ranks, "producers": args.producers,
-        "producer_rate": args.producer_rate, "consumer_rate_per_rank": args.consumer_rate, "time_scale": scale,
-        "tokens": sum(sizes), "samples": len(sizes), "median": args.median, "sigma": args.sigma,
-        "steps": steps, "steps_if_full": math.ceil(tokens / (args.ranks * args.context)),
-        "fill": round(tokens / max(1, slots), 4), "wall_s": round(wall, 1),
-    }  # fmt: skip
+        "policy": args.policy,
+        "context": args.context,
+        "ranks": args.ranks,
+        "producers": args.producers,
+        "producer_rate": args.producer_rate,
+        "consumer_rate_per_rank": args.consumer_rate,
+        "time_scale": scale,
+        "tokens": sum(sizes),
+        "samples": len(sizes),
+        "median": args.median,
+        "sigma": args.sigma,
+        "steps": steps,
+        "steps_if_full": math.ceil(tokens / (args.ranks * args.context)),
+        "fill": round(tokens / max(1, slots), 4),
+        "wall_s": round(wall, 1),
+    }
 
 
 def main() -> None:
@@ -162,7 +189,9 @@ def main() -> None:
     p.add_argument("--context", type=int, default=4096)
     p.add_argument("--ranks", type=int, default=1)
     p.add_argument("--producers", type=int, default=1)
-    p.add_argument("--producer-rate", type=float, default=14_500, help="real tokens/s, all producers together")
+    p.add_argument(
+        "--producer-rate", type=float, default=14_500, help="real tokens/s, all producers together"
+    )
     p.add_argument("--consumer-rate", type=float, default=27_000, help="real context tokens/s per rank")
     p.add_argument("--time-scale", type=float, default=4.0, help="play the run this many times faster")
     p.add_argument("--tokens", type=int, default=1_910_000, help="the one-GPU run of RESULTS.md: 1.91 M")
@@ -170,7 +199,9 @@ def main() -> None:
     p.add_argument("--sigma", type=float, default=0.8)
     p.add_argument("--max-length", type=int, default=4096)
     p.add_argument("--fill-wait-s", type=float, default=30.0)
-    p.add_argument("--pool-streams", type=int, default=TrainConfig.pool_streams, help="new policy: the feed's pool")
+    p.add_argument(
+        "--pool-streams", type=int, default=FeedConfig.pool_streams, help="new policy: the feed's pool"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     args = p.parse_args()

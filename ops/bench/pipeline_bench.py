@@ -74,8 +74,10 @@ def ledger_audit(metrics_dir: Path, eligible: set[int]) -> dict:
     twice = sorted(s for s, n in seen.items() if n > 1)
     missing, extra = sorted(eligible - set(seen)), sorted(set(seen) - eligible)
     if twice or missing or extra:
-        raise Audit(f"ledger {metrics_dir}: {len(twice)} trained twice {twice[:5]}, {len(missing)} never trained "
-                    f"{missing[:5]}, {len(extra)} not produced {extra[:5]}")  # fmt: skip
+        raise Audit(
+            f"ledger {metrics_dir}: {len(twice)} trained twice {twice[:5]}, {len(missing)} never trained "
+            f"{missing[:5]}, {len(extra)} not produced {extra[:5]}"
+        )
     return {"trained_samples": sum(seen.values()), "eligible": len(eligible), "twice": 0, "missing": 0}
 
 
@@ -95,11 +97,32 @@ def eligible_samples(args, target: Path, dataset: Path) -> set[int]:
 
 
 def _produce_cmd(args, spool: Path, run_dir: Path) -> list[str]:
-    return [_exe("dflash-produce"), "--gpus", args.producer_gpus, "--model", str(args.target),
-            "--dataset", str(args.dataset), "--spool", str(spool), "--run", "bench", "--run-dir", str(run_dir),
-            "--max-length", str(args.max_length), "--batch-tokens", str(args.batch_tokens),
-            "--budget-gb", str(args.budget_gb), "--cache-dir", str(args.cache), "--progress-s", "5",
-            *shlex.split(args.producer_args)]  # fmt: skip
+    return [
+        _exe("dflash-produce"),
+        "--gpus",
+        args.producer_gpus,
+        "--model",
+        str(args.target),
+        "--dataset",
+        str(args.dataset),
+        "--spool",
+        str(spool),
+        "--run",
+        "bench",
+        "--run-dir",
+        str(run_dir),
+        "--max-length",
+        str(args.max_length),
+        "--batch-tokens",
+        str(args.batch_tokens),
+        "--budget-gb",
+        str(args.budget_gb),
+        "--cache-dir",
+        str(args.cache),
+        "--progress-s",
+        "5",
+        *shlex.split(args.producer_args),
+    ]
 
 
 def _consume_cmds(args, spool: Path, run_dir: Path, checkpoint: Path | None) -> list[tuple[list[str], dict]]:
@@ -107,12 +130,38 @@ def _consume_cmds(args, spool: Path, run_dir: Path, checkpoint: Path | None) -> 
     port = str(29500 + os.getpid() % 1000)
     out = []
     for rank, dev in enumerate(devices):
-        cmd = [_exe("dflash-consume"), "--gpu", dev, "--spool", str(spool), "--target", str(args.target),
-               "--run", "bench", "--run-dir", str(run_dir), "--log-every", str(args.log_every),
-               *(["--checkpoint", str(checkpoint), "--save-every", str(args.save_every), "--keep-last", "1"] if checkpoint else []),
-               *shlex.split(args.consumer_args)]  # fmt: skip
-        env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(len(devices)),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port} if len(devices) > 1 else {}  # fmt: skip
+        cmd = [
+            _exe("dflash-consume"),
+            "--gpu",
+            dev,
+            "--spool",
+            str(spool),
+            "--target",
+            str(args.target),
+            "--run",
+            "bench",
+            "--run-dir",
+            str(run_dir),
+            "--log-every",
+            str(args.log_every),
+            *(
+                ["--checkpoint", str(checkpoint), "--save-every", str(args.save_every), "--keep-last", "1"]
+                if checkpoint
+                else []
+            ),
+            *shlex.split(args.consumer_args),
+        ]
+        env = (
+            {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(len(devices)),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": port,
+            }
+            if len(devices) > 1
+            else {}
+        )
         out.append((cmd, env))
     return out
 
@@ -164,11 +213,20 @@ def _producer_rates(run_dir: Path) -> dict:
     own = _flat(
         [{"gb": r["gpu_mem_gb"]} for r in runs[0] if r.get("phase") == "produce" and "gpu_mem_gb" in r], "gb"
     )
-    return {"producers": len(finals), "tokens": int(sum(f["tokens"] for f in finals)), "samples": int(sum(f["samples"] for f in finals)),
-            "tok_s_per_gpu": float(np.mean(rates)), "tok_s": float(sum(rates)), "start_time": min(f["time"] - f["produce_s"] for f in finals),
-            "compile_s": max(f.get("compile_s", 0) for f in finals), "recompiles": sum(f.get("recompiles", 0) for f in finals),
-            "compile": finals[0].get("compile"), "padding_waste": float(np.mean([f["padding_waste"] for f in finals])),
-            "gpu_max_mem_gb": max((f.get("gpu_max_mem_gb") or 0) for f in finals), "gpu_mem_allocated": own}  # fmt: skip
+    return {
+        "producers": len(finals),
+        "tokens": int(sum(f["tokens"] for f in finals)),
+        "samples": int(sum(f["samples"] for f in finals)),
+        "tok_s_per_gpu": float(np.mean(rates)),
+        "tok_s": float(sum(rates)),
+        "start_time": min(f["time"] - f["produce_s"] for f in finals),
+        "compile_s": max(f.get("compile_s", 0) for f in finals),
+        "recompiles": sum(f.get("recompiles", 0) for f in finals),
+        "compile": finals[0].get("compile"),
+        "padding_waste": float(np.mean([f["padding_waste"] for f in finals])),
+        "gpu_max_mem_gb": max((f.get("gpu_max_mem_gb") or 0) for f in finals),
+        "gpu_mem_allocated": own,
+    }
 
 
 def _consumer_rates(run_dir: Path) -> dict:
@@ -180,12 +238,20 @@ def _consumer_rates(run_dir: Path) -> dict:
     world = steps[-1]["world_size"] if steps else 1
     ledger = [json.loads(x) for x in (run_dir / "metrics" / "ledger-r0.jsonl").read_text().splitlines()]
     tok_s = sum(r["interval_tokens"] for r in steady) / max(sum(r["interval_s"] for r in steady), 1e-9)
-    return {"consumers": world, "steps": end.get("steps"), "tokens": int(sum(r["interval_tokens"] for r in steps)),
-            "tok_s": tok_s, "tok_s_per_gpu": tok_s / world, "fill": end.get("fill"), "first_step_s": end.get("first_step_s"),
-            "checkpoint_stall_s": end.get("last_save_stall_s"), "recompiles": end.get("recompiles_after_warmup"),
-            "last_step_time": ledger[-1]["time"] if ledger else None,
-            "gpu_max_mem_gb": max((r.get("mem_gb") or 0) * 2**30 / 1e9 for r in steps) if steps else None,
-            "gpu_peak_mem": _flat([{"gb": r["mem_gb"] * 2**30 / 1e9} for r in steps if "mem_gb" in r], "gb")}  # fmt: skip
+    return {
+        "consumers": world,
+        "steps": end.get("steps"),
+        "tokens": int(sum(r["interval_tokens"] for r in steps)),
+        "tok_s": tok_s,
+        "tok_s_per_gpu": tok_s / world,
+        "fill": end.get("fill"),
+        "first_step_s": end.get("first_step_s"),
+        "checkpoint_stall_s": end.get("last_save_stall_s"),
+        "recompiles": end.get("recompiles_after_warmup"),
+        "last_step_time": ledger[-1]["time"] if ledger else None,
+        "gpu_max_mem_gb": max((r.get("mem_gb") or 0) * 2**30 / 1e9 for r in steps) if steps else None,
+        "gpu_peak_mem": _flat([{"gb": r["mem_gb"] * 2**30 / 1e9} for r in steps if "mem_gb" in r], "gb"),
+    }
 
 
 def _flat(series: list[dict], key: str) -> dict | None:
@@ -194,8 +260,12 @@ def _flat(series: list[dict], key: str) -> dict | None:
         return None
     k = max(1, len(pts) // 5)
     first, last = float(np.mean(pts[:k])), float(np.mean(pts[-k:]))
-    return {"max_gb": max(pts), "first_fifth_gb": round(first, 3), "last_fifth_gb": round(last, 3),
-            "flat": last <= 1.05 * first + 0.5}  # fmt: skip
+    return {
+        "max_gb": max(pts),
+        "first_fifth_gb": round(first, 3),
+        "last_fifth_gb": round(last, 3),
+        "flat": last <= 1.05 * first + 0.5,
+    }
 
 
 def run_phases(args) -> dict:
@@ -273,8 +343,13 @@ def summarize(res: dict, args) -> dict:
     shared = set(args.producer_gpus.split(",")) == set(args.consumer_gpus.split(",")) and not args.small
     p = ph.get("producer", {}).get("tok_s")
     c = ph.get("consumer", {}).get("tok_s")
-    fig = {"shape": args.preset, "layers": args.layers, "depth_scale": depth_scale(args.preset, args.layers),
-           "producer_tok_s": ph.get("producer", {}).get("tok_s_per_gpu"), "consumer_tok_s": ph.get("consumer", {}).get("tok_s_per_gpu")}  # fmt: skip
+    fig = {
+        "shape": args.preset,
+        "layers": args.layers,
+        "depth_scale": depth_scale(args.preset, args.layers),
+        "producer_tok_s": ph.get("producer", {}).get("tok_s_per_gpu"),
+        "consumer_tok_s": ph.get("consumer", {}).get("tok_s_per_gpu"),
+    }
     if fig["producer_tok_s"]:
         fig["producer_tok_s_full_depth"] = fig["producer_tok_s"] * fig["depth_scale"]
     res["figures"] = [fig]
@@ -287,8 +362,14 @@ def summarize(res: dict, args) -> dict:
         ph["together"].update(
             ideal_tok_s=ideal, trained_vs_ideal=ratio, rule="1/(1/P+1/C)" if shared else "min(P, C)"
         )
-        checks.append({"check": f"trained together >= {ACCEPT_TOGETHER} x {ph['together']['rule']}", "value": round(ratio, 4),
-                       "threshold": ACCEPT_TOGETHER, "ok": None if args.small else ratio >= ACCEPT_TOGETHER})  # fmt: skip
+        checks.append(
+            {
+                "check": f"trained together >= {ACCEPT_TOGETHER} x {ph['together']['rule']}",
+                "value": round(ratio, 4),
+                "threshold": ACCEPT_TOGETHER,
+                "ok": None if args.small else ratio >= ACCEPT_TOGETHER,
+            }
+        )
     for name in ("consumer", "together"):
         if name in ph:
             checks.append(
@@ -304,11 +385,21 @@ def summarize(res: dict, args) -> dict:
         else (v["producer"]["recompiles"], v["consumer"]["recompiles"])
         for k, v in ph.items()
     }
-    checks.append({"check": "0 recompiles after warm-up (producer, consumer)", "value": rec,
-                   "ok": all((r or 0) == 0 for v in rec.values() for r in (v if isinstance(v, tuple) else (v,)))})  # fmt: skip
+    checks.append(
+        {
+            "check": "0 recompiles after warm-up (producer, consumer)",
+            "value": rec,
+            "ok": all((r or 0) == 0 for v in rec.values() for r in (v if isinstance(v, tuple) else (v,))),
+        }
+    )
     mems = _memory_verdicts(ph)
-    checks.append({"check": "GPU memory flat per process (nvidia-smi, and each process's own allocated bytes)", "value": mems,
-                   "ok": all(mems.values()) if mems and not args.small else None})  # fmt: skip
+    checks.append(
+        {
+            "check": "GPU memory flat per process (nvidia-smi, and each process's own allocated bytes)",
+            "value": mems,
+            "ok": all(mems.values()) if mems and not args.small else None,
+        }
+    )
     res["acceptance"] = checks
     return res
 
@@ -365,14 +456,21 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     small = args.small
     args.preset = args.preset or ("small" if small else "8b")
-    for k, v in dict(chats=24 if small else 600, median_len=120 if small else 800, max_length=256 if small else 4096,
-                     batch_tokens=1024 if small else 32768, log_every=2 if small else 10).items():  # fmt: skip
+    for k, v in dict(
+        chats=24 if small else 600,
+        median_len=120 if small else 800,
+        max_length=256 if small else 4096,
+        batch_tokens=1024 if small else 32768,
+        log_every=2 if small else 10,
+    ).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     if small:
         args.producer_gpus, args.consumer_gpus = "cpu:1", "cpu"
-        args.consumer_args = ("--context-tokens 256 --num-anchors 16 --max-anchors-per-doc 8 --num-layers 1 --eval-every 0 "
-                              "--fill-wait-s 0.2 " + args.consumer_args)  # fmt: skip
+        args.consumer_args = (
+            "--context-tokens 256 --num-anchors 16 --max-anchors-per-doc 8 --num-layers 1 --eval-every 0 "
+            "--fill-wait-s 0.2 " + args.consumer_args
+        )
     args.phases = [x.strip() for x in args.phases.split(",") if x.strip()]
     args.layers = (
         args.layers or PRESETS[args.preset].get("default_layers") or PRESETS[args.preset]["num_hidden_layers"]
@@ -385,10 +483,19 @@ def main(argv=None) -> int:
     work = Path(args.workdir)
     args.out = Path(args.out)
     args.out.mkdir(parents=True, exist_ok=True)
-    args.target = save_target(args.preset, work / f"target-{args.preset}-{args.layers}", layers=args.layers,
-                              device="cpu" if args.small else "cuda").resolve()  # fmt: skip
-    args.dataset = write_chat_dataset(work / f"chat-{args.chats}-{args.median_len}.jsonl", rows=args.chats,
-                                      median=args.median_len, sigma=0.9, cap=args.max_length + 200).resolve()  # fmt: skip
+    args.target = save_target(
+        args.preset,
+        work / f"target-{args.preset}-{args.layers}",
+        layers=args.layers,
+        device="cpu" if args.small else "cuda",
+    ).resolve()
+    args.dataset = write_chat_dataset(
+        work / f"chat-{args.chats}-{args.median_len}.jsonl",
+        rows=args.chats,
+        median=args.median_len,
+        sigma=0.9,
+        cap=args.max_length + 200,
+    ).resolve()
     args.cache = work / "hf-cache"
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     shm = Path("/dev/shm") if Path("/dev/shm").is_dir() else work
@@ -399,8 +506,10 @@ def main(argv=None) -> int:
     args.save_every = args.save_every or (3 if args.small else 60)
     if args.small:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-    res: dict = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                 "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}  # fmt: skip
+    res: dict = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    }
     code = 0
     try:
         res.update(run_phases(args))

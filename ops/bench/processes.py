@@ -30,7 +30,9 @@ def _rss_gb(pids: list[int]) -> float:
     total = 0
     for p in pids:
         try:
-            line = next(x for x in Path(f"/proc/{p}/status").read_text().splitlines() if x.startswith("VmRSS"))
+            line = next(
+                x for x in Path(f"/proc/{p}/status").read_text().splitlines() if x.startswith("VmRSS")
+            )
             total += int(line.split()[1]) * 1024
         except (OSError, StopIteration):
             pass
@@ -40,8 +42,12 @@ def _rss_gb(pids: list[int]) -> float:
 def _gpu_mem_gb() -> dict[int, float]:
     """{pid: GB} of the GPU's compute processes (nvidia-smi), {} without one."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return {}
     rows = [line.split(",") for line in out.strip().splitlines() if "," in line]
@@ -62,12 +68,17 @@ class Sampler(threading.Thread):
             rec: dict = {"t": round(time.time() - self.t0, 2)}
             if self.spool.is_dir():
                 stats = Spool(self.spool, create=False).stats()["states"]
-                rec.update(ready=stats["ready"]["shards"], claimed=stats["claimed"]["shards"],
-                           spool_gb=round(sum(stats[s]["bytes"] for s in ("tmp", "ready", "claimed")) / 1e9, 4))  # fmt: skip
+                rec.update(
+                    ready=stats["ready"]["shards"],
+                    claimed=stats["claimed"]["shards"],
+                    spool_gb=round(sum(stats[s]["bytes"] for s in ("tmp", "ready", "claimed")) / 1e9, 4),
+                )
             gpu = _gpu_mem_gb() if self.gpu else {}
             for name, proc in self.procs.items():
                 tree = _tree(proc.pid)
-                rec[f"{name}_gb"] = round(sum(gpu.get(p, 0.0) for p in tree) if self.gpu else _rss_gb(tree), 3)
+                rec[f"{name}_gb"] = round(
+                    sum(gpu.get(p, 0.0) for p in tree) if self.gpu else _rss_gb(tree), 3
+                )
             self.series.append(rec)
 
     def stop(self) -> list[dict]:

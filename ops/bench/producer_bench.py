@@ -122,8 +122,14 @@ class MemSampler(threading.Thread):
             if self.device.type == "cuda":
                 gb = round(torch.cuda.memory_allocated(self.device) / 1e9, 3)
                 reserved = round(torch.cuda.memory_reserved(self.device) / 1e9, 3)
-                self.series.append({"t": round(time.monotonic() - self.t0, 3), "phase": self.phase, "alloc_gb": gb,
-                                    "reserved_gb": reserved})  # fmt: skip
+                self.series.append(
+                    {
+                        "t": round(time.monotonic() - self.t0, 3),
+                        "phase": self.phase,
+                        "alloc_gb": gb,
+                        "reserved_gb": reserved,
+                    }
+                )
 
     def stop(self) -> None:
         self._halt.set()
@@ -136,9 +142,14 @@ class MemSampler(threading.Thread):
         k = max(1, len(pts) // 5)
         first, last = sum(pts[:k]) / k, sum(pts[-k:]) / k
         reserved = [p.get("reserved_gb", 0) for p in self.series if p["phase"] == phase]
-        return {"max_alloc_gb": max(pts), "max_reserved_gb": max(reserved),
-                "first_fifth_mean_gb": round(first, 3), "last_fifth_mean_gb": round(last, 3),
-                "flat": last <= 1.05 * first + 0.5, "samples": len(pts)}  # fmt: skip
+        return {
+            "max_alloc_gb": max(pts),
+            "max_reserved_gb": max(reserved),
+            "first_fifth_mean_gb": round(first, 3),
+            "last_fifth_mean_gb": round(last, 3),
+            "flat": last <= 1.05 * first + 0.5,
+            "samples": len(pts),
+        }
 
 
 def _sync(device: torch.device) -> None:
@@ -233,14 +244,23 @@ def _config(args, variant: str, spool: Path) -> tuple[ProducerConfig, Worker]:
     over = dict(VARIANTS[variant][1])
     buckets = BucketConfig(batch_tokens=args.batch_tokens, pool_batches=args.pool_batches)
     cfg = ProducerConfig(
-        model="bench-model", data=DataConfig(dataset="synthetic", max_length=args.max_length), buckets=buckets,
-        codec=over.pop("codec", args.codec), heartbeat_s=0.5,
-        compile_options=TrunkCompileConfig(compile_backend=args.compile_backend, **{k: over.pop(k) for k in list(over) if k.startswith("compile")}),
-    )  # fmt: skip
+        model="bench-model",
+        data=DataConfig(dataset="synthetic", max_length=args.max_length),
+        buckets=buckets,
+        codec=over.pop("codec", args.codec),
+        heartbeat_s=0.5,
+        compile_options=TrunkCompileConfig(
+            compile_backend=args.compile_backend,
+            **{k: over.pop(k) for k in list(over) if k.startswith("compile")},
+        ),
+    )
     worker = Worker(
-        producer_id="bench", spool=str(spool), device=str(args.device), budget_bytes=int(args.budget_gb * 1e9),
+        producer_id="bench",
+        spool=str(spool),
+        device=str(args.device),
+        budget_bytes=int(args.budget_gb * 1e9),
         writer_threads=over.pop("writer_threads", args.writer_threads or _shipped_writers(args)),
-    )  # fmt: skip
+    )
     return cfg, worker
 
 
@@ -270,8 +290,13 @@ def bench_producer(args, model, work, spool: Path, mem: MemSampler, variant: str
     drainer = threading.Thread(target=drain, args=(spool / "ready", stop, seen), daemon=True)
     drainer.start()
     t_start = time.perf_counter()  # the first-shard clock: warm-up (compile, autotune) included
-    trunk = warm_trunk(cfg, worker, LayerCapture(model, args.layer_ids, free_unused=True), linear_attention_kernels(model),
-                       [len(s) for s in samples])  # fmt: skip
+    trunk = warm_trunk(
+        cfg,
+        worker,
+        LayerCapture(model, args.layer_ids, free_unused=True),
+        linear_attention_kernels(model),
+        [len(s) for s in samples],
+    )
     if args.device.type == "cuda":
         torch.cuda.empty_cache()
     mem.phase = f"producer_{variant}"
@@ -282,7 +307,10 @@ def bench_producer(args, model, work, spool: Path, mem: MemSampler, variant: str
         if variant == "nowrite":
             import dflash.producer.writers as writers_mod
 
-            real, writers_mod.write_shard = writers_mod.write_shard, lambda path, shard, codec=None, **kw: (Path(path).mkdir(), 0)[1]  # fmt: skip
+            real, writers_mod.write_shard = (
+                writers_mod.write_shard,
+                lambda path, shard, codec=None, **kw: (Path(path).mkdir(), 0)[1],
+            )
         if window:
             loop_module.forward_batch = window.wrap(real_forward)
         result = produce(cfg, worker, trunk, samples, on_heartbeat=beats.append)
@@ -300,9 +328,18 @@ def bench_producer(args, model, work, spool: Path, mem: MemSampler, variant: str
     # started, seconds that a long run amortizes and a 5-second one would not); seconds: the whole call
     out.update(trunk.report())
     out["first_shard_s"] = round(seen["first"] - t_start, 2) if "first" in seen else None
-    out.update(seconds=round(dt, 3), tok_s=round(result["tokens"] / result["produce_s"], 1), writer_threads=worker.writer_threads,
-               compression_ratio=round(result["tokens"] * trunk.feature_size * 2 / result["bytes"], 3) if result["bytes"] else None,
-               heartbeats=[{k: b.get(k) for k in ("elapsed_s", "tokens", "tok_s", "gpu_mem_gb", "spool_bytes")} for b in beats])  # fmt: skip
+    out.update(
+        seconds=round(dt, 3),
+        tok_s=round(result["tokens"] / result["produce_s"], 1),
+        writer_threads=worker.writer_threads,
+        compression_ratio=round(result["tokens"] * trunk.feature_size * 2 / result["bytes"], 3)
+        if result["bytes"]
+        else None,
+        heartbeats=[
+            {k: b.get(k) for k in ("elapsed_s", "tokens", "tok_s", "gpu_mem_gb", "spool_bytes")}
+            for b in beats
+        ],
+    )
     if window:
         out["profile"] = window.result
     if variant in args.forward_variants and "forward" in args.paths:
@@ -336,19 +373,37 @@ def acceptance(res: dict) -> list[dict]:
     checks = []
     for key, threshold, what in ACCEPT.get(res["preset"], []) + COMMON_ACCEPT:
         value = res["ratios"].get(key)
-        checks.append({"check": what, "key": key, "value": value, "threshold": threshold,
-                       "ok": None if value is None else value >= threshold})  # fmt: skip
+        checks.append(
+            {
+                "check": what,
+                "key": key,
+                "value": value,
+                "threshold": threshold,
+                "ok": None if value is None else value >= threshold,
+            }
+        )
     first = {k: v.get("first_shard_s") for k, v in res["results"].items() if k.startswith("producer_")}
-    checks.append({"check": f"first shard <= {FIRST_SHARD_S} s after the producer's start (warm-up included)",
-                   "value": first, "threshold": FIRST_SHARD_S,
-                   "ok": all(v is not None and v <= FIRST_SHARD_S for v in first.values()) if first else None})  # fmt: skip
+    checks.append(
+        {
+            "check": f"first shard <= {FIRST_SHARD_S} s after the producer's start (warm-up included)",
+            "value": first,
+            "threshold": FIRST_SHARD_S,
+            "ok": all(v is not None and v <= FIRST_SHARD_S for v in first.values()) if first else None,
+        }
+    )
     compiled = {
         k: v["recompiles"]
         for k, v in res["results"].items()
         if k.startswith("producer_") and v.get("compile_scope")
     }
-    checks.append({"check": "0 recompiles after warm-up", "value": compiled, "threshold": 0,
-                   "ok": all(n == 0 for n in compiled.values())})  # fmt: skip
+    checks.append(
+        {
+            "check": "0 recompiles after warm-up",
+            "value": compiled,
+            "threshold": 0,
+            "ok": all(n == 0 for n in compiled.values()),
+        }
+    )
     if "kernel_check" in res["results"]:
         kc = res["results"]["kernel_check"]
         checks.append(
@@ -359,8 +414,13 @@ def acceptance(res: dict) -> list[dict]:
             }
         )
     flat = {k: m["flat"] for k, m in res["gpu_memory"].items() if m and k != "kernel_check"}
-    checks.append({"check": "GPU memory flat (last fifth <= 1.05 x first fifth + 0.5 GB)", "value": flat,
-                   "ok": all(flat.values()) if flat else None})  # fmt: skip
+    checks.append(
+        {
+            "check": "GPU memory flat (last fifth <= 1.05 x first fifth + 0.5 GB)",
+            "value": flat,
+            "ok": all(flat.values()) if flat else None,
+        }
+    )
     return checks
 
 
@@ -370,11 +430,15 @@ def markdown(res: dict) -> str:
         for k, v in res["results"].items()
         if "tok_s" in v
     ]
-    lines = [f"# Producer benchmark, {res['model']} ({res['date']})", "",
-             f"{res['device_name']}, {res['dtype']}, torch {res['torch']}, transformers {res['transformers']}; "
-             f"batch budget {res['args']['batch_tokens']} tokens; layers {res['layer_ids']}", "",
-             "| path | tok/s | seconds | warm-up s | first shard s | recompiles |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    lines = [
+        f"# Producer benchmark, {res['model']} ({res['date']})",
+        "",
+        f"{res['device_name']}, {res['dtype']}, torch {res['torch']}, transformers {res['transformers']}; "
+        f"batch budget {res['args']['batch_tokens']} tokens; layers {res['layer_ids']}",
+        "",
+        "| path | tok/s | seconds | warm-up s | first shard s | recompiles |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for key, desc, v in rows:
         lines.append(
             f"| {key}: {desc} | {v['tok_s']:,.0f} | {v['seconds']} | {v.get('compile_s', '')} | {v.get('first_shard_s', '')} | {v.get('recompiles', '')} |"
@@ -455,8 +519,12 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     args.preset = args.preset or ("small" if args.small else "8b")
     small = args.small
-    for k, v in dict(tokens=8192 if small else 262144, batch_tokens=2048 if small else 32768,
-                     max_length=512 if small else 4096, median_len=150.0 if small else 800.0).items():  # fmt: skip
+    for k, v in dict(
+        tokens=8192 if small else 262144,
+        batch_tokens=2048 if small else 32768,
+        max_length=512 if small else 4096,
+        median_len=150.0 if small else 800.0,
+    ).items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -494,24 +562,47 @@ def main(argv=None) -> None:
         work["static"] = workload(args, model.config.vocab_size, static_buckets(base))
     batches = work["default"][1]
     kernels = linear_attention_kernels(model)
-    log.info("%s x %d layers: %d batches, %d real tokens; kernels %s", args.preset, layers, len(batches),
-             sum(b.num_tokens for b in batches), kernels.line() if kernels else "-")  # fmt: skip
+    log.info(
+        "%s x %d layers: %d batches, %d real tokens; kernels %s",
+        args.preset,
+        layers,
+        len(batches),
+        sum(b.num_tokens for b in batches),
+        kernels.line() if kernels else "-",
+    )
     meta = {
-        "preset": args.preset, "model": f"{args.preset}-shaped ({layers} layers), random weights", "layers": layers,
-        "full_depth": full_depth(args.preset), "depth_scale": round(depth_scale(args.preset, layers), 6),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "dtype": str(next(model.parameters()).dtype), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-        "transformers": transformers.__version__, "kernels": kernels.kernels if kernels else None,
-        "layer_ids": args.layer_ids, "num_batches": len(batches), "build_s": round(build_s, 1),
+        "preset": args.preset,
+        "model": f"{args.preset}-shaped ({layers} layers), random weights",
+        "layers": layers,
+        "full_depth": full_depth(args.preset),
+        "depth_scale": round(depth_scale(args.preset, layers), 6),
+        "device_name": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
+        "dtype": str(next(model.parameters()).dtype),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "kernels": kernels.kernels if kernels else None,
+        "layer_ids": args.layer_ids,
+        "num_batches": len(batches),
+        "build_s": round(build_s, 1),
         "args": {k: (str(v) if isinstance(v, torch.device | set) else v) for k, v in vars(args).items()},
-    }  # fmt: skip
+    }
 
     def report(final: bool) -> None:
         """The JSON and markdown of what has finished so far (a call cut at its limit keeps them)."""
-        res = {"date": datetime.datetime.now().isoformat(timespec="seconds"), **meta, "complete": final,
-               "results": results, "ratios": ratios(results, meta["depth_scale"]),
-               "gpu_memory": {ph: mem.summary(ph) for ph in sorted({p["phase"] for p in mem.series} - {"init", "warmup"})},
-               "gpu_memory_series": mem.series}  # fmt: skip
+        res = {
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            **meta,
+            "complete": final,
+            "results": results,
+            "ratios": ratios(results, meta["depth_scale"]),
+            "gpu_memory": {
+                ph: mem.summary(ph) for ph in sorted({p["phase"] for p in mem.series} - {"init", "warmup"})
+            },
+            "gpu_memory_series": mem.series,
+        }
         res["acceptance"] = acceptance(res)
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)

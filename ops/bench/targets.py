@@ -27,22 +27,68 @@ import torch
 from dflash.common.drafter.layers import default_target_layer_ids
 from dflash.tools.demo.assets import tiny_target_dir
 
-QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, vocab_size=151936)  # fmt: skip
+QWEN3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+)
 PRESETS: dict[str, dict] = {
     "8b": dict(arch="qwen3", **QWEN3_8B),
-    "32b": dict(arch="qwen3", hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
-                num_attention_heads=64, num_key_value_heads=8, head_dim=128, vocab_size=151936),  # fmt: skip
-    "hybrid27b": dict(arch="qwen3_5", hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-                      num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320,
-                      linear_num_value_heads=48, linear_num_key_heads=16, linear_key_head_dim=128,
-                      linear_value_head_dim=128, linear_conv_kernel_dim=4, default_layers=8),  # fmt: skip
-    "small": dict(arch="qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64, vocab_size=4096),  # fmt: skip
-    "hybrid_small": dict(arch="qwen3_5", hidden_size=128, intermediate_size=256, num_hidden_layers=8,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=64, vocab_size=4096,
-                         linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
-                         linear_value_head_dim=32, linear_conv_kernel_dim=4),  # fmt: skip
+    "32b": dict(
+        arch="qwen3",
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_hidden_layers=64,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+    ),
+    "hybrid27b": dict(
+        arch="qwen3_5",
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=64,
+        num_attention_heads=24,
+        num_key_value_heads=4,
+        head_dim=256,
+        vocab_size=248320,
+        linear_num_value_heads=48,
+        linear_num_key_heads=16,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        default_layers=8,
+    ),
+    "small": dict(
+        arch="qwen3",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=4096,
+    ),
+    "hybrid_small": dict(
+        arch="qwen3_5",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        vocab_size=4096,
+        linear_num_value_heads=4,
+        linear_num_key_heads=2,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+    ),
 }
 
 
@@ -54,7 +100,9 @@ def shape_config(preset: str, layers: int | None = None):
     arch, full = shape.pop("arch"), shape.pop("num_hidden_layers")
     n = layers or shape.pop("default_layers", full)
     shape.pop("default_layers", None)
-    common = dict(num_hidden_layers=n, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    common = dict(
+        num_hidden_layers=n, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False
+    )
     if arch == "qwen3":
         return Qwen3Config(**shape, **common, rope_theta=1000000.0)
     types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(n)]
@@ -73,7 +121,12 @@ def depth_scale(preset: str, layers: int) -> float:
 
 
 def build_target(
-    preset: str, *, layers: int | None = None, device: str = "cuda", seed: int = 0, dtype: torch.dtype | None = None
+    preset: str,
+    *,
+    layers: int | None = None,
+    device: str = "cuda",
+    seed: int = 0,
+    dtype: torch.dtype | None = None,
 ):
     """A random-weight causal LM of the preset's shape (default bf16 on CUDA, fp32 on the CPU), in eval mode."""
     from transformers import AutoModelForCausalLM
@@ -99,12 +152,16 @@ def save_target(preset: str, root: Path, *, layers: int | None = None, device: s
     return root
 
 
-WORDS = ("the of and to in is that for it as with was on be by this are from or at an which not have one "
-         "function value returns list module object string file data time type default error name python "
-         "number set class method code given argument if when new first each can used").split()  # fmt: skip
+WORDS = (
+    "the of and to in is that for it as with was on be by this are from or at an which not have one "
+    "function value returns list module object string file data time type default error name python "
+    "number set class method code given argument if when new first each can used"
+).split()
 
 
-def chat_lengths(rng: random.Random, n: int, *, median: int, sigma: float, cap: int, floor: int = 96) -> list[int]:
+def chat_lengths(
+    rng: random.Random, n: int, *, median: int, sigma: float, cap: int, floor: int = 96
+) -> list[int]:
     """Long-tailed (log-normal) conversation lengths in tokens, as in real chat data."""
     return [min(cap, max(floor, int(math.exp(rng.gauss(math.log(median), sigma))))) for _ in range(n)]
 
@@ -120,6 +177,15 @@ def write_chat_dataset(path: Path, *, rows: int, median: int, sigma: float, cap:
             words = max(8, n - 10)
             text = lambda k: " ".join(rng.choice(WORDS) for _ in range(k))  # noqa: E731
             user, answer = max(4, words * 3 // 10), max(8, words * 7 // 10)
-            f.write(json.dumps({"messages": [{"role": "user", "content": text(user)},
-                                             {"role": "assistant", "content": text(answer)}]}) + "\n")  # fmt: skip
+            f.write(
+                json.dumps(
+                    {
+                        "messages": [
+                            {"role": "user", "content": text(user)},
+                            {"role": "assistant", "content": text(answer)},
+                        ]
+                    }
+                )
+                + "\n"
+            )
     return path

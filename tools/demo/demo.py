@@ -64,9 +64,12 @@ class LocalS3:
         self.url = f"http://127.0.0.1:{self.port}"
         self._log = open(log_path, "w")
         self.proc = subprocess.Popen(
-            [exe, "-H", "127.0.0.1", "-p", str(self.port)], stdout=self._log, stderr=subprocess.STDOUT,
-            start_new_session=True, preexec_fn=_die_with_this_process if sys.platform == "linux" else None,
-        )  # fmt: skip
+            [exe, "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_this_process if sys.platform == "linux" else None,
+        )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:

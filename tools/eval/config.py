@@ -83,7 +83,11 @@ class EvalConfig:
 
     def settings(self, dtype_name: str) -> dict:
         """What makes two evaluations comparable (dflash-eval --watch reuses records only under equal ones)."""
-        out = {**{name: getattr(self, name) for name in SETTINGS}, "ignore_eos": bool(self.ignore_eos), "dtype": dtype_name}  # fmt: skip
+        out = {
+            **{name: getattr(self, name) for name in SETTINGS},
+            "ignore_eos": bool(self.ignore_eos),
+            "dtype": dtype_name,
+        }
         if self.sampled:
             out.update({name: getattr(self, name) for name in SAMPLING_SETTINGS})
         return out

@@ -71,8 +71,11 @@ def tokenizer_source(target: str | None) -> Path | None:
         return None
     path = Path(target)
     if not path.is_dir() or not any((path / name).is_file() for name in TOKENIZER_FILES):
-        log.warning("target %s is not a readable folder with tokenizer files here: tokenizer files not copied "
-                    "(pass --target DIR)", target)  # fmt: skip
+        log.warning(
+            "target %s is not a readable folder with tokenizer files here: tokenizer files not copied "
+            "(pass --target DIR)",
+            target,
+        )
         return None
     return path
 
@@ -96,9 +99,14 @@ def export_checkpoint(
     if recorded:
         metadata["dflash_target"] = str(recorded)
     return export_drafter(
-        model_state, config, out_dir, dtype=dtype, metadata=metadata, overwrite=overwrite,
+        model_state,
+        config,
+        out_dir,
+        dtype=dtype,
+        metadata=metadata,
+        overwrite=overwrite,
         tokenizer_dir=tokenizer_source(target or recorded),
-    )  # fmt: skip
+    )
 
 
 def run(cfg: ExportConfig) -> int:
@@ -107,9 +115,14 @@ def run(cfg: ExportConfig) -> int:
     try:
         store_url, run_name, step = parse_checkpoint_url(cfg.checkpoint, run=cfg.run, step=cfg.step)
         out = export_checkpoint(
-            store_url, run_name, cfg.out_dir, step=step, dtype=DTYPES[cfg.dtype], overwrite=cfg.overwrite,
+            store_url,
+            run_name,
+            cfg.out_dir,
+            step=step,
+            dtype=DTYPES[cfg.dtype],
+            overwrite=cfg.overwrite,
             target=cfg.target,
-        )  # fmt: skip
+        )
     except (ExportError, CheckpointError, CheckpointStoreError, ValueError, OSError) as err:
         fail(PROG, err)
     print(out)

@@ -1,5 +1,5 @@
 """Where a consumer's run starts: the latest good checkpoint of the run, after the state a store outage
-left on local disk has gone back to the store (``store_outage.py``).
+left on local disk has gone back to the store (``outage.py``).
 
 Every rank loads the same files; a checkpoint whose draft layers differ from this run's, or whose weights
 do not fit this drafter, is one clear error rather than a silently different model.
@@ -16,9 +16,9 @@ from dflash.common.checkpoints.store import CheckpointStore, CheckpointStoreErro
 from dflash.common.drafter.config import DrafterConfig
 from dflash.common.redact import redact
 from dflash.consumer import distributed as D
+from dflash.consumer.checkpointing.outage import has_state, with_retries
+from dflash.consumer.checkpointing.state import TrainState
 from dflash.consumer.optim import MasterAdamW
-from dflash.consumer.state import TrainState
-from dflash.consumer.store_outage import has_state, with_retries
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,9 @@ def restore(ckpt: LoadedCheckpoint, state: TrainState, rank: int) -> None:
     state.progress.trained = ckpt.trained
 
 
-def upload_fallback(store: CheckpointStore, fallback: LocalStore, run: str, *, keep_last: int, dist: D.DistInfo) -> None:  # fmt: skip
+def upload_fallback(
+    store: CheckpointStore, fallback: LocalStore, run: str, *, keep_last: int, dist: D.DistInfo
+) -> None:
     """The state a store outage left on local disk (newer than the store's latest) goes to the store
     before training resumes (rank 0 writes; every rank learns the outcome, then loads from the store);
     the local copy is removed once ``latest`` names it."""
@@ -73,16 +75,34 @@ def upload_fallback(store: CheckpointStore, fallback: LocalStore, run: str, *, k
         local = load_latest_good(fallback, run)
         steps = finished_steps(store, run)
         if local is not None and steps and steps[-1] >= local.step:  # the store caught up: stale copy
-            log.warning("%s holds step %d, the store step %d: the local copy is not used", local.url, local.step, steps[-1])  # fmt: skip
+            log.warning(
+                "%s holds step %d, the store step %d: the local copy is not used",
+                local.url,
+                local.step,
+                steps[-1],
+            )
             local = None
     if local is not None:
-        log.info("the state of step %d waits in %s (a store outage stopped the last launch): uploading it", local.step, local.url)  # fmt: skip
+        log.info(
+            "the state of step %d waits in %s (a store outage stopped the last launch): uploading it",
+            local.step,
+            local.url,
+        )
         try:
-            url = with_retries(lambda: save_checkpoint(
-                store, run, local.step, model_state=local.model_state,
-                optimizer_state=local.optimizer_state, scheduler_state=local.scheduler_state,
-                rng_state=local.rng_state, trained=local.trained, config=local.config, keep_last=keep_last,
-            ))  # fmt: skip
+            url = with_retries(
+                lambda: save_checkpoint(
+                    store,
+                    run,
+                    local.step,
+                    model_state=local.model_state,
+                    optimizer_state=local.optimizer_state,
+                    scheduler_state=local.scheduler_state,
+                    rng_state=local.rng_state,
+                    trained=local.trained,
+                    config=local.config,
+                    keep_last=keep_last,
+                )
+            )
             fallback.delete_prefix(f"{run}/")
             log.info("checkpoint step %d -> %s; %s removed", local.step, redact(url), local.url)
         except CheckpointStoreError as err:

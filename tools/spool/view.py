@@ -86,9 +86,16 @@ def format_stats(st: dict[str, Any]) -> str:
                 )
             age = p["age_s"]
             rows.append(
-                [str(p["role"]), str(p["id"]), str(p["pid"]), str(p["host"]), "yes" if p["alive"] else "no",
-                 f"{age:.1f}s ago" if math.isfinite(age) else "?", "  ".join(counters) or "-"]
-            )  # fmt: skip
+                [
+                    str(p["role"]),
+                    str(p["id"]),
+                    str(p["pid"]),
+                    str(p["host"]),
+                    "yes" if p["alive"] else "no",
+                    f"{age:.1f}s ago" if math.isfinite(age) else "?",
+                    "  ".join(counters) or "-",
+                ]
+            )
         out += ["", *_table(rows, right={2})]
     if prod["registered"]:
         pending = sorted(set(prod["registered"]) - set(prod["done"]))
@@ -157,8 +164,15 @@ def format_inspect(info: dict[str, Any]) -> str:
     for name, a in info["arrays"].items():
         r = a["raw_bytes"] / a["disk_bytes"] if a["disk_bytes"] else None
         rows.append(
-            [name, "x".join(map(str, a["shape"])), a["dtype"], "x".join(map(str, a["chunks"])),
-             format_bytes(a["raw_bytes"]), format_bytes(a["disk_bytes"]), f"{r:.2f}x" if r else "-"]
-        )  # fmt: skip
+            [
+                name,
+                "x".join(map(str, a["shape"])),
+                a["dtype"],
+                "x".join(map(str, a["chunks"])),
+                format_bytes(a["raw_bytes"]),
+                format_bytes(a["disk_bytes"]),
+                f"{r:.2f}x" if r else "-",
+            ]
+        )
     out += _table(rows, right={4, 5, 6})
     return "\n".join(out)

@@ -16,8 +16,8 @@
 
 stats and inspect are read-only (``Spool(create=False)``), so they are safe on a live run. User errors
 print one line on stderr and exit with status 2, like argparse's own errors. This module is the command
-line; the commands are spool_view.py (stats, inspect), spool_upkeep.py (prepare, free, gc) and
-ledger_audit.py (audit).
+line; the commands are view.py (stats, inspect), upkeep.py (prepare, free, gc) and
+audit.py (audit).
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ from pathlib import Path
 from dflash.common.cli.exits import EXIT_USAGE, fail, print_error
 from dflash.common.cli.flags import add_flags, flag
 from dflash.common.cli.help import DefaultsHelpFormatter
-from dflash.tools.ledger_audit import audit, exactly_once, format_report
-from dflash.tools.spool_upkeep import DEFAULT_SPOOL_ROOT, free, gc, prepare
-from dflash.tools.spool_view import UserError, format_inspect, format_stats, shard_info, spool_stats
+from dflash.tools.spool.audit import audit, exactly_once, format_report
+from dflash.tools.spool.upkeep import DEFAULT_SPOOL_ROOT, free, gc, prepare
+from dflash.tools.spool.view import UserError, format_inspect, format_stats, shard_info, spool_stats
 
 PROG = "dflash-spool"
 

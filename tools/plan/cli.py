@@ -10,7 +10,7 @@ Model. A node has N GPUs sharing one spool: p producers and c = N - p consumers 
   ``end_to_end = nodes * min(p * P, c * C * eff(c * nodes))``. The plan picks the p that maximizes it
   (ties: the one with more headroom on the other side, then fewer consumers).
 
-Rates, from a run dir or from benchmark files: tools/plan_rates.py.
+Rates, from a run dir or from benchmark files: rates.py.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dflash.common.cli.exits import fail
 from dflash.common.cli.flags import add_flags, flag, from_args
 from dflash.common.cli.help import DefaultsHelpFormatter
 from dflash.common.metrics import format_rate
-from dflash.tools.plan_rates import (
+from dflash.tools.plan.rates import (
     DEFAULT_DDP_EFFICIENCY,
     MeasuredRates,
     ddp_efficiency,
@@ -116,8 +116,10 @@ def plan_shapes(shapes: dict[str, dict[str, float]], base: PlanConfig) -> list[d
     for shape, rates in sorted(shapes.items()):
         missing = sorted({"producer_tok_s", "consumer_tok_s"} - set(rates))
         if missing:
-            raise ValueError(f"shape {shape}: no {' or '.join(missing)} in the --bench files (run pipeline_bench's "
-                             f"phases for it, or give --{missing[0].replace('_', '-')})")  # fmt: skip
+            raise ValueError(
+                f"shape {shape}: no {' or '.join(missing)} in the --bench files (run pipeline_bench's "
+                f"phases for it, or give --{missing[0].replace('_', '-')})"
+            )
         cfg = PlanConfig(
             num_gpus=base.num_gpus, nodes=base.nodes, ddp_efficiency=base.ddp_efficiency, **rates
         )
@@ -129,12 +131,17 @@ def plan_shapes(shapes: dict[str, dict[str, float]], base: PlanConfig) -> list[d
 
 
 def render_shapes(plans: list[dict], base: PlanConfig) -> str:
-    lines = [f"{base.num_gpus} GPUs per node, DDP efficiency {base.ddp_efficiency:g} per doubling", "",
-             f"  {'shape':<12} {'producer':>9} {'consumer':>9}  {'split (P+C)':<12} {'node tok/s':>10}  bottleneck"]  # fmt: skip
+    lines = [
+        f"{base.num_gpus} GPUs per node, DDP efficiency {base.ddp_efficiency:g} per doubling",
+        "",
+        f"  {'shape':<12} {'producer':>9} {'consumer':>9}  {'split (P+C)':<12} {'node tok/s':>10}  bottleneck",
+    ]
     for p in plans:
         b = p["best"]
-        lines.append(f"  {p['shape']:<12} {format_rate(p['producer_tok_s']):>9} {format_rate(p['consumer_tok_s']):>9}  "
-                     f"{b['producers']} + {b['consumers']:<8} {format_rate(p['node_tok_s']):>10}  {b['bottleneck']}")  # fmt: skip
+        lines.append(
+            f"  {p['shape']:<12} {format_rate(p['producer_tok_s']):>9} {format_rate(p['consumer_tok_s']):>9}  "
+            f"{b['producers']} + {b['consumers']:<8} {format_rate(p['node_tok_s']):>10}  {b['bottleneck']}"
+        )
     return "\n".join(lines)
 
 

@@ -1,9 +1,9 @@
 """The consumer's checkpoints: ``Checkpointer`` is handed the state it saves (``state.TrainState``) and the
 cadence, and decides when to save; it resumes the run, saves in the background, says every save's outcome
-and stops training when the store refuses checkpoints past the outage bound (``store_outage.py``).
+and stops training when the store refuses checkpoints past the outage bound (``outage.py``).
 
 Why a save never stalls training: the state is copied to host memory on the compute stream and written
-and uploaded by a background thread (async_checkpoint.py); training stalls only for the copy.
+and uploaded by a background thread (background.py); training stalls only for the copy.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from dflash.common.contract.sample_set import SampleSet
 from dflash.common.metrics import MetricsLog
 from dflash.common.redact import redact
 from dflash.consumer import distributed as D
-from dflash.consumer.async_checkpoint import AsyncCheckpointer, SaveOutcome
-from dflash.consumer.config import TrainConfig
+from dflash.consumer.checkpointing.background import AsyncCheckpointer, SaveOutcome
+from dflash.consumer.checkpointing.outage import OutagePolicy, fallback_store, has_state, with_retries
+from dflash.consumer.checkpointing.resume import restore, upload_fallback
+from dflash.consumer.checkpointing.state import TrainState
+from dflash.consumer.config import CheckpointConfig
 from dflash.consumer.optim import MasterAdamW
-from dflash.consumer.resume import restore, upload_fallback
-from dflash.consumer.state import TrainState
-from dflash.consumer.store_outage import OutagePolicy, fallback_store, has_state, with_retries
 
 log = logging.getLogger(__name__)
 
@@ -39,24 +39,41 @@ class Checkpointer:
     ``--checkpoint`` every method is a no-op: ``enabled`` is False."""
 
     def __init__(
-        self, cfg: TrainConfig, state: TrainState, *, dist: D.DistInfo, device: torch.device,
+        self,
+        cfg: CheckpointConfig,
+        state: TrainState,
+        *,
+        run: str,
+        run_dir: str | None = None,
+        run_config: dict | None = None,
+        dist: D.DistInfo,
+        device: torch.device,
         metrics: MetricsLog | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.cfg, self.state, self.dist = cfg, state, dist
+        self.run = run
+        """The run's folder under the store."""
+        self.run_config = run_config or {}
+        """The run's whole config, recorded in every checkpoint (``config.train``: export reads the target)."""
         self.metrics = metrics
-        """Where each save's event goes (the owner may attach it once the run's metrics file is open)."""
+        """Where each save's event goes (``report_to``: the run's metrics file opens after the resume)."""
         self.store: CheckpointStore | None = None
         self.writer = AsyncCheckpointer(device)
         self.last_save_stall_s: float | None = None
         self._have_checkpoint = False  # a good checkpoint of this run exists (resumed, or saved since)
         self._fatal_error: str | None = None  # a save failed with no checkpoint to fall back on
-        self._outage_stop: str | None = None  # why the store's outage stops training (store_outage.py)
+        self._outage_stop: str | None = None  # why the store's outage stops training (outage.py)
         self._last_error: str | None = None
         self._saved_step: int | None = None
         self.outage = OutagePolicy(cfg.outage_saves, cfg.outage_minutes)
-        self.fallback = fallback_store(cfg.fallback_dir, cfg.run_dir)
-        if cfg.checkpoint:
+        self.fallback = fallback_store(cfg.fallback_dir, run_dir)
+        if cfg.store:
             self._open_store()
+
+    def report_to(self, metrics: MetricsLog | None) -> None:
+        """Each save's event goes to ``metrics`` from now on (opened once the run is resumed: no file of
+        this launch is written before the store is proven writable)."""
+        self.metrics = metrics
 
     @property
     def enabled(self) -> bool:
@@ -71,15 +88,15 @@ class Checkpointer:
         """Open the store and prove it takes checkpoints before the first step (rank 0 writes, reads back and
         deletes a probe; every rank learns the outcome): a folder or bucket that refuses writes would
         otherwise be found out at the first save, after the run's first steps, or never."""
-        self.store = open_store(self.cfg.checkpoint)
+        self.store = open_store(self.cfg.store)
         error = None
         if self.dist.is_main:
             try:
-                self.store.probe_writable(self.cfg.run)
+                self.store.probe_writable(self.run)
             except CheckpointStoreError as err:
                 error = f"{err}; no checkpoint could be saved: fix it, or pass another --checkpoint"
-                if has_state(self.fallback, self.cfg.run):
-                    error += f" (the run's latest state waits in {self.fallback.url_for(self.cfg.run)})"
+                if has_state(self.fallback, self.run):
+                    error += f" (the run's latest state waits in {self.fallback.url_for(self.run)})"
         error = D.broadcast_object(error, self.dist)
         if error is not None:
             raise CheckpointStoreError(error)
@@ -89,10 +106,10 @@ class Checkpointer:
         files), after a store outage's local state has gone to the store."""
         if self.store is None or self.cfg.resume != "auto":
             return
-        upload_fallback(self.store, self.fallback, self.cfg.run, keep_last=self.cfg.keep_last, dist=self.dist)
-        ckpt = load_latest_good(self.store, self.cfg.run)
+        upload_fallback(self.store, self.fallback, self.run, keep_last=self.cfg.keep_last, dist=self.dist)
+        ckpt = load_latest_good(self.store, self.run)
         if ckpt is None:
-            log.info("no checkpoint under %s/%s: starting fresh", redact(self.cfg.checkpoint), self.cfg.run)
+            log.info("no checkpoint under %s/%s: starting fresh", redact(self.cfg.store), self.run)
             return
         restore(ckpt, self.state, self.dist.rank)
         self._have_checkpoint = True
@@ -126,9 +143,9 @@ class Checkpointer:
         """Checkpoint the group's state (rank 0 writes, every rank takes part in merging the trained sets).
 
         The state is copied to host memory on the compute stream and written in the background
-        (``async_checkpoint.py``): training stalls only for that copy. A periodic checkpoint the store refuses
+        (``background.py``): training stalls only for that copy. A periodic checkpoint the store refuses
         (S3 outage longer than the retries, lost permissions, full disk) is ONE error line when its write
-        ends, and training goes on within the outage bound (``store_outage.py``: then the state goes to local
+        ends, and training goes on within the outage bound (``outage.py``: then the state goes to local
         disk and training stops): ``latest`` still names the previous good checkpoint and the next save
         tries again. The ``final`` save (data drained, SIGTERM) waits for its write; if it failed, the state
         goes to local disk and every rank raises ``StoreOutageError``: exiting 0 without it would throw away
@@ -162,9 +179,11 @@ class Checkpointer:
             self.writer.snapshot_and_write(self.state.progress.step, self._device_state(), write)
             error = next((o.error for o in self.writer.wait() if o.error), None)
         error = D.broadcast_object(error, self.dist)
-        where = self.fallback.url_for(self.cfg.run)
+        where = self.fallback.url_for(self.run)
         if error is not None:
-            raise StoreOutageError(f"{reason}; the local copy failed too ({redact(error)}): steps since the store's latest are lost")  # fmt: skip
+            raise StoreOutageError(
+                f"{reason}; the local copy failed too ({redact(error)}): steps since the store's latest are lost"
+            )
         raise StoreOutageError(
             f"{reason}; stopped at step {self.state.progress.step}, its state saved in {where}: run the same "
             "command once the store takes writes (it resumes from there and uploads it)"
@@ -184,14 +203,23 @@ class Checkpointer:
     def _write_job(self, store: CheckpointStore, trained: SampleSet, rng_states: list, *, keep_last: int):
         """The background write of this step's checkpoint into ``store`` (tried again once on failure)."""
         step, scheduler_state = self.state.progress.step, self.state.schedule.state_dict()
-        config = {"train": self.cfg.to_dict(), "drafter": self.state.drafter_config.to_dict()}
+        config = {"train": self.run_config, "drafter": self.state.drafter_config.to_dict()}
 
         def write(host: dict) -> str:
-            return with_retries(lambda: save_checkpoint(
-                store, self.cfg.run, step, model_state=host["model"], optimizer_state=host["optimizer"],
-                scheduler_state=scheduler_state, rng_state=dict(enumerate(rng_states)), trained=trained,
-                config=config, keep_last=keep_last,
-            ))  # fmt: skip
+            return with_retries(
+                lambda: save_checkpoint(
+                    store,
+                    self.run,
+                    step,
+                    model_state=host["model"],
+                    optimizer_state=host["optimizer"],
+                    scheduler_state=scheduler_state,
+                    rng_state=dict(enumerate(rng_states)),
+                    trained=trained,
+                    config=config,
+                    keep_last=keep_last,
+                )
+            )
 
         return write
 
@@ -226,8 +254,12 @@ class Checkpointer:
             else:
                 log.info(
                     "checkpoint step %d -> %s (%.1f GB; training stalled %.2fs, written in %.1fs in the background)",
-                    out.step, redact(out.url), out.snapshot_gb, stall, out.write_s,
-                )  # fmt: skip
+                    out.step,
+                    redact(out.url),
+                    out.snapshot_gb,
+                    stall,
+                    out.write_s,
+                )
                 self._have_checkpoint = True
                 self.outage.saved()
                 event = {"event": "checkpoint", "step": out.step, "url": redact(out.url)}
@@ -250,9 +282,14 @@ class Checkpointer:
         if self._have_checkpoint:
             log.error(
                 "%s; training goes on, latest still names the previous checkpoint (%d of --outage-saves "
-                "%d failed in a row)", error, self.outage.failed, self.outage.max_failed_saves,
-            )  # fmt: skip
+                "%d failed in a row)",
+                error,
+                self.outage.failed,
+                self.outage.max_failed_saves,
+            )
         else:  # training on would lose every step if the process died: stop now and say so
-            self._fatal_error = f"{error}; no checkpoint of run {self.cfg.run!r} exists yet, so training on would lose every step"
+            self._fatal_error = (
+                f"{error}; no checkpoint of run {self.run!r} exists yet, so training on would lose every step"
+            )
             log.error("%s: stopping", self._fatal_error)
         return {"event": "checkpoint_failed", "step": out.step, "error": error}

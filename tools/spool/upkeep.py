@@ -12,7 +12,7 @@ from pathlib import Path
 from dflash.common.contract.spool import Spool, SpoolError
 from dflash.common.contract.spool_records import LOCK_PREFIX, describe_run
 from dflash.common.metrics import format_bytes
-from dflash.tools.spool_view import UserError, tree_bytes
+from dflash.tools.spool.view import UserError, tree_bytes
 
 
 def prepare(root: str, run: str, *, fresh: bool) -> str:

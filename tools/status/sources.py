@@ -127,5 +127,3 @@ def pid_alive(pid: int | None, host: str | None) -> bool | None:
     except PermissionError:
         return True
     return True
-
-

@@ -13,12 +13,22 @@ from typing import Any
 
 from dflash.common.contract.spool_records import BUDGET_PHASE
 from dflash.common.metrics import average_tok_s, is_number
-from dflash.tools.status_sources import pid_alive
+from dflash.tools.status.sources import pid_alive
 
 COUNTERS = (
-    "samples", "tokens", "tok_s", "avg_tok_s", "elapsed_s", "total", "dropped", "phase", "step", "world_size",
-    "shards_quarantined", "samples_quarantined",
-)  # fmt: skip
+    "samples",
+    "tokens",
+    "tok_s",
+    "avg_tok_s",
+    "elapsed_s",
+    "total",
+    "dropped",
+    "phase",
+    "step",
+    "world_size",
+    "shards_quarantined",
+    "samples_quarantined",
+)
 ROLES = ("producer", "consumer")  # processes; other metrics files (ledger-r<rank>: trained samples) are not
 # The trainer names its consumer id r<rank>-<pid> (unique per incarnation); its metrics file is per rank.
 CONSUMER_ID_RE = re.compile(r"^r(\d+)-\d+$")
@@ -107,7 +117,11 @@ class ProcessTable:
             r["pid"], r["host"] = hb.get("pid"), hb.get("host")
             self.verdict[key] = (bool(hb["alive"]), hb.get("pid_alive"))
             counters = {**hb.get("counters", {})}
-            if key[0] == "consumer" and "tok_s" not in counters and is_number(hb.get("rates", {}).get("tokens")):
+            if (
+                key[0] == "consumer"
+                and "tok_s" not in counters
+                and is_number(hb.get("rates", {}).get("tokens"))
+            ):
                 counters["tok_s"] = hb["rates"]["tokens"]  # the spool's rate of the `tokens` counter
             self.sources.setdefault(key, []).append((hb["time"], counters))
 

@@ -1,4 +1,4 @@
-"""``dflash-status``'s one screen: a ``collect`` snapshot (tools/status.py) as text, section by section."""
+"""``dflash-status``'s one screen: a ``collect`` snapshot (cli.py) as text, section by section."""
 
 from __future__ import annotations
 

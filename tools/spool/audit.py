@@ -106,7 +106,7 @@ def audit(run_dir: str | Path, *, final_step: int | None = None, trained: set[in
         "lives": [
             {"resumed": life.resumed, "durable": life.durable, "lost_tail_samples": t}
             for life, t in zip(found, tails, strict=True)
-        ],  # fmt: skip
+        ],
         "samples": len(durable),
         "twice": sum(1 for n in durable.values() if n > 1),
         "twice_first": sorted(s for s, n in durable.items() if n > 1)[:10],
@@ -116,8 +116,12 @@ def audit(run_dir: str | Path, *, final_step: int | None = None, trained: set[in
     }
     if trained is not None:
         missing, unsaved = trained - set(durable), set(durable) - trained
-        report.update(missing=len(missing), missing_first=sorted(missing)[:10], unsaved=len(unsaved),
-                      unsaved_first=sorted(unsaved)[:10])  # fmt: skip
+        report.update(
+            missing=len(missing),
+            missing_first=sorted(missing)[:10],
+            unsaved=len(unsaved),
+            unsaved_first=sorted(unsaved)[:10],
+        )
     return report
 
 
@@ -143,8 +147,10 @@ def format_report(report: dict) -> str:
     for e, v in report["per_epoch"].items():
         lines.append(f"  epoch {int(e) + 1}: {v['trained']} samples, {v['twice']} twice")
     verdict = "exactly once" if exactly_once(report) else "NOT exactly once"
-    parts = [f"twice {report['twice']}" + (f" (e.g. {report['twice_first']})" if report["twice"] else ""),
-             f"twice within one launch {report['twice_in_a_life']}"]  # fmt: skip
+    parts = [
+        f"twice {report['twice']}" + (f" (e.g. {report['twice_first']})" if report["twice"] else ""),
+        f"twice within one launch {report['twice_in_a_life']}",
+    ]
     if "missing" in report:
         parts.append(
             f"missing {report['missing']}"

@@ -26,9 +26,9 @@ from dflash.common.metrics import (
     mean_acc,
     read_run_metrics,
 )
-from dflash.tools.status_processes import RUNNING, process_rows
-from dflash.tools.status_render import render
-from dflash.tools.status_sources import (
+from dflash.tools.status.processes import RUNNING, process_rows
+from dflash.tools.status.render import render
+from dflash.tools.status.sources import (
     StatusError,
     find_spool_dir,
     read_pids,
@@ -57,7 +57,9 @@ ETA_WINDOW_S = 300.0  # producer sample rate = slope of `samples` over this trai
 def _sample_rate(recs: list[dict[str, Any]], row: dict[str, Any]) -> float | None:
     """Samples/s of one producer: slope of ``samples`` over the trailing window of its metrics, else
     ``tok_s * samples / tokens`` from its latest counters."""
-    pts = [(r["time"], r["samples"]) for r in recs if is_number(r.get("time")) and is_number(r.get("samples"))]
+    pts = [
+        (r["time"], r["samples"]) for r in recs if is_number(r.get("time")) and is_number(r.get("samples"))
+    ]
     if len(pts) >= 2:
         t_end = pts[-1][0]
         win = [p for p in pts if p[0] >= t_end - ETA_WINDOW_S]
