@@ -61,67 +61,11 @@ from dflash.common.target.mixer_kernels import compile_mixer_parts
 from dflash.producer.buckets import BucketConfig
 from dflash.producer.compile_plan import CompileSpec, compile_spec, mixer_shapes, shape_buckets, warmup_shapes
 from dflash.producer.config import ProducerConfig, Worker
+from dflash.producer.tapped_trunk import TappedTrunk
 
 log = logging.getLogger(__name__)
 
 _COMPILE_ERRORS = (TorchDynamoException, InductorError)
-
-
-class _Tap(nn.Module):
-    """Wraps a layer (or the final norm) in the ``trunk`` scope and keeps its output of this forward."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-        self.out: torch.Tensor | None = None
-
-    def forward(self, *args, **kwargs):
-        out = self.inner(*args, **kwargs)
-        self.out = out[0] if isinstance(out, tuple) else out
-        return out
-
-
-class _Skip(nn.Module):
-    """A layer after the last captured one in the ``trunk`` scope: returns its input (never computed)."""
-
-    def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states
-
-
-class _TappedTrunk(nn.Module):
-    """The text model cut after the last captured layer, returning the captured layers' outputs
-    concatenated along features: [B, S, K*H] (the same values as LayerCapture, see capture.py)."""
-
-    def __init__(self, capture: LayerCapture):
-        super().__init__()
-        self.text_model = capture.text_model
-        layers, last, n = capture.layers, max(capture.layer_ids), capture.num_layers
-        self.replaced = [(layers, str(i), layers[i]) for i in range(n)] + [
-            (self.text_model, "norm", self.text_model.norm)
-        ]
-        taps: dict[int, _Tap] = {}
-        for i in sorted(set(capture.layer_ids)):
-            if i == n - 1:  # HF's hidden_states[L] is taken after the final norm: tap the norm
-                taps[i] = self.text_model.norm = _Tap(capture.norm)
-            else:
-                taps[i] = layers[i] = _Tap(layers[i])
-        for j in range(last + 1, n):
-            layers[j] = _Skip()
-        if last < n - 1:
-            self.text_model.norm = nn.Identity()
-        self.taps = [taps[i] for i in capture.layer_ids]
-
-    def restore(self) -> None:
-        """Put the text model's own modules back (benchmarks run several variants on one model)."""
-        for parent, name, module in self.replaced:
-            setattr(parent, name, module)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        self.text_model(input_ids=input_ids, use_cache=False)
-        out = torch.cat([t.out for t in self.taps], dim=-1)
-        for t in self.taps:
-            t.out = None
-        return out
 
 
 def _why(err: BaseException) -> str:
@@ -179,7 +123,7 @@ class Trunk:
         self.fallback: str | None = None  # why compiling was given up (one line), None while compiled
         self._baseline: int | None = None
         self._batches = 0
-        self._tapped: _TappedTrunk | None = None
+        self._tapped: TappedTrunk | None = None
         self._compiled_trunk = None
         self._hybrid = kernels is not None
         self._conv_on_reference = kernels is not None and kernels.kernels.get("causal_conv1d") == REFERENCE
@@ -210,7 +154,7 @@ class Trunk:
     def _compile(self) -> None:
         if self.scope == "trunk":
             self.capture.close()  # the taps replace the hooks (a hook cannot raise out of a graph)
-            self._tapped = _TappedTrunk(self.capture)
+            self._tapped = TappedTrunk(self.capture)
             self._compiled_trunk = self._torch_compile(self._tapped)
             return
         last = max(self.layer_ids)

@@ -22,10 +22,20 @@ def _lines(res: dict) -> list[str]:
 
 def _result(**ratios) -> dict:
     return {
-        "preset": "hybrid27b", "model": "m", "date": "d", "device_name": "gpu", "dtype": "bf16", "torch": "t",
-        "transformers": "t", "args": {"batch_tokens": 1}, "layer_ids": [1], "depth_scale": 1, "results": {},
-        "ratios": ratios, "gpu_memory": {},
-    }  # fmt: skip
+        "preset": "hybrid27b",
+        "model": "m",
+        "date": "d",
+        "device_name": "gpu",
+        "dtype": "bf16",
+        "torch": "t",
+        "transformers": "t",
+        "args": {"batch_tokens": 1},
+        "layer_ids": [1],
+        "depth_scale": 1,
+        "results": {},
+        "ratios": ratios,
+        "gpu_memory": {},
+    }
 
 
 def test_a_ratio_under_its_threshold_fails_and_a_missing_one_is_not_a_pass():

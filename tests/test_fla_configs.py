@@ -73,8 +73,13 @@ def test_tuned_configs_are_written_as_flas_config_files(monkeypatch, tmp_path):
     entry = data["autotune_entries"][key_hash]
     assert entry["autotune_key"] == [128, 24, "torch.bfloat16"]
     assert entry["config"] == {
-        "kwargs": {"BT": 32}, "num_warps": 8, "num_stages": 2, "num_ctas": 1, "maxnreg": None, "ir_override": None
-    }  # fmt: skip
+        "kwargs": {"BT": 32},
+        "num_warps": 8,
+        "num_stages": 2,
+        "num_ctas": 1,
+        "maxnreg": None,
+        "ir_override": None,
+    }
 
 
 def test_nothing_is_written_unless_fla_reuses_configs_in_this_process(monkeypatch):

@@ -51,10 +51,19 @@ def test_the_shifted_conv_equals_the_reference_conv(with_bias, activation):
 
 def test_the_mixer_parts_are_swapped_in_for_a_model_and_undone():
     cfg = Qwen3_5TextConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, linear_num_value_heads=2, linear_num_key_heads=1,
-        linear_key_head_dim=16, linear_value_head_dim=16, layer_types=["linear_attention", "full_attention"],
-    )  # fmt: skip
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        linear_num_value_heads=2,
+        linear_num_key_heads=1,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     gdn = model.model.layers[0].linear_attn

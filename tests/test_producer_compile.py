@@ -22,7 +22,8 @@ from dflash.producer.buckets import BucketConfig, Bucketer, Sample, batches
 from dflash.producer.compile_plan import CompileSpec, mixer_shapes, static_buckets, warmup_shapes
 from dflash.producer.config import ProducerConfig, TrunkCompileConfig, Worker
 from dflash.producer.loop import produce
-from dflash.producer.trunk import Trunk, _TappedTrunk, warm_trunk
+from dflash.producer.tapped_trunk import TappedTrunk
+from dflash.producer.trunk import Trunk, warm_trunk
 
 _TINY = dict(
     vocab_size=128,
@@ -193,7 +194,7 @@ def test_tapped_trunk_matches_the_capture_including_the_last_layer():
     ids, valid = _batch(3, 50, 0)
     for layer_ids in ([0, 2], [1, 3, 3]):
         trunk = Trunk(LayerCapture(_model(), layer_ids, free_unused=True), CompileSpec(scope="trunk"))
-        trunk._tapped = _TappedTrunk(trunk.capture)  # the uncompiled module the trunk scope compiles
+        trunk._tapped = TappedTrunk(trunk.capture)  # the uncompiled module the trunk scope compiles
         with torch.inference_mode():
             got, want = trunk.run(ids, valid), LayerCapture(_model(), layer_ids).run(ids, valid)
         torch.testing.assert_close(got, want)

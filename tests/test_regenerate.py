@@ -120,7 +120,11 @@ def test_each_turn_sees_the_targets_earlier_answers_and_tool_results_stay_where_
     assert [m.get("content") for m in third.messages[-3:]] == ["sunny", "It is sunny.", "Thanks!"]
     d.accept({"role": "assistant", "content": "You are welcome."}, "length")
     assert d.next_request() is None
-    assert "old" not in json.dumps(d.out) and d.record() == {"turns": 3, "finish": ["stop", "stop", "length"], "truncated": False}  # fmt: skip
+    assert "old" not in json.dumps(d.out) and d.record() == {
+        "turns": 3,
+        "finish": ["stop", "stop", "length"],
+        "truncated": False,
+    }
 
     answered = Dialogue(source, [WEATHER])  # the target answers where the source called the tool
     answered.next_request()
@@ -248,7 +252,20 @@ def _regenerate_tool_and_thinking_rows(tmp_path: Path, capsys) -> tuple[Path, Pa
     ]
     data, out = _jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
     with scripted_server(_target_answers) as server:
-        code = main(["--endpoint", server.url, "--tokenizer", str(tok_dir), "--dataset", str(data), "--out", str(out), "--thinking", "on"])  # fmt: skip
+        code = main(
+            [
+                "--endpoint",
+                server.url,
+                "--tokenizer",
+                str(tok_dir),
+                "--dataset",
+                str(data),
+                "--out",
+                str(out),
+                "--thinking",
+                "on",
+            ]
+        )
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert code == 0 and last == "regenerated 2, failed 0, skipped 0 = input 2", last
     return out, tok_dir, dict(server.requests)
@@ -263,7 +280,9 @@ def test_thinking_and_tool_call_rows_come_out_as_the_producer_trains_them(tmp_pa
     roles = "system user assistant tool assistant user assistant".split()
     assert [m["role"] for m in msgs] == roles
     assert msgs[2]["reasoning_content"] == "The weather tool answers this." and msgs[2]["content"] == ""
-    assert msgs[2]["tool_calls"] == [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}, "id": "c1"}]  # fmt: skip
+    assert msgs[2]["tool_calls"] == [
+        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}, "id": "c1"}
+    ]
     assert msgs[4]["content"].startswith("Paris: 12 C") and msgs[6]["reasoning_content"] == "A polite close."
     assert think_row["messages"][1]["reasoning_content"].startswith("Slicing reverses")
 
@@ -292,7 +311,13 @@ def test_thinking_and_tool_call_rows_come_out_as_the_producer_trains_them(tmp_pa
         tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
         for ids, mask in zip(samples["input_ids"], samples["loss_mask"], strict=True)
     )
-    for part in ("The weather tool answers this.", '"city": "Paris"', "Paris: 12 C", "A polite close.", "Slicing reverses"):  # fmt: skip
+    for part in (
+        "The weather tool answers this.",
+        '"city": "Paris"',
+        "Paris: 12 C",
+        "A polite close.",
+        "Slicing reverses",
+    ):
         assert part in trained, f"{part!r} is not trained"
 
 
@@ -336,4 +361,6 @@ def test_dflash_produce_trains_the_regenerated_rows_without_drops(tmp_path, tiny
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert res.returncode == 0, res.stderr[-3000:]
     said = [line for line in (res.stdout + res.stderr).splitlines() if "trainable" in line]
-    assert len(said) == 1 and re.search(r"dflash-produce: \d+ trainable samples; dropped 0 of \d+ samples \(2 rows\)$", said[0]), said  # fmt: skip
+    assert len(said) == 1 and re.search(
+        r"dflash-produce: \d+ trainable samples; dropped 0 of \d+ samples \(2 rows\)$", said[0]
+    ), said

@@ -103,7 +103,10 @@ def test_local_and_served_greedy_answers_are_the_targets_own(target, dataset, se
         main(["--endpoint", served, "--concurrency", "2", "--out", str(tmp_path / "served.jsonl"), *common])
         == 0
     )
-    assert capsys.readouterr().out.strip().splitlines()[-1] == f"regenerated {len(ROWS)}, failed 0, skipped 0 = input {len(ROWS)}"  # fmt: skip
+    assert (
+        capsys.readouterr().out.strip().splitlines()[-1]
+        == f"regenerated {len(ROWS)}, failed 0, skipped 0 = input {len(ROWS)}"
+    )
     local, served_rows = _rows(tmp_path / "local.jsonl"), _rows(tmp_path / "served.jsonl")
     assert sorted(local) == sorted(served_rows) == list(range(len(ROWS)))
     for i in local:

@@ -182,9 +182,13 @@ def run(
     precision: str | None = None,
 ) -> dict:
     cfg = DrafterConfig(
-        **PRESETS[preset], num_layers=5, block_size=16, mask_token_id=0, target_layer_ids=list(range(1, 6)),
+        **PRESETS[preset],
+        num_layers=5,
+        block_size=16,
+        mask_token_id=0,
+        target_layer_ids=list(range(1, 6)),
         **preset_layers(preset),
-    )  # fmt: skip
+    )
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     head = TargetHead(
         torch.randn(cfg.vocab_size, cfg.hidden_size, dtype=dtype, device=device) * 0.02,

@@ -62,9 +62,15 @@ class Tally:
         eta = f", ETA {format_duration(left / rate)}" if rate > 0 else ""
         log.info(
             "%d/%d rows (this run: regenerated %d, failed %d, skipped %d), %.2f rows/s, %s tok/s%s",
-            self.before + self.done(), self.total, self.regenerated, self.failed, sum(self.skipped.values()),
-            rate, format_rate(self.tokens / elapsed if elapsed > 0 else 0.0), eta,
-        )  # fmt: skip
+            self.before + self.done(),
+            self.total,
+            self.regenerated,
+            self.failed,
+            sum(self.skipped.values()),
+            rate,
+            format_rate(self.tokens / elapsed if elapsed > 0 else 0.0),
+            eta,
+        )
 
 
 def _windows(rows: Iterator[SourceRow], ledger: Ledger, tally: Tally, size: int) -> Iterator[list[SourceRow]]:
