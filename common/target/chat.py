@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-_TOKENIZE_VERSION = 3  # bump when tokenize output changes, to invalidate datasets' map cache
+_TOKENIZE_VERSION = 4  # bump when tokenize output changes, to invalidate datasets' map cache
 
 
 def has_generation_tags(tokenizer) -> bool:
@@ -190,25 +190,30 @@ class _Tokenize:
         self.train_reasoning, self.fmt = train_reasoning, fmt
 
     def _row(self, batch: dict[str, list], i: int) -> tuple[Any, Any, str | None]:
-        """(turns, tools, reason it is another format's row or None) of row i of the batch."""
+        """(turns, tools, the reason it cannot be read or None) of row i of the batch."""
         if self.column == RAW_JSON_COLUMN:
             row = _parse_raw(batch[RAW_JSON_COLUMN][i])
             if row is _UNPARSEABLE:
                 return None, None, "unparseable"
             if not isinstance(row, dict):
                 return row, None, None
-            own = FORMAT_COLUMN.get(self.fmt)
-            other = next((c for c in FORMAT_COLUMN.values() if c != own), None) if own else None
-            if own and row.get(own) is None and isinstance(row.get(other), list):
-                return None, None, f"{FORMAT_NAME[other]} row in {FORMAT_NAME[own]}-format file"
-            return row, row.get("tools"), None
-        turns = batch[self.column][i]
-        tools = batch["tools"][i] if "tools" in batch else None
-        if turns is None:  # a file mixing formats: arrow gives each row both columns, one of them None
-            for other in (c for c in FORMAT_COLUMN.values() if c != self.column and c in batch):
-                if isinstance(batch[other][i], list):
-                    return None, None, f"{FORMAT_NAME[other]} row in {FORMAT_NAME[self.column]}-format file"
-        return turns, tools, None
+            turns, reason = self._turns(row)
+            return turns, row.get("tools"), reason
+        turns, reason = self._turns({c: batch[c][i] for c in FORMAT_COLUMN.values() if c in batch})
+        return turns, batch["tools"][i] if "tools" in batch else None, reason
+
+    def _turns(self, row: dict[str, Any]) -> tuple[Any, str | None]:
+        """The row's turns, each row read as the format it has: a file may hold OpenAI and ShareGPT rows (arrow
+        gives every row both columns, one of them None), and they must train as the same rows split into two
+        files do. An explicit format names a row of the other one instead (the user said what the file is)."""
+        own = FORMAT_COLUMN.get(self.fmt)
+        for col in [own] if own else FORMAT_COLUMN.values():
+            if row.get(col) is not None:
+                return row[col], None
+        for other in (c for c in FORMAT_COLUMN.values() if own and c != own):
+            if isinstance(row.get(other), list):
+                return None, f"{FORMAT_NAME[other]} row in {FORMAT_NAME[own]}-format file"
+        return row.get(own or FORMAT_COLUMN["openai"]), None  # missing or null: "not a list"
 
     def __call__(self, batch: dict[str, list], positions: list[int]) -> dict[str, list]:
         normalized: list[tuple[Any, Any, str]] = []  # (messages or None, tools, reason)

@@ -41,12 +41,14 @@ class DataConfig:
     """What a producer reads and how it is tokenized (each field is also a ``dflash-produce`` flag)."""
 
     dataset: str
-    """hub name, .json/.jsonl/.parquet/.arrow file or folder, or save_to_disk folder"""
+    """hub name, .json/.jsonl/.parquet/.arrow file or folder of them (sub-folders included, read in path
+    order), or save_to_disk folder"""
     split: str = "train"
     """dataset split (hub datasets and save_to_disk DatasetDicts)"""
     format: ChatFormat = "auto"
     """conversation format: openai (messages [{role, content}]), sharegpt (conversations [{from, value}]),
-    or auto"""
+    or auto (each row read as the format it has: a file may mix both); a row of the other format is dropped
+    and counted"""
     max_length: int = 4096
     """truncate samples to this many tokens"""
     train_reasoning: bool = True
@@ -80,27 +82,43 @@ class DataConfig:
 
 
 def _local_files(path: Path) -> tuple[str, list[str]]:
+    """(datasets builder, files) of a local file or folder.
+
+    A folder is read whole, sub-folders included (hidden files and folders skipped, as the datasets library
+    does), in path order: the row order, and so every sample's id, depends on the files alone, never on
+    how the filesystem lists them or on how a user grouped them into folders. A folder holds one kind of
+    file: reading one kind and ignoring another would drop rows without a word.
+    """
     if path.is_file():
         builder = _SUFFIX_BUILDER.get(path.suffix)
         if builder is None:
             raise DataError(f"dataset file {path}: unsupported type (use .json, .jsonl, .parquet or .arrow)")
         return builder, [str(path)]
-    for suffixes, builder in (
-        ((".jsonl", ".json"), "json"),
-        ((".parquet",), "parquet"),
-        ((".arrow",), "arrow"),
-    ):
-        files = sorted(str(f) for f in path.iterdir() if f.is_file() and f.suffix in suffixes)
-        if files:
-            return builder, files
-    raise DataError(f"dataset folder {path}: no .json/.jsonl/.parquet/.arrow files")
+    found: dict[str, list[str]] = {}
+    for f in sorted(path.rglob("*"), key=lambda f: f.relative_to(path).parts):
+        hidden = any(part.startswith(".") for part in f.relative_to(path).parts)
+        if not hidden and f.suffix in _SUFFIX_BUILDER and f.is_file():
+            found.setdefault(_SUFFIX_BUILDER[f.suffix], []).append(str(f))
+    if not found:
+        raise DataError(
+            f"dataset folder {path}: no .json/.jsonl/.parquet/.arrow files (sub-folders included)"
+        )
+    if len(found) > 1:
+        kinds = " and ".join(
+            f"{kind} ({len(files)} file{'s' if len(files) > 1 else ''})" for kind, files in found.items()
+        )
+        raise DataError(
+            f"dataset folder {path}: holds {kinds}; point --dataset at a folder (or a file) of one kind"
+        )
+    [(builder, files)] = found.items()
+    return builder, files
 
 
 def _load_json_rows(files: list[str]):
     """Rows of JSON files as raw JSON text, for files whose rows mix types (arrow cannot infer a schema).
 
     Row i is the i-th non-blank line of a .jsonl file (the same order the json builder uses) or the i-th
-    element of a .json array; files are concatenated in name order.
+    element of a .json array; files are concatenated in the order _local_files gives.
     """
     from datasets import Dataset  # here, not at the top: the producer's CLI imports DataConfig before parsing
 
