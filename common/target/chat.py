@@ -4,8 +4,8 @@ and the accounting of dropped rows.
 Why the target's template, and at generation time: what the drafter learns to predict must be exactly
 what the target generates, in the context the target had when it generated it (its reasoning, its tool
 calls, the tool results, the tools listed by the template). Templates that render history unlike
-generation (the Qwen3 family strips earlier reasoning) make a row several samples
-(``generation_renderings``). Result columns of ``tokenize_slice`` (one row per sample of each dataset row
+generation (the Qwen3 family strips earlier reasoning) make a row several samples (which renderings, and
+the characters each trains: renderings.py). Result columns of ``tokenize_slice`` (one row per sample of each dataset row
 of the slice, one per bad row so they can be counted): ``sample_index`` int64 (the dataset row),
 ``segment`` int32 (which sample of its row), ``input_ids`` int32[], ``loss_mask`` bool[],
 ``num_loss_tokens`` int32, ``status`` ("ok" | "short" | "bad:<reason>"). Reasons (``drops.drop_reason``
@@ -42,6 +42,7 @@ from dflash.common.target.data import (
     DataError,
     conversation_column,
 )
+from dflash.common.target.renderings import generation_renderings
 
 log = logging.getLogger(__name__)
 
@@ -75,61 +76,6 @@ def _mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]
         if end > spans[k][0]:
             mask[t] = True
     return mask
-
-
-Rendering = tuple[str, list[tuple[int, int]]]  # text, char spans of the trained assistant turns
-
-
-def _render(tokenizer, msgs: list[dict[str, Any]], tools: list[dict] | None, generation: bool = False) -> str:
-    try:
-        return tokenizer.apply_chat_template(
-            msgs, tools=tools, tokenize=False, add_generation_prompt=generation
-        )
-    except Exception:  # noqa: BLE001 - a template may raise for one conversation: that row's problem
-        raise BadRow("template error") from None
-
-
-def generation_renderings(
-    tokenizer, msgs: list[dict[str, Any]], tools: list[dict] | None = None
-) -> list[Rendering]:
-    """The conversation as the target sees it while generating each assistant turn, in as few renderings
-    as are exact: the fewest training samples whose tokens are the target's own context.
-
-    Assistant turn i at generation time is G_i = render(msgs[:i], generation prompt) followed by its turn
-    T_i, where render(msgs[:i+1]) = G_i + T_i (+ trailing whitespace). A rendering of msgs[:j+1] trains
-    turn i <= j exactly when it starts with G_i + T_i. Templates that render history as it was generated
-    (prefix-stable) need one rendering for the whole row; the Qwen3 family strips the reasoning of
-    assistant turns before the last user query, so such a row needs one rendering per user query whose
-    turns carry reasoning (each with the history the target saw), never one per turn: consecutive turns
-    that one rendering holds exactly share it."""
-    groups: list[Rendering] = []
-    text, spans = "", []  # the open group: the rendering of its last turn, its turns' spans
-    for i, m in enumerate(msgs):
-        if m["role"] != "assistant" or i == 0:  # a leading assistant turn: context (no prompt renders alone)
-            continue
-        head = _render(tokenizer, msgs[:i], tools, generation=True)
-        upto = _render(tokenizer, msgs[: i + 1], tools)
-        if not upto.startswith(head):
-            raise BadRow("template renders an assistant turn unlike its generation prompt")
-        end = len(upto.rstrip())
-        if spans and not upto.startswith(text[: spans[-1][1]]):
-            groups.append((text, spans))  # the open group's turns render differently from here on
-            spans = []
-        text = upto
-        spans.append((len(head), end))
-    if not spans:
-        raise BadRow("only a leading assistant turn")
-    groups.append((text, spans))
-    return groups
-
-
-def assistant_spans_by_prefix(tokenizer, msgs: list[dict[str, Any]]) -> Rendering:
-    """One rendering of the whole row with its assistant spans; ValueError when the template renders some
-    turn differently as history (generation_renderings splits such a row)."""
-    groups = generation_renderings(tokenizer, msgs)
-    if len(groups) > 1:
-        raise ValueError("chat template renders differently as history (not prefix-stable)")
-    return groups[0]
 
 
 Sample = tuple[list[int], list[bool]]
