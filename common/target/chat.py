@@ -42,7 +42,7 @@ from dflash.common.target.data import (
     DataError,
     conversation_column,
 )
-from dflash.common.target.renderings import generation_renderings
+from dflash.common.target.renderings import empty_think_blocks, generation_renderings, render
 
 log = logging.getLogger(__name__)
 
@@ -82,35 +82,29 @@ Sample = tuple[list[int], list[bool]]
 
 
 def tokenize_conversations(
-    tokenizer, convs: list[list[dict[str, Any]]], tools: list[list[dict] | None] | None = None
-) -> list[list[Sample] | str]:
+    tokenizer, convs: list[list[dict[str, Any]]], tools: list[list[dict] | None] | None = None, *,
+    train_reasoning: bool = True,
+) -> list[list[Sample] | str]:  # fmt: skip
     """The samples (input_ids, loss_mask) of each conversation, or an error reason for conversations the
     template rejects. A template with {% generation %} marks: one sample, its marks are the mask (the
     template's author says what is generated). Otherwise generation_renderings: usually one sample,
-    several where the template renders history unlike generation."""
+    several where the template renders history unlike generation. ``train_reasoning`` off (the rows carry
+    no reasoning: normalize_conversation removed it): no empty ``<think>`` block a template adds is
+    trained either, whichever way the mask is made."""
     if not convs:
         return []
     tools = tools if tools is not None else [None] * len(convs)
     if has_generation_tags(tokenizer):
-        if len(convs) > 1 and any(t is not None for t in tools):  # tools= is one list for the whole batch
-            pairs = zip(convs, tools, strict=True)
-            return [r for c, t in pairs for r in tokenize_conversations(tokenizer, [c], [t])]
-        try:
-            out = tokenizer.apply_chat_template(
-                convs, tools=tools[0], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-            )
-            return [
-                [(list(ids), [bool(x) for x in m])]
-                for ids, m in zip(out["input_ids"], out["assistant_masks"], strict=True)
-            ]
-        except Exception:  # noqa: BLE001 - a template may raise for one conversation; isolate it below
-            if len(convs) > 1:
-                return [r for c in convs for r in tokenize_conversations(tokenizer, [c])]
-            return ["bad:template error"]
+        results = _tokenize_by_generation_tags(tokenizer, convs, tools)
+        if train_reasoning:
+            return results
+        return [
+            _unmark_empty_think(tokenizer, c, t, r) for c, t, r in zip(convs, tools, results, strict=True)
+        ]
     results: list[list[Sample] | str] = []
     for msgs, row_tools in zip(convs, tools, strict=True):
         try:
-            groups = generation_renderings(tokenizer, msgs, row_tools)
+            groups = generation_renderings(tokenizer, msgs, row_tools, train_reasoning=train_reasoning)
         except BadRow as err:
             results.append(f"bad:{err}")
             continue
@@ -120,6 +114,47 @@ def tokenize_conversations(
             samples.append((list(enc["input_ids"]), _mask_from_spans(enc["offset_mapping"], spans)))
         results.append(samples)
     return results
+
+
+def _tokenize_by_generation_tags(
+    tokenizer, convs: list[list[dict[str, Any]]], tools: list[list[dict] | None]
+) -> list[list[Sample] | str]:
+    if len(convs) > 1 and any(t is not None for t in tools):  # tools= is one list for the whole batch
+        return [r for c, t in zip(convs, tools, strict=True) for r in _tokenize_by_generation_tags(tokenizer, [c], [t])]  # fmt: skip
+    try:
+        out = tokenizer.apply_chat_template(
+            convs, tools=tools[0], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        return [
+            [(list(ids), [bool(x) for x in m])]
+            for ids, m in zip(out["input_ids"], out["assistant_masks"], strict=True)
+        ]
+    except Exception:  # noqa: BLE001 - a template may raise for one conversation; isolate it below
+        if len(convs) > 1:
+            return [r for c in convs for r in _tokenize_by_generation_tags(tokenizer, [c], [None])]
+        return ["bad:template error"]
+
+
+def _unmark_empty_think(
+    tokenizer, msgs: list[dict[str, Any]], tools: list[dict] | None, samples: list[Sample] | str
+) -> list[Sample] | str:
+    """A {% generation %}-marked sample with its empty ``<think>`` blocks unmarked: located in the rendered
+    text, whose tokens are the sample's (transformers tokenizes the same text, no special tokens added)."""
+    if isinstance(samples, str):
+        return samples
+    try:
+        text = render(tokenizer, msgs, tools)
+    except BadRow as err:
+        return f"bad:{err}"
+    blocks = empty_think_blocks(text)
+    [(ids, mask)] = samples
+    if not blocks:
+        return samples
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if list(enc["input_ids"]) != ids:  # never seen: transformers tokenizes this very text
+        return "bad:template renders unlike its tokens"
+    inside = _mask_from_spans(enc["offset_mapping"], blocks)
+    return [(ids, [m and not b for m, b in zip(mask, inside, strict=True)])]
 
 
 class _Tokenize:
@@ -180,8 +215,9 @@ class _Tokenize:
             normalized.append((msgs, tools, reason))
         good = [i for i, (m, _, _) in enumerate(normalized) if m is not None]
         toks = tokenize_conversations(
-            self.tokenizer, [normalized[i][0] for i in good], [normalized[i][1] for i in good]
-        )
+            self.tokenizer, [normalized[i][0] for i in good], [normalized[i][1] for i in good],
+            train_reasoning=self.train_reasoning,
+        )  # fmt: skip
         by_row: dict[int, Any] = dict(zip(good, toks, strict=True))
         columns = ("sample_index", "segment", "input_ids", "loss_mask", "num_loss_tokens", "status")
         out: dict[str, list] = {k: [] for k in columns}
