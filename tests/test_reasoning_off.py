@@ -163,6 +163,11 @@ def test_inline_reasoning_is_cut_from_the_content():
     ]
     assert normalize_conversation(row, train_reasoning=False) == (None, "only empty assistant turns")
     assert normalize_conversation(row)[0][1]["content"] == "<think>only a thought</think>"  # on: as given
+    sharegpt = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "<think>\nhm\n</think>\n\nAnswer."}]
+    assert normalize_conversation(sharegpt, train_reasoning=False)[0][1] == {
+        "role": "assistant",
+        "content": "Answer.",
+    }
 
 
 def _counts(tmp_path: Path, tok, data: Path, *, train_reasoning: bool):

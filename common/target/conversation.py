@@ -106,12 +106,11 @@ def without_inline_reasoning(content: str) -> str:
     up to a ``</think>`` with no opening (a template that opens the block in its generation prompt, as
     Qwen3.5/3.6 do, leaves only the end in the answer) and an unclosed ``<think>`` to the end (reasoning cut
     off). Content without a ``<think>`` tag is returned as it is."""
-    if "<think>" not in content and "</think>" not in content:
-        return content
-    out = _THINK_BLOCK.sub("", content)
-    out = out.rpartition("</think>")[2]
-    out = out.partition("<think>")[0] if "<think>" in out else out
-    return out.strip()
+    if "</think>" in content:
+        content = _THINK_BLOCK.sub("", content).rpartition("</think>")[2].lstrip()
+    if "<think>" in content:
+        content = content.partition("<think>")[0].rstrip()
+    return content
 
 
 def _turn(turn: Any, train_reasoning: bool) -> dict[str, Any] | None:
