@@ -5,12 +5,12 @@ Why the target's template, and at generation time: what the drafter learns to pr
 what the target generates, in the context the target had when it generated it (its reasoning, its tool
 calls, the tool results, the tools listed by the template). Templates that render history unlike
 generation (the Qwen3 family strips earlier reasoning) make a row several samples (which renderings, and
-the characters each trains: renderings.py). Result columns of ``tokenize_slice`` (one row per sample of each dataset row
-of the slice, one per bad row so they can be counted): ``sample_index`` int64 (the dataset row),
-``segment`` int32 (which sample of its row), ``input_ids`` int32[], ``loss_mask`` bool[],
+the characters each trains: renderings.py). Result columns of ``tokenize_slice`` (one row per sample of
+each dataset row of the slice, one per bad row so they can be counted): ``sample_index`` int64 (the
+dataset row), ``segment`` int32 (which sample of its row), ``input_ids`` int32[], ``loss_mask`` bool[],
 ``num_loss_tokens`` int32, ``status`` ("ok" | "short" | "bad:<reason>"). Reasons (``drops.drop_reason``
-turns a status into the phrase the producer prints; conversation.py decides the row's shape): unparseable (a line that is not JSON), the conversation's
-shape (not a list, empty, turn not an object, unknown role, content not text, a tool call without a
+turns a status into the phrase the producer prints; conversation.py decides the row's shape):
+unparseable (a line that is not JSON), the conversation's shape (not a list, empty, turn not an object, unknown role, content not text, a tool call without a
 function name, tools not JSON, a row of the other format), no assistant turn / only empty assistant
 turns, template error (the chat template raised), over-long (enough supervised tokens, but --max-length
 cuts them below the minimum); "short" is too few supervised tokens. docs/producer.md says how each chat
@@ -119,6 +119,9 @@ def tokenize_conversations(
 def _tokenize_by_generation_tags(
     tokenizer, convs: list[list[dict[str, Any]]], tools: list[list[dict] | None]
 ) -> list[list[Sample] | str]:
+    """One sample per conversation, masked by the template's {% generation %} marks: one batched call
+    where no row lists tools (``tools=`` is one list per call), a call per row otherwise or when a row
+    makes the template raise (that row alone is a "template error")."""
     if len(convs) > 1 and any(t is not None for t in tools):  # tools= is one list for the whole batch
         return [r for c, t in zip(convs, tools, strict=True) for r in _tokenize_by_generation_tags(tokenizer, [c], [t])]  # fmt: skip
     try:
