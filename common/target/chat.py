@@ -10,11 +10,11 @@ each dataset row of the slice, one per bad row so they can be counted): ``sample
 dataset row), ``segment`` int32 (which sample of its row), ``input_ids`` int32[], ``loss_mask`` bool[],
 ``num_loss_tokens`` int32, ``status`` ("ok" | "short" | "bad:<reason>"). Reasons (``drops.drop_reason``
 turns a status into the phrase the producer prints; conversation.py decides the row's shape):
-unparseable (a line that is not JSON), the conversation's shape (not a list, empty, turn not an object, unknown role, content not text, a tool call without a
-function name, tools not JSON, a row of the other format), no assistant turn / only empty assistant
-turns, template error (the chat template raised), over-long (enough supervised tokens, but --max-length
-cuts them below the minimum); "short" is too few supervised tokens. docs/producer.md says how each chat
-shape becomes tokens.
+unparseable (a line that is not JSON), the conversation's shape (not a list, empty, turn not an object,
+unknown role, content not text, a tool call without a function name, tools not JSON, a row of the other
+format under an explicit format), no assistant turn / only empty assistant turns, template error (the
+chat template raised), over-long (enough supervised tokens, but --max-length cuts them below the
+minimum); "short" is too few supervised tokens. docs/producer.md says how each chat shape becomes tokens.
 """
 
 from __future__ import annotations
