@@ -29,7 +29,6 @@ import numpy as np
 from datasets import Features, Sequence, Value
 
 from dflash.common.target.conversation import (
-    FORMAT_NAME,
     BadRow,
     normalize_conversation,
     normalize_tools,
@@ -41,6 +40,7 @@ from dflash.common.target.data import (
     DataConfig,
     DataError,
     conversation_column,
+    row_turns,
 )
 from dflash.common.target.renderings import empty_think_blocks, generation_renderings, render
 
@@ -181,23 +181,10 @@ class _Tokenize:
                 return None, None, "unparseable"
             if not isinstance(row, dict):
                 return row, None, None
-            turns, reason = self._turns(row)
+            turns, reason = row_turns(row, self.fmt)
             return turns, row.get("tools"), reason
-        turns, reason = self._turns({c: batch[c][i] for c in FORMAT_COLUMN.values() if c in batch})
+        turns, reason = row_turns({c: batch[c][i] for c in FORMAT_COLUMN.values() if c in batch}, self.fmt)
         return turns, batch["tools"][i] if "tools" in batch else None, reason
-
-    def _turns(self, row: dict[str, Any]) -> tuple[Any, str | None]:
-        """The row's turns, each row read as the format it has: a file may hold OpenAI and ShareGPT rows (arrow
-        gives every row both columns, one of them None), and they must train as the same rows split into two
-        files do. An explicit format names a row of the other one instead (the user said what the file is)."""
-        own = FORMAT_COLUMN.get(self.fmt)
-        for col in [own] if own else FORMAT_COLUMN.values():
-            if row.get(col) is not None:
-                return row[col], None
-        for other in (c for c in FORMAT_COLUMN.values() if own and c != own):
-            if isinstance(row.get(other), list):
-                return None, f"{FORMAT_NAME[other]} row in {FORMAT_NAME[own]}-format file"
-        return row.get(own or FORMAT_COLUMN["openai"]), None  # missing or null: "not a list"
 
     def __call__(self, batch: dict[str, list], positions: list[int]) -> dict[str, list]:
         normalized: list[tuple[Any, Any, str]] = []  # (messages or None, tools, reason)

@@ -12,15 +12,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from dflash.common.cli.exits import error_line
 from dflash.common.cli.flags import check_choices, flag
+from dflash.common.target.conversation import FORMAT_NAME
 
 log = logging.getLogger(__name__)
 
@@ -278,6 +279,21 @@ def conversation_column(ds, fmt: str) -> str:
     raise DataError(
         f"dataset has no {' or '.join(repr(c) for c in wanted)} column (columns: {', '.join(cols)})"
     )
+
+
+def row_turns(row: Mapping[str, Any], fmt: str) -> tuple[Any, str | None]:
+    """(the row's turns, None), or (None, the reason it is not read): each row is read as the format it has,
+    so a file holding OpenAI and ShareGPT rows (arrow gives every row both columns, one of them None) trains
+    as the same rows split into two files do. An explicit ``fmt`` names a row of the other format instead:
+    the user said what the file is. ``row``: the row's columns (an arrow row) or its JSON object."""
+    own = FORMAT_COLUMN.get(fmt)
+    for col in [own] if own else FORMAT_COLUMN.values():
+        if row.get(col) is not None:
+            return row[col], None
+    for other in (c for c in FORMAT_COLUMN.values() if own and c != own):
+        if isinstance(row.get(other), list):
+            return None, f"{FORMAT_NAME[other]} row in {FORMAT_NAME[own]}-format file"
+    return row.get(own or FORMAT_COLUMN["openai"]), None  # missing or null: normalize says "not a list"
 
 
 # ---- splitting -------------------------------------------------------------------------------------
