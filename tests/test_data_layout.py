@@ -47,6 +47,12 @@ def _write(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+def _write_array(path: Path, rows: list[dict]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows), encoding="utf-8")
+    return path
+
+
 def _tokenized(tmp_path: Path, tok, spec: Path, fmt: str = "auto"):
     cfg = DataConfig(dataset=str(spec), cache_dir=str(tmp_path / "cache"), min_loss_tokens=32, format=fmt)
     ds = load_raw_dataset(cfg)
@@ -58,10 +64,7 @@ def layouts(tmp_path: Path) -> dict[str, Path]:
     openai, sharegpt = _rows()
     return {
         "one file": _write(tmp_path / "mixed" / "chats.jsonl", openai + sharegpt),
-        "one file arrow cannot type": _write(
-            tmp_path / "untyped" / "chats.jsonl",
-            [{**openai[0], "id": "first"}, *openai[1:], *sharegpt[:-1], {**sharegpt[-1], "id": 78}],
-        ),  # an id that is text in one row and a number in another: read row by row as raw JSON
+        "one .json array": _write_array(tmp_path / "array" / "chats.json", openai + sharegpt),
         "a folder of two files": (
             _write(tmp_path / "folder" / "a.jsonl", openai).parent,
             _write(tmp_path / "folder" / "b.jsonl", sharegpt),
