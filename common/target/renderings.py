@@ -9,6 +9,7 @@ drafter learns, so the rule lives in one place, testable without a dataset.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from dflash.common.target.conversation import BadRow
@@ -59,7 +60,9 @@ def generation_renderings(
     return groups
 
 
-def _turn_renderings(tokenizer, msgs: list[dict[str, Any]], tools: list[dict] | None):
+def _turn_renderings(
+    tokenizer, msgs: list[dict[str, Any]], tools: list[dict] | None
+) -> Iterator[tuple[str, str]]:
     """(G_i, render(msgs[:i+1])) of each assistant turn i but a leading one (context: no generation prompt
     renders before the first message)."""
     for i, m in enumerate(msgs):
@@ -96,7 +99,9 @@ def _with_blocks(pos: int, blocks: list[tuple[int, int]], *, past_a_block_here: 
     return pos
 
 
-def _renderings_without_reasoning(tokenizer, msgs: list[dict[str, Any]], tools: list[dict] | None):
+def _renderings_without_reasoning(
+    tokenizer, msgs: list[dict[str, Any]], tools: list[dict] | None
+) -> list[Rendering]:
     """generation_renderings of a row without reasoning: the fewest renderings that train every turn with
     no reasoning token, never more than the row gives with its reasoning.
 
@@ -108,7 +113,7 @@ def _renderings_without_reasoning(tokenizer, msgs: list[dict[str, Any]], tools: 
     trained, and two renderings that differ only by empty blocks count as one: a turn trained inside a
     later turn's rendering lacks, before it, the empty block it was generated after, nothing else."""
     groups: list[Rendering] = []
-    flat, spans, text = "", [], ""  # the open group: its last rendering with and without empty blocks
+    flat, text, spans = "", "", []  # the open group: its last rendering with and without empty blocks
     for head, upto in _turn_renderings(tokenizer, msgs, tools):
         blocks = empty_think_blocks(upto)
         cut = upto
@@ -130,7 +135,7 @@ def _spans_in(text: str, flat_spans: list[tuple[int, int]]) -> Rendering:
     """The rendering ``text`` with the spans given in its coordinates without empty think blocks, minus
     every such block (none is trained)."""
     blocks = empty_think_blocks(text)
-    spans = []
+    spans: list[tuple[int, int]] = []
     for s, e in flat_spans:
         a = _with_blocks(s, blocks, past_a_block_here=True)
         b = _with_blocks(e, blocks, past_a_block_here=False)
