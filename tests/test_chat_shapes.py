@@ -263,7 +263,8 @@ def test_drop_reasons_name_what_happened(tmp_path, qtok):
         {"messages": [{"role": "user", "content": "hi"}, {"role": "wizard", "content": "boo"}]},
     ]
     path = _write_jsonl(tmp_path / "chats.jsonl", good + bad)
-    cfg = DataConfig(dataset=str(path), cache_dir=str(tmp_path / "cache"), min_loss_tokens=1)
+    # --format openai: the ShareGPT row is named (under auto it trains: test_data_layout.py)
+    cfg = DataConfig(dataset=str(path), cache_dir=str(tmp_path / "cache"), min_loss_tokens=1, format="openai")
     ds = load_raw_dataset(cfg)
     out = tokenize_slice(ds, qtok, cfg, slice_indices(len(ds), rank=0, world=1))
     n = len(good)
@@ -281,7 +282,7 @@ def test_drop_reasons_name_what_happened(tmp_path, qtok):
     assert (summary["rows"], summary["samples"], summary["dropped"]) == (n + 4, len(out), 4)
     line = format_drops(summary)
     assert line.startswith(f"dropped 4 of {len(out)} samples ({n + 4} rows): ")
-    assert f"a ShareGPT row in an OpenAI-format file 1 (first: row {n}" in line
+    assert f"a ShareGPT row in an OpenAI-format file 1 (first: row {n}: '{{\"conversations\": " in line
     # the arrow-loaded rows trained exactly as the template renders them (no null keys from the struct union)
     for r in range(n):
         samples = [

@@ -4,17 +4,17 @@ and the accounting of dropped rows.
 Why the target's template, and at generation time: what the drafter learns to predict must be exactly
 what the target generates, in the context the target had when it generated it (its reasoning, its tool
 calls, the tool results, the tools listed by the template). Templates that render history unlike
-generation (the Qwen3 family strips earlier reasoning) make a row several samples
-(``generation_renderings``). Result columns of ``tokenize_slice`` (one row per sample of each dataset row
-of the slice, one per bad row so they can be counted): ``sample_index`` int64 (the dataset row),
-``segment`` int32 (which sample of its row), ``input_ids`` int32[], ``loss_mask`` bool[],
+generation (the Qwen3 family strips earlier reasoning) make a row several samples (which renderings, and
+the characters each trains: renderings.py). Result columns of ``tokenize_slice`` (one row per sample of
+each dataset row of the slice, one per bad row so they can be counted): ``sample_index`` int64 (the
+dataset row), ``segment`` int32 (which sample of its row), ``input_ids`` int32[], ``loss_mask`` bool[],
 ``num_loss_tokens`` int32, ``status`` ("ok" | "short" | "bad:<reason>"). Reasons (``drops.drop_reason``
-turns a status into the phrase the producer prints; conversation.py decides the row's shape): unparseable (a line that is not JSON), the conversation's
-shape (not a list, empty, turn not an object, unknown role, content not text, a tool call without a
-function name, tools not JSON, a row of the other format), no assistant turn / only empty assistant
-turns, template error (the chat template raised), over-long (enough supervised tokens, but --max-length
-cuts them below the minimum); "short" is too few supervised tokens. docs/producer.md says how each chat
-shape becomes tokens.
+turns a status into the phrase the producer prints; conversation.py decides the row's shape):
+unparseable (a line that is not JSON), the conversation's shape (not a list, empty, turn not an object,
+unknown role, content not text, a tool call without a function name, tools not JSON, a row of the other
+format under an explicit format), no assistant turn / only empty assistant turns, template error (the
+chat template raised), over-long (enough supervised tokens, but --max-length cuts them below the
+minimum); "short" is too few supervised tokens. docs/producer.md says how each chat shape becomes tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import numpy as np
 from datasets import Features, Sequence, Value
 
 from dflash.common.target.conversation import (
-    FORMAT_NAME,
     BadRow,
     normalize_conversation,
     normalize_tools,
@@ -41,7 +40,9 @@ from dflash.common.target.data import (
     DataConfig,
     DataError,
     conversation_column,
+    row_turns,
 )
+from dflash.common.target.renderings import empty_think_blocks, generation_renderings, render
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
-_TOKENIZE_VERSION = 3  # bump when tokenize output changes, to invalidate datasets' map cache
+_TOKENIZE_VERSION = 4  # bump when tokenize output changes, to invalidate datasets' map cache
 
 
 def has_generation_tags(tokenizer) -> bool:
@@ -77,94 +78,33 @@ def _mask_from_spans(offsets: list[tuple[int, int]], spans: list[tuple[int, int]
     return mask
 
 
-Rendering = tuple[str, list[tuple[int, int]]]  # text, char spans of the trained assistant turns
-
-
-def _render(tokenizer, msgs: list[dict[str, Any]], tools: list[dict] | None, generation: bool = False) -> str:
-    try:
-        return tokenizer.apply_chat_template(
-            msgs, tools=tools, tokenize=False, add_generation_prompt=generation
-        )
-    except Exception:  # noqa: BLE001 - a template may raise for one conversation: that row's problem
-        raise BadRow("template error") from None
-
-
-def generation_renderings(
-    tokenizer, msgs: list[dict[str, Any]], tools: list[dict] | None = None
-) -> list[Rendering]:
-    """The conversation as the target sees it while generating each assistant turn, in as few renderings
-    as are exact: the fewest training samples whose tokens are the target's own context.
-
-    Assistant turn i at generation time is G_i = render(msgs[:i], generation prompt) followed by its turn
-    T_i, where render(msgs[:i+1]) = G_i + T_i (+ trailing whitespace). A rendering of msgs[:j+1] trains
-    turn i <= j exactly when it starts with G_i + T_i. Templates that render history as it was generated
-    (prefix-stable) need one rendering for the whole row; the Qwen3 family strips the reasoning of
-    assistant turns before the last user query, so such a row needs one rendering per user query whose
-    turns carry reasoning (each with the history the target saw), never one per turn: consecutive turns
-    that one rendering holds exactly share it."""
-    groups: list[Rendering] = []
-    text, spans = "", []  # the open group: the rendering of its last turn, its turns' spans
-    for i, m in enumerate(msgs):
-        if m["role"] != "assistant" or i == 0:  # a leading assistant turn: context (no prompt renders alone)
-            continue
-        head = _render(tokenizer, msgs[:i], tools, generation=True)
-        upto = _render(tokenizer, msgs[: i + 1], tools)
-        if not upto.startswith(head):
-            raise BadRow("template renders an assistant turn unlike its generation prompt")
-        end = len(upto.rstrip())
-        if spans and not upto.startswith(text[: spans[-1][1]]):
-            groups.append((text, spans))  # the open group's turns render differently from here on
-            spans = []
-        text = upto
-        spans.append((len(head), end))
-    if not spans:
-        raise BadRow("only a leading assistant turn")
-    groups.append((text, spans))
-    return groups
-
-
-def assistant_spans_by_prefix(tokenizer, msgs: list[dict[str, Any]]) -> Rendering:
-    """One rendering of the whole row with its assistant spans; ValueError when the template renders some
-    turn differently as history (generation_renderings splits such a row)."""
-    groups = generation_renderings(tokenizer, msgs)
-    if len(groups) > 1:
-        raise ValueError("chat template renders differently as history (not prefix-stable)")
-    return groups[0]
-
-
 Sample = tuple[list[int], list[bool]]
 
 
 def tokenize_conversations(
-    tokenizer, convs: list[list[dict[str, Any]]], tools: list[list[dict] | None] | None = None
-) -> list[list[Sample] | str]:
+    tokenizer, convs: list[list[dict[str, Any]]], tools: list[list[dict] | None] | None = None, *,
+    train_reasoning: bool = True,
+) -> list[list[Sample] | str]:  # fmt: skip
     """The samples (input_ids, loss_mask) of each conversation, or an error reason for conversations the
     template rejects. A template with {% generation %} marks: one sample, its marks are the mask (the
     template's author says what is generated). Otherwise generation_renderings: usually one sample,
-    several where the template renders history unlike generation."""
+    several where the template renders history unlike generation. ``train_reasoning`` off (the rows carry
+    no reasoning: normalize_conversation removed it): no empty ``<think>`` block a template adds is
+    trained either, whichever way the mask is made."""
     if not convs:
         return []
     tools = tools if tools is not None else [None] * len(convs)
     if has_generation_tags(tokenizer):
-        if len(convs) > 1 and any(t is not None for t in tools):  # tools= is one list for the whole batch
-            pairs = zip(convs, tools, strict=True)
-            return [r for c, t in pairs for r in tokenize_conversations(tokenizer, [c], [t])]
-        try:
-            out = tokenizer.apply_chat_template(
-                convs, tools=tools[0], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-            )
-            return [
-                [(list(ids), [bool(x) for x in m])]
-                for ids, m in zip(out["input_ids"], out["assistant_masks"], strict=True)
-            ]
-        except Exception:  # noqa: BLE001 - a template may raise for one conversation; isolate it below
-            if len(convs) > 1:
-                return [r for c in convs for r in tokenize_conversations(tokenizer, [c])]
-            return ["bad:template error"]
+        results = _tokenize_by_generation_tags(tokenizer, convs, tools)
+        if train_reasoning:
+            return results
+        return [
+            _unmark_empty_think(tokenizer, c, t, r) for c, t, r in zip(convs, tools, results, strict=True)
+        ]
     results: list[list[Sample] | str] = []
     for msgs, row_tools in zip(convs, tools, strict=True):
         try:
-            groups = generation_renderings(tokenizer, msgs, row_tools)
+            groups = generation_renderings(tokenizer, msgs, row_tools, train_reasoning=train_reasoning)
         except BadRow as err:
             results.append(f"bad:{err}")
             continue
@@ -174,6 +114,50 @@ def tokenize_conversations(
             samples.append((list(enc["input_ids"]), _mask_from_spans(enc["offset_mapping"], spans)))
         results.append(samples)
     return results
+
+
+def _tokenize_by_generation_tags(
+    tokenizer, convs: list[list[dict[str, Any]]], tools: list[list[dict] | None]
+) -> list[list[Sample] | str]:
+    """One sample per conversation, masked by the template's {% generation %} marks: one batched call
+    where no row lists tools (``tools=`` is one list per call), a call per row otherwise or when a row
+    makes the template raise (that row alone is a "template error")."""
+    if len(convs) > 1 and any(t is not None for t in tools):  # tools= is one list for the whole batch
+        return [r for c, t in zip(convs, tools, strict=True) for r in _tokenize_by_generation_tags(tokenizer, [c], [t])]  # fmt: skip
+    try:
+        out = tokenizer.apply_chat_template(
+            convs, tools=tools[0], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        return [
+            [(list(ids), [bool(x) for x in m])]
+            for ids, m in zip(out["input_ids"], out["assistant_masks"], strict=True)
+        ]
+    except Exception:  # noqa: BLE001 - a template may raise for one conversation; isolate it below
+        if len(convs) > 1:
+            return [r for c in convs for r in _tokenize_by_generation_tags(tokenizer, [c], [None])]
+        return ["bad:template error"]
+
+
+def _unmark_empty_think(
+    tokenizer, msgs: list[dict[str, Any]], tools: list[dict] | None, samples: list[Sample] | str
+) -> list[Sample] | str:
+    """A {% generation %}-marked sample with its empty ``<think>`` blocks unmarked: located in the rendered
+    text, whose tokens are the sample's (transformers tokenizes the same text, no special tokens added)."""
+    if isinstance(samples, str):
+        return samples
+    try:
+        text = render(tokenizer, msgs, tools)
+    except BadRow as err:
+        return f"bad:{err}"
+    blocks = empty_think_blocks(text)
+    [(ids, mask)] = samples
+    if not blocks:
+        return samples
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    if list(enc["input_ids"]) != ids:  # never seen: transformers tokenizes this very text
+        return "bad:template renders unlike its tokens"
+    inside = _mask_from_spans(enc["offset_mapping"], blocks)
+    return [(ids, [m and not b for m, b in zip(mask, inside, strict=True)])]
 
 
 class _Tokenize:
@@ -197,25 +181,17 @@ class _Tokenize:
         self.train_reasoning, self.fmt = train_reasoning, fmt
 
     def _row(self, batch: dict[str, list], i: int) -> tuple[Any, Any, str | None]:
-        """(turns, tools, reason it is another format's row or None) of row i of the batch."""
+        """(turns, tools, the reason it cannot be read or None) of row i of the batch."""
         if self.column == RAW_JSON_COLUMN:
             row = _parse_raw(batch[RAW_JSON_COLUMN][i])
             if row is _UNPARSEABLE:
                 return None, None, "unparseable"
             if not isinstance(row, dict):
                 return row, None, None
-            own = FORMAT_COLUMN.get(self.fmt)
-            other = next((c for c in FORMAT_COLUMN.values() if c != own), None) if own else None
-            if own and row.get(own) is None and isinstance(row.get(other), list):
-                return None, None, f"{FORMAT_NAME[other]} row in {FORMAT_NAME[own]}-format file"
-            return row, row.get("tools"), None
-        turns = batch[self.column][i]
-        tools = batch["tools"][i] if "tools" in batch else None
-        if turns is None:  # a file mixing formats: arrow gives each row both columns, one of them None
-            for other in (c for c in FORMAT_COLUMN.values() if c != self.column and c in batch):
-                if isinstance(batch[other][i], list):
-                    return None, None, f"{FORMAT_NAME[other]} row in {FORMAT_NAME[self.column]}-format file"
-        return turns, tools, None
+            turns, reason = row_turns(row, self.fmt)
+            return turns, row.get("tools"), reason
+        turns, reason = row_turns({c: batch[c][i] for c in FORMAT_COLUMN.values() if c in batch}, self.fmt)
+        return turns, batch["tools"][i] if "tools" in batch else None, reason
 
     def __call__(self, batch: dict[str, list], positions: list[int]) -> dict[str, list]:
         normalized: list[tuple[Any, Any, str]] = []  # (messages or None, tools, reason)
@@ -236,8 +212,9 @@ class _Tokenize:
             normalized.append((msgs, tools, reason))
         good = [i for i, (m, _, _) in enumerate(normalized) if m is not None]
         toks = tokenize_conversations(
-            self.tokenizer, [normalized[i][0] for i in good], [normalized[i][1] for i in good]
-        )
+            self.tokenizer, [normalized[i][0] for i in good], [normalized[i][1] for i in good],
+            train_reasoning=self.train_reasoning,
+        )  # fmt: skip
         by_row: dict[int, Any] = dict(zip(good, toks, strict=True))
         columns = ("sample_index", "segment", "input_ids", "loss_mask", "num_loss_tokens", "status")
         out: dict[str, list] = {k: [] for k in columns}

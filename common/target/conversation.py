@@ -9,6 +9,7 @@ every way a row of a million-row dataset can be malformed is decided here, in on
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 _ROLE = {
@@ -97,6 +98,21 @@ def _tool_calls(raw: Any) -> list[dict] | None:
     return calls
 
 
+_THINK_BLOCK = re.compile(r"<think>.*?</think>", re.DOTALL)
+
+
+def without_inline_reasoning(content: str) -> str:
+    """Assistant content without the reasoning written into it: every ``<think>…</think>`` block, the text
+    up to a ``</think>`` with no opening (a template that opens the block in its generation prompt, as
+    Qwen3.5/3.6 do, leaves only the end in the answer) and an unclosed ``<think>`` to the end (reasoning cut
+    off). Content without a ``<think>`` tag is returned as it is."""
+    if "</think>" in content:
+        content = _THINK_BLOCK.sub("", content).rpartition("</think>")[2].lstrip()
+    if "<think>" in content:
+        content = content.partition("<think>")[0].rstrip()
+    return content
+
+
 def _turn(turn: Any, train_reasoning: bool) -> dict[str, Any] | None:
     """One turn in HF chat-template form, None for an assistant turn with nothing in it (dropped)."""
     if not isinstance(turn, dict):
@@ -120,6 +136,8 @@ def _turn(turn: Any, train_reasoning: bool) -> dict[str, Any] | None:
         return msg
     reasoning = turn.get("reasoning_content", turn.get("reasoning"))
     reasoning = reasoning if isinstance(reasoning, str) and reasoning.strip() and train_reasoning else None
+    if content is not None and not train_reasoning:
+        content = without_inline_reasoning(content)
     calls = _tool_calls(turn.get("tool_calls"))
     if not (content and content.strip()) and reasoning is None and calls is None:
         return None
@@ -137,9 +155,10 @@ def normalize_conversation(
     """HF chat-template messages from an OpenAI or ShareGPT turn list, or (None, reason) for a bad row.
 
     Roles system/user/assistant/tool (and their ShareGPT names); an assistant turn keeps its
-    ``reasoning_content`` (unless ``train_reasoning`` is off) and ``tool_calls`` (content may be null);
-    an assistant turn with no content, reasoning or call is dropped, not the row. ``null_fields``: the
-    turns came from arrow (None keys are its padding, not the row's)."""
+    ``reasoning_content`` (or ``reasoning``) and ``tool_calls`` (content may be null); with
+    ``train_reasoning`` off it keeps neither field nor the ``<think>`` blocks written into its content
+    (``without_inline_reasoning``). An assistant turn with no content, reasoning or call is dropped, not the
+    row. ``null_fields``: the turns came from arrow (None keys are its padding, not the row's)."""
     if isinstance(raw, dict):  # raw-JSON rows: the whole row
         raw = raw.get("messages", raw.get("conversations"))
     if not isinstance(raw, list) or not raw:

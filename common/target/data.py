@@ -12,15 +12,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
 from dflash.common.cli.exits import error_line
 from dflash.common.cli.flags import check_choices, flag
+from dflash.common.target.conversation import FORMAT_NAME
 
 log = logging.getLogger(__name__)
 
@@ -41,18 +42,22 @@ class DataConfig:
     """What a producer reads and how it is tokenized (each field is also a ``dflash-produce`` flag)."""
 
     dataset: str
-    """hub name, .json/.jsonl/.parquet/.arrow file or folder, or save_to_disk folder"""
+    """hub name, .json/.jsonl/.parquet/.arrow file or folder of them (sub-folders included, read in path
+    order), or save_to_disk folder"""
     split: str = "train"
     """dataset split (hub datasets and save_to_disk DatasetDicts)"""
     format: ChatFormat = "auto"
     """conversation format: openai (messages [{role, content}]), sharegpt (conversations [{from, value}]),
-    or auto"""
+    or auto (each row read as the format it has: a file may mix both); a row of the other format is dropped
+    and counted"""
     max_length: int = 4096
     """truncate samples to this many tokens"""
     train_reasoning: bool = True
-    """train the reasoning of assistant turns (their ``reasoning_content``, rendered by the target's template
-    as it generated it); off: reasoning is removed from the rows before rendering, as if the target had
-    answered without thinking (fewer tokens; with a Qwen3-family template also fewer samples per row)"""
+    """train the reasoning of assistant turns (``reasoning_content`` or ``reasoning``, rendered by the target's
+    template as it generated it); off: rows are rendered as if the target had answered without thinking
+    (those fields and the <think> blocks written in the content removed) and no <think> token is trained,
+    not even the empty block a Qwen3-family template adds: fewer tokens, with such a template fewer samples
+    (the tests' chat shapes with tool calls: 5 samples / 1,345 tokens instead of 9 / 2,360; docs/producer.md)"""
     min_loss_tokens: int = field(default=32, metadata=flag(cli=False))
     """samples with fewer supervised tokens (after truncation) are dropped; the CLI sets 2 x --block-size"""
     limit: int | None = None
@@ -80,27 +85,43 @@ class DataConfig:
 
 
 def _local_files(path: Path) -> tuple[str, list[str]]:
+    """(datasets builder, files) of a local file or folder.
+
+    A folder is read whole, sub-folders included (hidden files and folders skipped, as the datasets library
+    does), in path order: the row order, and so every sample's id, depends on the files alone, never on
+    how the filesystem lists them or on how a user grouped them into folders. A folder holds one kind of
+    file: reading one kind and ignoring another would drop rows without a word.
+    """
     if path.is_file():
         builder = _SUFFIX_BUILDER.get(path.suffix)
         if builder is None:
             raise DataError(f"dataset file {path}: unsupported type (use .json, .jsonl, .parquet or .arrow)")
         return builder, [str(path)]
-    for suffixes, builder in (
-        ((".jsonl", ".json"), "json"),
-        ((".parquet",), "parquet"),
-        ((".arrow",), "arrow"),
-    ):
-        files = sorted(str(f) for f in path.iterdir() if f.is_file() and f.suffix in suffixes)
-        if files:
-            return builder, files
-    raise DataError(f"dataset folder {path}: no .json/.jsonl/.parquet/.arrow files")
+    found: dict[str, list[str]] = {}
+    for f in sorted(path.rglob("*"), key=lambda f: f.relative_to(path).parts):
+        hidden = any(part.startswith(".") for part in f.relative_to(path).parts)
+        if not hidden and f.suffix in _SUFFIX_BUILDER and f.is_file():
+            found.setdefault(_SUFFIX_BUILDER[f.suffix], []).append(str(f))
+    if not found:
+        raise DataError(
+            f"dataset folder {path}: no .json/.jsonl/.parquet/.arrow files (sub-folders included)"
+        )
+    if len(found) > 1:
+        kinds = " and ".join(
+            f"{kind} ({len(files)} file{'s' if len(files) > 1 else ''})" for kind, files in found.items()
+        )
+        raise DataError(
+            f"dataset folder {path}: holds {kinds}; point --dataset at a folder (or a file) of one kind"
+        )
+    [(builder, files)] = found.items()
+    return builder, files
 
 
 def _load_json_rows(files: list[str]):
     """Rows of JSON files as raw JSON text, for files whose rows mix types (arrow cannot infer a schema).
 
     Row i is the i-th non-blank line of a .jsonl file (the same order the json builder uses) or the i-th
-    element of a .json array; files are concatenated in name order.
+    element of a .json array; files are concatenated in the order _local_files gives.
     """
     from datasets import Dataset  # here, not at the top: the producer's CLI imports DataConfig before parsing
 
@@ -261,6 +282,21 @@ def conversation_column(ds, fmt: str) -> str:
     raise DataError(
         f"dataset has no {' or '.join(repr(c) for c in wanted)} column (columns: {', '.join(cols)})"
     )
+
+
+def row_turns(row: Mapping[str, Any], fmt: str) -> tuple[Any, str | None]:
+    """(the row's turns, None), or (None, the reason it is not read): each row is read as the format it has,
+    so a file holding OpenAI and ShareGPT rows (arrow gives every row both columns, one of them None) trains
+    as the same rows split into two files do. An explicit ``fmt`` names a row of the other format instead:
+    the user said what the file is. ``row``: the row's columns (an arrow row) or its JSON object."""
+    own = FORMAT_COLUMN.get(fmt)
+    for col in [own] if own else FORMAT_COLUMN.values():
+        if row.get(col) is not None:
+            return row[col], None
+    for other in (c for c in FORMAT_COLUMN.values() if own and c != own):
+        if isinstance(row.get(other), list):
+            return None, f"{FORMAT_NAME[other]} row in {FORMAT_NAME[own]}-format file"
+    return row.get(own or FORMAT_COLUMN["openai"]), None  # missing or null: normalize says "not a list"
 
 
 # ---- splitting -------------------------------------------------------------------------------------

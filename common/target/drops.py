@@ -8,6 +8,8 @@ templates.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -42,13 +44,7 @@ def drop_summary(
         reasons[phrase] = reasons.get(phrase, 0) + n
         if phrase not in first:
             row = int(index[pc.index(status, st).as_py()].as_py())
-            snippet = ""
-            if raw_ds is not None and column is not None:
-                try:
-                    snippet = ": " + repr(str(raw_ds[row][column]))[:60]
-                except (IndexError, KeyError, TypeError):
-                    snippet = ""
-            first[phrase] = f"row {row}{snippet}"
+            first[phrase] = f"row {row}{_snippet(raw_ds, column, row)}"
     ok = counts.get("ok", 0)
     rows = int(pc.count_distinct(index).as_py())
     dropped = len(tok_ds) - ok
@@ -60,6 +56,22 @@ def drop_summary(
         "reasons": reasons,
         "first": first,
     }
+
+
+def _snippet(raw_ds, column: str | None, row: int) -> str:
+    """``: '<the row's start>'``: its conversation column, or, where that is empty (a row of the other
+    format in a file that mixes them), the fields the row has; "" when the raw dataset is not at hand."""
+    if raw_ds is None or column is None:
+        return ""
+    try:
+        values = raw_ds[row]
+    except (IndexError, KeyError, TypeError):
+        return ""
+    value = values.get(column)
+    if value is None:
+        value = {k: v for k, v in values.items() if v is not None} or None
+    text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, default=str)
+    return ": " + repr(text)[:60]
 
 
 def campaign_counts(tok_ds, exclude: np.ndarray | None = None) -> dict:
