@@ -282,7 +282,7 @@ def test_drop_reasons_name_what_happened(tmp_path, qtok):
     assert (summary["rows"], summary["samples"], summary["dropped"]) == (n + 4, len(out), 4)
     line = format_drops(summary)
     assert line.startswith(f"dropped 4 of {len(out)} samples ({n + 4} rows): ")
-    assert f"a ShareGPT row in an OpenAI-format file 1 (first: row {n}: '{{\"conversations\": " in line
+    assert f'a ShareGPT row in an OpenAI-format file 1 (first: row {n}: \'{{"conversations": ' in line
     # the arrow-loaded rows trained exactly as the template renders them (no null keys from the struct union)
     for r in range(n):
         samples = [

@@ -37,7 +37,10 @@ def _rows() -> tuple[list[dict], list[dict]]:
         demo = [json.loads(line)["messages"] for line in f][: OPENAI + SHAREGPT]
     role = {"user": "human", "assistant": "gpt", "system": "system"}
     openai = [{"messages": m} for m in demo[:OPENAI]]
-    sharegpt = [{"conversations": [{"from": role[t["role"]], "value": t["content"]} for t in m]} for m in demo[OPENAI:]]  # fmt: skip
+    sharegpt = [
+        {"conversations": [{"from": role[t["role"]], "value": t["content"]} for t in m]}
+        for m in demo[OPENAI:]
+    ]
     return openai, sharegpt
 
 
@@ -79,9 +82,26 @@ def layouts(tmp_path: Path) -> dict[str, Path]:
 
 def test_the_same_rows_train_the_same_in_any_layout(tmp_path, tok):
     openai, sharegpt = _rows()
-    reference, _ = _tokenized(tmp_path, tok, _write(tmp_path / "all-openai.jsonl", openai + [
-        {"messages": [{"role": {"human": "user", "gpt": "assistant"}.get(t["from"], t["from"]), "content": t["value"]}
-                      for t in r["conversations"]]} for r in sharegpt]))  # fmt: skip
+    reference, _ = _tokenized(
+        tmp_path,
+        tok,
+        _write(
+            tmp_path / "all-openai.jsonl",
+            openai
+            + [
+                {
+                    "messages": [
+                        {
+                            "role": {"human": "user", "gpt": "assistant"}.get(t["from"], t["from"]),
+                            "content": t["value"],
+                        }
+                        for t in r["conversations"]
+                    ]
+                }
+                for r in sharegpt
+            ],
+        ),
+    )
     assert set(reference["status"]) == {"ok"} and len(reference) == OPENAI + SHAREGPT
     for name, spec in layouts(tmp_path).items():
         out, summary = _tokenized(tmp_path, tok, spec)
@@ -170,5 +190,9 @@ def test_dflash_produce_trains_every_row_of_a_file_that_mixes_formats(tmp_path, 
     assert said == [f"dflash-produce: {OPENAI + SHAREGPT} trainable rows; dropped 0 of 79 rows"], res.stderr[
         -3000:
     ]
-    ids = [i for s in (spool / "ready").glob("*.zarr") for i in zarr.open_group(str(s), mode="r")["sample_index"][:].tolist()]  # fmt: skip
+    ids = [
+        i
+        for s in (spool / "ready").glob("*.zarr")
+        for i in zarr.open_group(str(s), mode="r")["sample_index"][:].tolist()
+    ]
     assert sorted(ids) == list(range(OPENAI + SHAREGPT))

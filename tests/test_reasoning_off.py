@@ -30,7 +30,10 @@ EMPTY_THINK = re.compile(r"^<think>\s*</think>\s*")
 TAGGED = TEMPLATE.replace(
     "{{- '<|im_start|>assistant\\n' }}\n        {%- set thought",
     "{{- '<|im_start|>assistant\\n' }}{%- generation %}\n        {%- set thought",
-).replace("{{- '<|im_end|>\\n' }}\n    {%- elif m.role == 'tool' %}", "{{- '<|im_end|>' }}{%- endgeneration %}{{- '\\n' }}\n    {%- elif m.role == 'tool' %}")  # fmt: skip
+).replace(
+    "{{- '<|im_end|>\\n' }}\n    {%- elif m.role == 'tool' %}",
+    "{{- '<|im_end|>' }}{%- endgeneration %}{{- '\\n' }}\n    {%- elif m.role == 'tool' %}",
+)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +82,9 @@ def expected_answers(tok, row: dict) -> list[str]:
     out = []
     for i, m in enumerate(msgs):
         if m["role"] == "assistant" and i > 0:
-            head = tok.apply_chat_template(msgs[:i], tools=row.get("tools"), tokenize=False, add_generation_prompt=True)  # fmt: skip
+            head = tok.apply_chat_template(
+                msgs[:i], tools=row.get("tools"), tokenize=False, add_generation_prompt=True
+            )
             turn = tok.apply_chat_template(msgs[: i + 1], tools=row.get("tools"), tokenize=False)
             out.append(EMPTY_THINK.sub("", turn[len(head) :].rstrip()))
     return out

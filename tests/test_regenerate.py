@@ -27,6 +27,7 @@ from dflash.tools.regenerate.cli import main
 from dflash.tools.regenerate.dialogue import Dialogue
 from dflash.tools.regenerate.ledger import Ledger, LedgerError
 from dflash.tools.regenerate.reply import assistant_message
+from dflash.tools.regenerate.rows import read_rows
 
 TEMPLATE = (Path(__file__).parent / "data" / "qwen3_rules.jinja").read_text()
 WEATHER = {
@@ -139,6 +140,21 @@ def test_each_turn_sees_the_targets_earlier_answers_and_tool_results_stay_where_
 
 
 # ---- the output file ---------------------------------------------------------------------------------
+
+
+def test_a_file_of_openai_and_sharegpt_rows_is_read_row_by_row_as_the_producer_reads_it(tmp_path):
+    """Each row as the format it has (common/target/data.py row_turns): no ShareGPT row of a mixed file is
+    skipped for the OpenAI column its neighbours brought in."""
+    data = tmp_path / "mixed.jsonl"
+    rows = [
+        {"messages": [{"role": "user", "content": "a?"}, {"role": "assistant", "content": "A."}]},
+        {"conversations": [{"from": "human", "value": "b?"}, {"from": "gpt", "value": "B."}]},
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    total, read = read_rows(str(data), split="train", fmt="auto", limit=None)
+    got = list(read)
+    assert total == 2 and [r.reason for r in got] == ["ok", "ok"]
+    assert [r.messages[0]["content"] for r in got] == ["a?", "b?"]
 
 
 def test_a_torn_last_line_is_cut_and_settings_or_a_second_run_are_refused(tmp_path):

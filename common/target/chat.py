@@ -82,9 +82,12 @@ Sample = tuple[list[int], list[bool]]
 
 
 def tokenize_conversations(
-    tokenizer, convs: list[list[dict[str, Any]]], tools: list[list[dict] | None] | None = None, *,
+    tokenizer,
+    convs: list[list[dict[str, Any]]],
+    tools: list[list[dict] | None] | None = None,
+    *,
     train_reasoning: bool = True,
-) -> list[list[Sample] | str]:  # fmt: skip
+) -> list[list[Sample] | str]:
     """The samples (input_ids, loss_mask) of each conversation, or an error reason for conversations the
     template rejects. A template with {% generation %} marks: one sample, its marks are the mask (the
     template's author says what is generated). Otherwise generation_renderings: usually one sample,
@@ -123,7 +126,11 @@ def _tokenize_by_generation_tags(
     where no row lists tools (``tools=`` is one list per call), a call per row otherwise or when a row
     makes the template raise (that row alone is a "template error")."""
     if len(convs) > 1 and any(t is not None for t in tools):  # tools= is one list for the whole batch
-        return [r for c, t in zip(convs, tools, strict=True) for r in _tokenize_by_generation_tags(tokenizer, [c], [t])]  # fmt: skip
+        return [
+            r
+            for c, t in zip(convs, tools, strict=True)
+            for r in _tokenize_by_generation_tags(tokenizer, [c], [t])
+        ]
     try:
         out = tokenizer.apply_chat_template(
             convs, tools=tools[0], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
@@ -212,9 +219,11 @@ class _Tokenize:
             normalized.append((msgs, tools, reason))
         good = [i for i, (m, _, _) in enumerate(normalized) if m is not None]
         toks = tokenize_conversations(
-            self.tokenizer, [normalized[i][0] for i in good], [normalized[i][1] for i in good],
+            self.tokenizer,
+            [normalized[i][0] for i in good],
+            [normalized[i][1] for i in good],
             train_reasoning=self.train_reasoning,
-        )  # fmt: skip
+        )
         by_row: dict[int, Any] = dict(zip(good, toks, strict=True))
         columns = ("sample_index", "segment", "input_ids", "loss_mask", "num_loss_tokens", "status")
         out: dict[str, list] = {k: [] for k in columns}

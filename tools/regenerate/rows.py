@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash.common.target.conversation import (
-    FORMAT_NAME,
     BadRow,
     normalize_conversation,
     normalize_tools,
@@ -27,6 +26,7 @@ from dflash.common.target.data import (
     DataConfig,
     conversation_column,
     load_raw_dataset,
+    row_turns,
 )
 
 OUT_KEY = "dflash_regenerate"
@@ -70,20 +70,15 @@ def _source_row(index: int, row: dict[str, Any], column: str, fmt: str) -> Sourc
             return SourceRow(index, None, None, {}, "unparseable")
         if not isinstance(row, dict):
             return SourceRow(index, None, None, {}, "not an object")
-        own = FORMAT_COLUMN.get(fmt)
-        other = next((c for c in FORMAT_COLUMN.values() if c != own), None) if own else None
-        if own and row.get(own) is None and isinstance(row.get(other), list):
-            return SourceRow(
-                index, None, None, {}, f"{FORMAT_NAME[other]} row in {FORMAT_NAME[own]}-format file"
-            )
-        turns = row.get("messages", row.get("conversations"))
         from_arrow = False
     else:
         row = prune_nulls(row)  # arrow's union schema: None where this row had no such field
-        turns = row.get(column)
-        if turns is None:
-            return SourceRow(index, None, None, {}, f"no {column!r} in this row")
         from_arrow = True
+    turns, wrong_format = row_turns(row, fmt)  # each row as the format it has, as the producer reads it
+    if wrong_format is not None:
+        return SourceRow(index, None, None, {}, wrong_format)
+    if turns is None:
+        return SourceRow(index, None, None, {}, f"no {FORMAT_COLUMN.get(fmt, 'messages')!r} in this row")
     fields = {k: v for k, v in row.items() if k not in _CONVERSATION_KEYS}
     msgs, reason = _messages(turns, from_arrow=from_arrow)
     try:
