@@ -18,12 +18,13 @@ class Sample:
 
     input_ids: torch.Tensor  # int64 [L]
     loss_mask: torch.Tensor  # bool [L]
-    hidden: torch.Tensor  # bf16 [L, K*H]
+    hidden: torch.Tensor  # bf16 [L, K*H], or float8_e4m3fn from an FP8 shard (kept FP8 up to the device)
     sample_index: int
     shard: Path
     start: int = 0  # position of this piece's first token in its document
     last_piece: bool = True  # False for the head of a split document: the sample is not trained yet
     epoch: int = 0  # the campaign epoch of the shard it came from
+    hidden_scales: torch.Tensor | None = None  # bf16 [L, K] with FP8 hidden
 
     @property
     def num_tokens(self) -> int:
@@ -31,13 +32,28 @@ class Sample:
 
     def split(self, n: int) -> tuple[Sample, Sample]:
         """(first n tokens, the rest) as two pieces of the same document."""
+        scales = self.hidden_scales
         head = Sample(
-            self.input_ids[:n], self.loss_mask[:n], self.hidden[:n], self.sample_index, self.shard,
-            start=self.start, last_piece=False, epoch=self.epoch,
+            self.input_ids[:n],
+            self.loss_mask[:n],
+            self.hidden[:n],
+            self.sample_index,
+            self.shard,
+            start=self.start,
+            last_piece=False,
+            epoch=self.epoch,
+            hidden_scales=None if scales is None else scales[:n],
         )
         tail = Sample(
-            self.input_ids[n:], self.loss_mask[n:], self.hidden[n:], self.sample_index, self.shard,
-            start=self.start + n, last_piece=self.last_piece, epoch=self.epoch,
+            self.input_ids[n:],
+            self.loss_mask[n:],
+            self.hidden[n:],
+            self.sample_index,
+            self.shard,
+            start=self.start + n,
+            last_piece=self.last_piece,
+            epoch=self.epoch,
+            hidden_scales=None if scales is None else scales[n:],
         )
         return head, tail
 
@@ -46,7 +62,9 @@ def lowest_epoch(pool: list[Sample]) -> int:
     return min(s.epoch for s in pool)
 
 
-def best_fit(pool: list[Sample], context_tokens: int, min_split_tokens: int | None) -> tuple[list[Sample], list[Sample]]:
+def best_fit(
+    pool: list[Sample], context_tokens: int, min_split_tokens: int | None
+) -> tuple[list[Sample], list[Sample]]:
     """(the next stream's samples, the pool left): a stream holds samples of ONE epoch, the lowest in the
     pool (epochs are trained in order, and no step trains one row twice); the rest keep their order."""
     epoch = lowest_epoch(pool)
@@ -55,7 +73,9 @@ def best_fit(pool: list[Sample], context_tokens: int, min_split_tokens: int | No
     return chosen, rest + [s for s in pool if s.epoch != epoch]
 
 
-def _best_fit(pool: list[Sample], context_tokens: int, min_split_tokens: int | None) -> tuple[list[Sample], list[Sample]]:
+def _best_fit(
+    pool: list[Sample], context_tokens: int, min_split_tokens: int | None
+) -> tuple[list[Sample], list[Sample]]:
     """(the next stream's samples, the pool left) from samples of one epoch: the oldest sample first (no
     starvation), then repeatedly the largest sample that still fits.
 
