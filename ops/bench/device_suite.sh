@@ -121,7 +121,7 @@ if [[ "$parts" == *" fp8 "* ]]; then  # never part of `all`: it is the FP8 call
   echo "exit $?"; grep -E "^\| |PASS|FAIL|n/a" "$OUT/fp8prod.log" | cut -c1-220
   for codec in bf16 fp8; do
     echo "== FP8 vs bf16: the consumer's data path alone, $codec shards (${feed[*]})"
-    timeout "${FP8_FEED_LIMIT:-90}" python3 ops/bench/consumer_bench.py --mode feed --warmup 0 "${feed[@]}" \
+    timeout "${FP8_FEED_LIMIT:-100}" python3 ops/bench/consumer_bench.py --mode feed --warmup 0 "${feed[@]}" \
       --codec "$codec" --workdir /tmp/bench-work --json "$OUT/feed32_$codec.json" > "$OUT/feed32_$codec.log" 2>&1
     echo "exit $?"; grep "^{" "$OUT/feed32_$codec.log" | cut -c1-600
   done
