@@ -132,7 +132,6 @@ class ShardWriters:
     ):
         self.cfg, self.worker, self.meta_kw, self.counters, self.stop = cfg, worker, meta_kw, counters, stop
         self.codec = CodecConfig.parse(cfg.codec) if cfg.codec else default_codec()
-        self.num_layers = len(meta_kw["layer_ids"])
         self.jobs: queue.Queue[WriteJob | None] = queue.Queue(maxsize=2)
         self.free: queue.Queue[HostBuffer] = queue.Queue()
         self.error: BaseException | None = None
@@ -147,6 +146,11 @@ class ShardWriters:
             threading.Thread(target=self._run, name=f"shard-writer-{worker.producer_id}-{i}", daemon=True)
             for i in range(worker.writer_threads)
         ]
+
+    @property
+    def num_layers(self) -> int:
+        """K, the captured layers: one FP8 scale per token and layer."""
+        return len(self.meta_kw["layer_ids"])
 
     def start(self) -> None:
         for t in self.threads:

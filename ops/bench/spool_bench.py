@@ -48,7 +48,7 @@ from dflash.common.target.capture import LayerCapture
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CODECS = "none,zstd:1,zstd:3,zstd:1:shuffle,zstd:3:shuffle,zstd:5:shuffle"
+DEFAULT_CODECS = "none,zstd:1,zstd:3,zstd:1:shuffle,zstd:3:shuffle,zstd:5:shuffle,fp8:none,fp8:zstd:3"
 PRODUCER_NEED_MB_S = 500.0  # 50 KB/token x 10K tok/s
 TARGET_ENCODE_MB_S, TARGET_DECODE_MB_S = 400.0, 600.0  # per core, from the issue
 
