@@ -53,8 +53,8 @@ SHUFFLE_ZSTD_LEVELS = {2 * c - 1: c for c in range(1, 9)} | {ZSTD_MAX_LEVEL: 9}
 BLOSC_BLOCK_BYTES = 1 << 20
 
 # FP8 (docs/shard-format.md, "Default codec"): half the bytes through every stage, and the demo's drafter
-# trained from FP8 shards decodes as well as from bf16 ones (held-out τ over three seeds each,
-# docs/benchmarks.md). Keep the CodecConfig field defaults equal to it.
+# trained from FP8 shards decodes as well as from bf16 ones (held-out τ over nine seeds,
+# docs/benchmarks.md, "FP8 shards"). Keep the CodecConfig field defaults equal to it.
 DEFAULT_CODEC_SPEC = "fp8:zstd:3"
 # What a bare value name means: each value format with its measured best byte codec.
 VALUE_DEFAULTS = {"bf16": "zstd:1:shuffle", "fp8": "fp8:zstd:3"}

@@ -70,9 +70,9 @@ def dequantize(
 ) -> torch.Tensor:
     """(e4m3 [T, K*H], bf16 scales [T, K]) -> [T, K*H] of `dtype`, on their device.
 
-    The product is formed in bf16 (each e4m3 value is exact in bf16, and a bf16 multiply rounds the exact
-    product once), the values restored are those of the shard format's three-line recipe whatever the
-    device; another `dtype` is a cast of them.
+    The product is formed in bf16: each e4m3 value is exact in bf16 and a bf16 multiply rounds the exact
+    product once, so the values restored are those of the shard format's three-line recipe on any device;
+    another `dtype` is a cast of them.
     """
     rows, width = values.shape
     num_layers = scales.shape[1]
