@@ -1,7 +1,9 @@
 """Claimed shards -> fixed-size packed context streams for the training step.
 
 A background thread claims shards from the spool and decodes them (zstd decoding releases the GIL and
-never touches compiled code), so the training loop only packs samples that are already in memory.
+never touches compiled code), so the training loop only packs samples that are already in memory. FP8
+shards stay FP8 here (values and scales: half the bytes to decode, pack and copy); the input pipeline's
+copy to the device dequantizes them there. The shard's attributes say its codec: no flag.
 Packing is best-fit over a pool of loaded samples (``pool_streams`` streams' worth) into exactly
 ``context_tokens`` tokens, which keeps step shapes constant and padding low: a pool of one or two streams
 left 16 % of the slots empty on real length distributions, eight fill them to ~99 %.
@@ -247,6 +249,7 @@ class ShardFeed:
                     sample_index=int(idx),
                     shard=path,
                     epoch=shard.meta.epoch,
+                    hidden_scales=None if shard.hidden_scales is None else shard.hidden_scales[a:b],
                 )
             )
         self.counters.samples_skipped += skipped
@@ -322,12 +325,14 @@ class ShardFeed:
         self.counters.tokens_packed += tokens
         self.counters.slots_packed += self.context_tokens
         samples = [(s.input_ids, s.loss_mask, s.hidden, s.sample_index) for s in chosen]
+        scales = [s.hidden_scales for s in chosen]
         return pack_samples(
             samples,
             context_tokens=self.context_tokens,
             pin_memory=self.pin_memory,
             position_offsets=[s.start for s in chosen],
             epoch=epoch,
+            hidden_scales=scales if any(sc is not None for sc in scales) else None,
         )
 
     def _best_fit(self) -> list[Sample]:

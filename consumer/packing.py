@@ -18,12 +18,13 @@ class Sample:
 
     input_ids: torch.Tensor  # int64 [L]
     loss_mask: torch.Tensor  # bool [L]
-    hidden: torch.Tensor  # bf16 [L, K*H]
+    hidden: torch.Tensor  # bf16 [L, K*H], or float8_e4m3fn from an FP8 shard (kept FP8 up to the device)
     sample_index: int
     shard: Path
     start: int = 0  # position of this piece's first token in its document
     last_piece: bool = True  # False for the head of a split document: the sample is not trained yet
     epoch: int = 0  # the campaign epoch of the shard it came from
+    hidden_scales: torch.Tensor | None = None  # bf16 [L, K] with FP8 hidden
 
     @property
     def num_tokens(self) -> int:
@@ -31,6 +32,7 @@ class Sample:
 
     def split(self, n: int) -> tuple[Sample, Sample]:
         """(first n tokens, the rest) as two pieces of the same document."""
+        scales = self.hidden_scales
         head = Sample(
             self.input_ids[:n],
             self.loss_mask[:n],
@@ -40,6 +42,7 @@ class Sample:
             start=self.start,
             last_piece=False,
             epoch=self.epoch,
+            hidden_scales=None if scales is None else scales[:n],
         )
         tail = Sample(
             self.input_ids[n:],
@@ -50,6 +53,7 @@ class Sample:
             start=self.start + n,
             last_piece=self.last_piece,
             epoch=self.epoch,
+            hidden_scales=None if scales is None else scales[n:],
         )
         return head, tail
 

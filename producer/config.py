@@ -110,7 +110,8 @@ class ProducerConfig:
     layer_ids: list[int] | None = None
     """target layers to capture, sorted and distinct, e.g. 1,9,17,25,33 (default: K=5 from 1 to L-3)"""
     codec: str | None = None
-    """hidden-state codec: none | zstd:<level>[:shuffle] (default: the shard format's default)"""
+    """hidden-state codec: fp8 (e4m3 + a scale per token and layer, quantized on the GPU: half the bytes) |
+    bf16 (exact) | [fp8:]none | [fp8:]zstd:<level> | zstd:<level>:shuffle (default: the shard format's, fp8)"""
     epochs: int = 1
     """passes over the dataset; recorded in the spool's run record, so consumers and later launches agree"""
     shuffle_seed: int = 0

@@ -2,7 +2,9 @@
 
 Why this shape: the GPU must never wait for the disk. The main thread batches, runs the forward and starts
 the device-to-host copy into one of a few reused pinned buffers; writer threads (writers.py) wait for the
-copy, encode and publish the shard, so writing overlaps the next forward. The pinned-buffer pool bounds host
+copy, encode and publish the shard, so writing overlaps the next forward. With an FP8 codec the features
+are quantized where they are (on the GPU, before the copy: hidden_fp8.py), so the copy, the pinned buffers
+and the writers' encode handle half the bytes. The pinned-buffer pool bounds host
 memory and is the backpressure between forward and writers; the spool budget (before each write) is the
 backpressure between producers and consumers. With a campaign, the epoch barrier (epoch_barrier.py) keeps
 every shard of epoch k published before any of k+1.
@@ -18,6 +20,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from dflash.common.contract import hidden_fp8
+from dflash.common.contract.codecs import CodecConfig
 from dflash.common.contract.epochs import Epochs
 from dflash.common.contract.names import shard_name
 from dflash.common.contract.shard_writer import write_shard
@@ -30,7 +34,7 @@ from dflash.producer.config import ProducerConfig, Worker
 from dflash.producer.epoch_barrier import EpochBarrier
 from dflash.producer.heartbeat import Heartbeat
 from dflash.producer.trunk import Trunk
-from dflash.producer.writers import Counters, ShardWriters, WriteJob, shard_of
+from dflash.producer.writers import Counters, HostBuffer, ShardWriters, WriteJob, shard_of
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +61,14 @@ def write_held_out(
     trainer claims them; consumers read them for the decode-order τ). Returns the samples written."""
     device = torch.device(worker.device)
     meta_kw = shard_meta(cfg, worker, capture)
+    codec = CodecConfig.parse(cfg.codec) if cfg.codec else None  # the training shards' codec
     written = 0
     with torch.inference_mode():
         buckets = capture.bucket_config(cfg.buckets) if isinstance(capture, Trunk) else cfg.buckets
         for seq, batch in enumerate(_all_batches(samples, Bucketer(buckets))):
             shard = shard_of(batch, forward_batch(capture, batch, device, pad_id).cpu(), meta_kw)
             spool.publish_eval(
-                shard_name(batch.bucket, worker.producer_id, seq), lambda p, s=shard: write_shard(p, s)
+                shard_name(batch.bucket, worker.producer_id, seq), lambda p, s=shard: write_shard(p, s, codec)
             )
             written += len(batch.samples)
     return written
@@ -114,7 +119,7 @@ def produce(
     spool = Spool(worker.spool)
     heartbeat = heartbeat or Heartbeat(cfg, worker, spool, counters, on_heartbeat)
     writer = ShardWriters(cfg, worker, shard_meta(cfg, worker, capture), counters, stop)
-    _pin_buffers(writer, cfg, worker, capture.feature_size)
+    pinned_bytes = _pin_buffers(writer, cfg, worker, capture.feature_size)
     bucketer = Bucketer(trunk.bucket_config(cfg.buckets))
     on_wait = lambda: heartbeat(phase="epoch barrier")  # noqa: E731
     barrier = EpochBarrier(spool, worker.producer_id, stop=stop, on_wait=on_wait)
@@ -144,20 +149,27 @@ def produce(
         "padding_waste": bucketer.padding_waste,
         "produce_s": produce_s,
         "epoch_barrier_s": barrier.waited_s,
+        "codec": writer.codec.spec,
+        "pinned_bytes": pinned_bytes,
         **trunk.report(),
     }
     log.info("producer %s %s: %s", worker.producer_id, phase, result)
     return result
 
 
-def _pin_buffers(writer: ShardWriters, cfg: ProducerConfig, worker: Worker, feature_size: int) -> None:
+def _pin_buffers(writer: ShardWriters, cfg: ProducerConfig, worker: Worker, feature_size: int) -> int:
     """On CUDA, the pinned host buffers the D2H copies land in: one per writer, one being filled, one
-    queued (their number bounds host memory and makes the forward wait for slow writers)."""
+    queued (their number bounds host memory and makes the forward wait for slow writers). With an FP8
+    codec they hold e4m3 values and bf16 scales: about half the bytes. Returns their bytes."""
     if not worker.device.startswith("cuda"):
-        return
+        return 0
     max_tokens = max(cfg.buckets.batch_tokens, cfg.data.max_length)
+    total = 0
     for _ in range(worker.writer_threads + 2):
-        writer.free.put(torch.empty(max_tokens, feature_size, dtype=torch.bfloat16, pin_memory=True))
+        buf = HostBuffer.allocate(max_tokens, feature_size, writer.num_layers, fp8=writer.codec.fp8)
+        total += buf.nbytes
+        writer.free.put(buf)
+    return total
 
 
 def _forward_all(
@@ -199,20 +211,33 @@ def _hand_off(
 ) -> bool:
     """Queue one forward's features for the writer threads; False when stopping (or the writer failed).
 
-    On CUDA the features are copied into a free pinned buffer with an async D2H copy and an event the
-    writer waits on, so the main thread never blocks on the GPU here and queues the next forward at once.
+    With an FP8 codec the features are quantized first, where they are (queued GPU kernels, no host sync;
+    on the CPU path, on the CPU). On CUDA they are copied into a free pinned buffer with an async D2H copy
+    and an event the writer waits on, so the main thread never blocks on the GPU here and queues the next
+    forward at once.
     """
+    values, scales = hidden_fp8.quantize(packed, writer.num_layers) if writer.codec.fp8 else (packed, None)
+    nbytes = sum(t.numel() * t.element_size() for t in (values, scales) if t is not None)
     if device.type == "cuda":
         buf = _blocking(writer, stop, heartbeat, lambda t: writer.free.get(timeout=t))
         if buf is None:
             return False
-        host = buf[: packed.shape[0]]
-        host.copy_(packed, non_blocking=True)
+        host, host_scales = buf.fill(values, scales)
         event = torch.cuda.Event()
         event.record()
-        job = WriteJob(batch=batch, hidden=host, event=event, buffer=buf, seq=writer.next_seq())
+        job = WriteJob(
+            batch=batch,
+            hidden=host,
+            hidden_scales=host_scales,
+            event=event,
+            buffer=buf,
+            seq=writer.next_seq(),
+        )
     else:
-        job = WriteJob(batch=batch, hidden=packed, event=None, buffer=None, seq=writer.next_seq())
+        job = WriteJob(
+            batch=batch, hidden=values, hidden_scales=scales, event=None, buffer=None, seq=writer.next_seq()
+        )
+    writer.counters.add(host_bytes=nbytes)
     if not _blocking(writer, stop, heartbeat, lambda t: writer.jobs.put(job, timeout=t) or True):
         if job.buffer is not None:
             writer.free.put(job.buffer)

@@ -1,6 +1,7 @@
 """The producer's shard writers: threads that wait for a batch's device-to-host copy, encode it as a shard
 (zarr + zstd, outside the GIL) and publish it into the spool under its byte budget. They never run model
-code, so the forward of the next batch overlaps the writing of this one."""
+code, so the forward of the next batch overlaps the writing of this one. With an FP8 codec the features
+arrive already quantized (on the device, before the copy: loop.py), as e4m3 values and their scales."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dflash.common.contract import hidden_fp8
+from dflash.common.contract.codecs import default_codec
 from dflash.common.contract.names import shard_name
 from dflash.common.contract.shard import CodecConfig, Shard, ShardMeta
 from dflash.common.contract.shard_writer import write_shard
@@ -24,14 +27,57 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class HostBuffer:
+    """Pinned host memory one batch's device-to-host copy lands in: its features (bf16, or e4m3 values
+    with the codec FP8: half the bytes) and, with FP8, their scales."""
+
+    hidden: torch.Tensor  # [max_tokens, K*H]
+    scales: torch.Tensor | None  # bf16 [max_tokens, K] with FP8
+
+    @classmethod
+    def allocate(
+        cls, max_tokens: int, feature_size: int, num_layers: int, *, fp8: bool, pin_memory: bool = True
+    ) -> HostBuffer:
+        dtype = hidden_fp8.FP8_DTYPE if fp8 else torch.bfloat16
+        hidden = torch.empty(max_tokens, feature_size, dtype=dtype, pin_memory=pin_memory)
+        scales = (
+            torch.empty(max_tokens, num_layers, dtype=hidden_fp8.SCALE_DTYPE, pin_memory=pin_memory)
+            if fp8
+            else None
+        )
+        return cls(hidden=hidden, scales=scales)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.hidden, self.scales) if t is not None)
+
+    def fill(
+        self, values: torch.Tensor, scales: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Start copying one batch's features (and scales) in (asynchronously from a device); the views
+        of this buffer that hold them."""
+        rows = values.shape[0]
+        if values.dtype != self.hidden.dtype or (scales is None) != (self.scales is None):
+            raise ValueError(f"a {values.dtype} batch does not fit a host buffer of {self.hidden.dtype}")
+        host = self.hidden[:rows]
+        host.copy_(values, non_blocking=True)
+        if scales is None or self.scales is None:
+            return host, None
+        host_scales = self.scales[:rows]
+        host_scales.copy_(scales, non_blocking=True)
+        return host, host_scales
+
+
+@dataclass
 class WriteJob:
     """One forward batch on its way to the writer thread."""
 
     batch: Batch
-    hidden: torch.Tensor  # bf16 [T, K*H] on the host (a view of a pinned buffer on CUDA)
+    hidden: torch.Tensor  # bf16 or e4m3 [T, K*H] on the host (a view of a pinned buffer on CUDA)
     event: torch.cuda.Event | None
-    buffer: torch.Tensor | None  # the pinned buffer to give back after writing
+    buffer: HostBuffer | None  # the pinned buffer to give back after writing
     seq: int  # shard sequence number (assigned by the main thread)
+    hidden_scales: torch.Tensor | None = None  # bf16 [T, K] with e4m3 `hidden`
 
 
 class Counters:
@@ -53,6 +99,7 @@ class Counters:
                 "fwd_samples",
                 "fwd_tokens",
                 "padded_tokens",
+                "host_bytes",
             ),
             0,
         )
@@ -67,8 +114,9 @@ class Counters:
             return dict(self.values)
 
 
-def shard_of(batch: Batch, hidden: torch.Tensor, meta_kw: dict):
-    """The Shard of one forward batch: its samples back to back, their features ``hidden`` [T, K*H]."""
+def shard_of(batch: Batch, hidden: torch.Tensor, meta_kw: dict, hidden_scales: torch.Tensor | None = None):
+    """The Shard of one forward batch: its samples back to back, their features ``hidden`` [T, K*H] (bf16,
+    or e4m3 with ``hidden_scales`` [T, K])."""
     samples = batch.samples
     lengths = np.fromiter((len(s) for s in samples), dtype=np.int64, count=len(samples))
     cu = np.zeros(len(samples) + 1, dtype=np.int64)
@@ -79,6 +127,7 @@ def shard_of(batch: Batch, hidden: torch.Tensor, meta_kw: dict):
         cu_seqlens=torch.from_numpy(cu),
         sample_index=torch.tensor([s.sample_index for s in samples], dtype=torch.int64),
         hidden=hidden,
+        hidden_scales=hidden_scales,
         meta=ShardMeta(bucket=batch.bucket, epoch=batch.epoch or 0, **meta_kw),
     )
 
@@ -96,9 +145,9 @@ class ShardWriters:
         self, cfg: ProducerConfig, worker: Worker, meta_kw: dict, counters: Counters, stop: threading.Event
     ):
         self.cfg, self.worker, self.meta_kw, self.counters, self.stop = cfg, worker, meta_kw, counters, stop
-        self.codec = CodecConfig.parse(cfg.codec) if cfg.codec else None
+        self.codec = CodecConfig.parse(cfg.codec) if cfg.codec else default_codec()
         self.jobs: queue.Queue[WriteJob | None] = queue.Queue(maxsize=2)
-        self.free: queue.Queue[torch.Tensor] = queue.Queue()
+        self.free: queue.Queue[HostBuffer] = queue.Queue()
         self.error: BaseException | None = None
         self.seq = Spool(worker.spool).next_seq(worker.producer_id)
         self._admit_lock = threading.Lock()  # one budget admission at a time
@@ -111,6 +160,11 @@ class ShardWriters:
             threading.Thread(target=self._run, name=f"shard-writer-{worker.producer_id}-{i}", daemon=True)
             for i in range(worker.writer_threads)
         ]
+
+    @property
+    def num_layers(self) -> int:
+        """K, the captured layers: one FP8 scale per token and layer."""
+        return len(self.meta_kw["layer_ids"])
 
     def start(self) -> None:
         for t in self.threads:
@@ -188,7 +242,7 @@ class ShardWriters:
             job.event.synchronize()  # the D2H copy (and so the forward) of this batch is done
             self.counters.add(d2h_wait_s=time.monotonic() - t0)
         samples = job.batch.samples
-        shard = shard_of(job.batch, job.hidden, self.meta_kw)
+        shard = shard_of(job.batch, job.hidden, self.meta_kw, job.hidden_scales)
         cu = shard.cu_seqlens.numpy()
         t0 = time.monotonic()
         reserved = _shard_bytes_bound(shard)
@@ -219,6 +273,14 @@ def _shard_bytes_bound(shard) -> int:
     chunks by a fraction of a percent) plus the zarr metadata files."""
     raw = sum(
         t.numel() * t.element_size()
-        for t in (shard.input_ids, shard.loss_mask, shard.cu_seqlens, shard.sample_index, shard.hidden)
+        for t in (
+            shard.input_ids,
+            shard.loss_mask,
+            shard.cu_seqlens,
+            shard.sample_index,
+            shard.hidden,
+            shard.hidden_scales,
+        )
+        if t is not None
     )
     return raw + raw // 64 + (64 << 10)

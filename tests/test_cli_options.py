@@ -51,6 +51,10 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
         "--seed": "repeatable sampled evaluations",
         "--force": "evaluate a target whose weights differ from the drafter's",
     },
+    "dflash-demo": {
+        "--codec": "the shards' codec (fp8 or bf16): the demo's held-out τ compares them",
+        "--seed": "the drafter's seed: the demo's τ over several seeds",
+    },
     "dflash-export": {
         "--check": "validate any drafter folder against what vLLM, SGLang and transformers read",
         "--target": "where the tokenizer files come from when the recorded target is not here",

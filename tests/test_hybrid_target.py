@@ -128,6 +128,7 @@ def test_producer_runs_on_the_multimodal_hybrid_checkpoint(vlm_checkpoint, tmp_p
         model=str(path),
         layer_ids=[0, 1, 2],
         compile_options=TrunkCompileConfig(compile_backend=backend),
+        codec="bf16",  # the capture is checked to bf16 rounding; FP8 is tests/test_producer_fp8.py's
         data=DataConfig(
             dataset=str(demo_dataset_path()), limit=6, max_length=128, cache_dir=str(tmp_path / "hf")
         ),

@@ -156,8 +156,10 @@ def test_two_cpu_workers_cover_dataset_exactly(tmp_path, target, demo_rows):
             assert shard.loss_mask[a:b].tolist() == mask[:MAX_LENGTH]
             with torch.inference_mode():
                 ref = cap.run(torch.tensor([ids[:MAX_LENGTH]]))
+            # the default codec is FP8: within its rounding (2^-4 of a value) of the target's states
+            assert shard.fp8
             torch.testing.assert_close(
-                shard.hidden[a:b].float(), ref.bfloat16().float(), rtol=0.02, atol=0.02
+                shard.restored_hidden()[a:b].float(), ref.bfloat16().float(), rtol=0.1, atol=0.05
             )
 
 

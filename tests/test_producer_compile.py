@@ -246,6 +246,7 @@ def test_produce_with_static_shapes_stores_the_eager_states(tmp_path):
         data=DataConfig(dataset="x", max_length=256),
         buckets=BucketConfig(batch_tokens=512, pool_batches=1),
         compile_options=TrunkCompileConfig(compile_backend="aot_eager", compile_shapes="static"),
+        codec="bf16",
     )
     worker = Worker(producer_id="c0", spool=str(tmp_path / "spool"))
     trunk = warm_trunk(

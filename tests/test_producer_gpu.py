@@ -26,7 +26,10 @@ def test_bf16_capture_equals_hidden_states_on_cuda():
     assert torch.equal(got, ref)
 
 
-def test_produce_on_cuda_stores_each_samples_states(tmp_path):
+@pytest.mark.parametrize("codec", ["bf16", "fp8"])
+def test_produce_on_cuda_stores_each_samples_states(tmp_path, codec):
+    """bf16: what the target computed; FP8: quantized on the GPU before the D2H copy into pinned buffers of
+    e4m3 + scales (half the bytes), restored within FP8's rounding."""
     from dflash.common.contract.shard_reader import read_shard
     from dflash.producer.config import ProducerConfig, Worker
     from dflash.producer.loop import produce
@@ -40,6 +43,7 @@ def test_produce_on_cuda_stores_each_samples_states(tmp_path):
     cfg = ProducerConfig(
         model="tiny",
         data=DataConfig(dataset="synthetic", max_length=512),
+        codec=codec,
         buckets=BucketConfig(batch_tokens=1024, pool_batches=1),
     )
     cap = LayerCapture(model, [1, 2, 3, 4, 5], free_unused=True)
@@ -47,6 +51,11 @@ def test_produce_on_cuda_stores_each_samples_states(tmp_path):
         cfg, Worker(producer_id="g0", spool=str(tmp_path / "spool"), device="cuda:0"), cap, samples
     )
     assert result["done"] and result["samples"] == 60 and result["shards"] > 6  # > 2x the 3 host buffers
+    width = 5 * 256
+    per_token = width + 2 * 5 if codec == "fp8" else 2 * width  # e4m3 + bf16 scales, or bf16
+    assert result["host_bytes"] == result["fwd_tokens"] * per_token
+    buffers, rest = divmod(result["pinned_bytes"], 1024 * per_token)  # buffers of max(batch, length) tokens
+    assert buffers >= 3 and rest == 0
     by_index = {s.sample_index: s for s in samples}
     ref_model = build_tiny_target(dtype=torch.bfloat16).cuda()
     ref_cap = LayerCapture(ref_model, [1, 2, 3, 4, 5])
@@ -62,7 +71,9 @@ def test_produce_on_cuda_stores_each_samples_states(tmp_path):
             with torch.inference_mode():
                 ref = ref_cap.run(torch.from_numpy(s.input_ids).long()[None].cuda()).cpu()
             # Batched vs single bf16 GEMMs differ in rounding; a mix-up between samples would not be close.
-            torch.testing.assert_close(shard.hidden[a:b], ref, rtol=0.05, atol=0.05)
+            assert shard.fp8 == (codec == "fp8")
+            tol = 0.1 if codec == "fp8" else 0.05  # e4m3 adds up to 2^-4 of each value
+            torch.testing.assert_close(shard.restored_hidden()[a:b], ref, rtol=tol, atol=tol)
             seen.add(idx)
     assert seen == set(range(60))
 

@@ -28,6 +28,9 @@ CODECS = ["none", "zstd:1", "zstd:3", "zstd:1:shuffle", "zstd:3:shuffle"]
 LAYER_IDS = [1, 4]
 HIDDEN_SIZE = 64
 WIDTH = len(LAYER_IDS) * HIDDEN_SIZE
+# This file tests the bf16 format (bit-exact, every pattern: NaN too), written with the bf16 codec; FP8 shards
+# are tests/test_fp8.py's.
+BF16 = CodecConfig.parse("bf16")
 # Small chunks so every test shard has several chunks of `hidden`, the last one partial.
 CHUNK_BYTES = 100 * WIDTH * 2
 
@@ -63,7 +66,7 @@ def make_shard(hidden: torch.Tensor | None = None, seqlens: tuple[int, ...] = (1
 @pytest.fixture
 def shard_path(tmp_path: Path) -> Path:
     path = tmp_path / "b000512-n0g1-s00000001.zarr"
-    write_shard(path, make_shard(), chunk_bytes=CHUNK_BYTES)
+    write_shard(path, make_shard(), BF16, chunk_bytes=CHUNK_BYTES)
     return path
 
 
@@ -99,7 +102,7 @@ def test_round_trip_is_bit_exact(tmp_path: Path, spec: str) -> None:
 def test_round_trip_of_a_single_chunk_and_a_non_contiguous_tensor(tmp_path: Path) -> None:
     hidden = every_bf16_pattern().t().contiguous().t()  # same values, column-major strides
     shard = make_shard(hidden)
-    write_shard(tmp_path / "s.zarr", shard)  # default chunk size: one chunk
+    write_shard(tmp_path / "s.zarr", shard, BF16)  # default chunk size: one chunk
     assert_same(shard, read_shard(tmp_path / "s.zarr"))
 
 
@@ -121,7 +124,7 @@ def test_metadata_attributes_and_read_shard_meta(shard_path: Path) -> None:
         meta["num_layers"] == 2 and meta["hidden_size"] == HIDDEN_SIZE and meta["hidden_dtype"] == "bfloat16"
     )
     assert meta["producer_id"] == "n0g1" and meta["bucket"] == 512
-    assert meta["num_tokens"] == 512 and meta["num_samples"] == 4 and meta["codec"] == DEFAULT_CODEC_SPEC
+    assert meta["num_tokens"] == 512 and meta["num_samples"] == 4 and meta["codec"] == "zstd:1:shuffle"
     arrays = meta["arrays"]
     assert arrays["hidden"] == {
         **arrays["hidden"],
@@ -231,7 +234,7 @@ def test_wrong_hidden_width_on_disk_is_a_format_error(shard_path: Path) -> None:
 
 def test_wrong_dtype_on_disk_is_a_format_error(tmp_path: Path) -> None:
     path = tmp_path / "s.zarr"
-    write_shard(path, make_shard())
+    write_shard(path, make_shard(), BF16)
     group = zarr.open_group(path, mode="r+")
     del group["input_ids"]
     group.create_array("input_ids", data=np.zeros(512, dtype=np.int64))
@@ -241,7 +244,7 @@ def test_wrong_dtype_on_disk_is_a_format_error(tmp_path: Path) -> None:
 
 def test_write_refuses_existing_path_and_invalid_shards(tmp_path: Path, shard_path: Path) -> None:
     with pytest.raises(FileExistsError):
-        write_shard(shard_path, make_shard())
+        write_shard(shard_path, make_shard(), BF16)
     shard = make_shard()
     with pytest.raises(ValueError, match="hidden has shape"):
         Shard(**{**vars(shard), "hidden": shard.hidden[:, :-1]})
@@ -259,13 +262,13 @@ def test_write_refuses_existing_path_and_invalid_shards(tmp_path: Path, shard_pa
 @pytest.mark.parametrize(
     ("spec", "expected"),
     [
-        ("none", CodecConfig(name="none")),
-        ("zstd", CodecConfig(name="zstd", level=1, shuffle=False)),
-        ("zstd:3", CodecConfig(name="zstd", level=3, shuffle=False)),
-        ("ZSTD:3:shuffle", CodecConfig(name="zstd", level=3, shuffle=True)),
-        ("zstd:shuffle", CodecConfig(name="zstd", level=1, shuffle=True)),
-        ("zstd:-5", CodecConfig(name="zstd", level=-5, shuffle=False)),
-        ("zstd:22:shuffle", CodecConfig(name="zstd", level=22, shuffle=True)),
+        ("none", CodecConfig(values="bf16", name="none")),
+        ("zstd", CodecConfig(values="bf16", name="zstd", level=1, shuffle=False)),
+        ("zstd:3", CodecConfig(values="bf16", name="zstd", level=3, shuffle=False)),
+        ("ZSTD:3:shuffle", CodecConfig(values="bf16", name="zstd", level=3, shuffle=True)),
+        ("zstd:shuffle", CodecConfig(values="bf16", name="zstd", level=1, shuffle=True)),
+        ("zstd:-5", CodecConfig(values="bf16", name="zstd", level=-5, shuffle=False)),
+        ("zstd:22:shuffle", CodecConfig(values="bf16", name="zstd", level=22, shuffle=True)),
     ],
 )
 def test_codec_spec_parses(spec: str, expected: CodecConfig) -> None:
@@ -281,11 +284,11 @@ def test_default_codec_is_the_documented_one() -> None:
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
-        ("", "expected 'none', 'zstd'"),
+        ("", r"expected \[bf16:\|fp8:\]none\|zstd"),
         ("gzip:3", "unknown codec 'gzip'"),
         ("zstd:fast", "level 'fast' is not an integer"),
-        ("zstd:1:2", "expected 'none', 'zstd'"),
-        ("zstd:1:shuffle:x", "expected 'none', 'zstd'"),
+        ("zstd:1:2", r"expected \[bf16:\|fp8:\]none\|zstd"),
+        ("zstd:1:shuffle:x", r"expected \[bf16:\|fp8:\]none\|zstd"),
         ("none:shuffle", "'none' takes no options"),
         ("zstd:23", r"zstd levels are -131072\.\.22"),
         ("zstd:2:shuffle", r"with shuffle the zstd level must be one of \[1, 3, 5"),
@@ -302,7 +305,8 @@ def test_bad_codec_config_fields_are_value_errors() -> None:
         CodecConfig(name="lz4")
     with pytest.raises(ValueError, match="CodecConfig.level"):
         CodecConfig(name="zstd", level="3")  # type: ignore[arg-type]
-    assert CodecConfig(name="none", level=5, shuffle=True) == CodecConfig.parse("none")
+    assert CodecConfig(values="bf16", name="none", level=5, shuffle=True) == CodecConfig.parse("none")
+    assert CodecConfig(name="none") == CodecConfig.parse("fp8:none")  # the default values: FP8
 
 
 @pytest.mark.parametrize(
@@ -327,13 +331,13 @@ def test_failed_write_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.
 
     monkeypatch.setattr(CodecConfig, "zarr_codecs", broken)  # fails after the group and 1-D arrays exist
     with pytest.raises(RuntimeError, match="encoder exploded"):
-        write_shard(tmp_path / "s.zarr", make_shard())
+        write_shard(tmp_path / "s.zarr", make_shard(), BF16)
     assert not (tmp_path / "s.zarr").exists()
 
 
 def test_requires_grad_hidden_is_written(tmp_path: Path) -> None:
     hidden = torch.randn(512, WIDTH).to(torch.bfloat16).requires_grad_()
-    write_shard(tmp_path / "s.zarr", make_shard(hidden))
+    write_shard(tmp_path / "s.zarr", make_shard(hidden), BF16)
     assert torch.equal(
         read_shard(tmp_path / "s.zarr").hidden.view(torch.int16), hidden.detach().view(torch.int16)
     )

@@ -4,12 +4,14 @@ A shard is a zarr v3 group stored as a directory `<name>.zarr`, so that a single
 into the spool. Its layout is specified in docs/shard-format.md; the short version:
 
     attributes  format="dflash-shard", version, target_model, layer_ids, num_layers, hidden_size,
-                hidden_dtype="bfloat16", producer_id, bucket, num_tokens, num_samples, codec
+                hidden_dtype="bfloat16" | "float8_e4m3fn", producer_id, bucket, num_tokens, num_samples, codec
     input_ids     int32  [T]
     loss_mask     bool   [T]
     cu_seqlens    int64  [N+1]   0 = cu[0] <= cu[1] <= ... <= cu[N] = T
     sample_index  int64  [N]
     hidden        uint16 [T, K*H] bf16 bit patterns, chunked along T, compressed with a CodecConfig
+                  (FP8 shards: uint8 e4m3 bit patterns)
+    hidden_scales uint16 [T, K]  FP8 shards only: bf16 bit patterns of each (token, layer)'s scale
 
 The writer avoids copies (torch -> numpy views); the reader checks everything it relies on and turns any
 problem with the bytes on disk into a one-line ShardFormatError naming the shard, so that a consumer can
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dflash.common.contract import hidden_fp8
 from dflash.common.contract.codecs import DEFAULT_CODEC_SPEC, CodecConfig
 
 __all__ = [
@@ -43,6 +46,12 @@ log = logging.getLogger(__name__)
 SHARD_FORMAT = "dflash-shard"
 SHARD_VERSION = 1
 HIDDEN_DTYPE = "bfloat16"
+# hidden_dtype attribute -> (the numpy dtype `hidden` is stored as, the torch dtype it is read back as)
+HIDDEN_DTYPES: dict[str, tuple[np.dtype, torch.dtype]] = {
+    HIDDEN_DTYPE: (np.dtype(np.uint16), torch.bfloat16),
+    hidden_fp8.FP8_NAME: (np.dtype(np.uint8), hidden_fp8.FP8_DTYPE),
+}
+SCALES_ARRAY = "hidden_scales"
 
 # Rows of `hidden` per chunk are chosen so a chunk holds about this many bytes: big enough that zstd sees
 # enough data and per-chunk overhead (a file, a task) is small, small enough that several chunks of one
@@ -55,7 +64,7 @@ SHARD_ARRAYS: dict[str, tuple[tuple[np.dtype, ...], np.dtype, int]] = {
     "loss_mask": ((np.dtype(np.bool_), np.dtype(np.uint8)), np.dtype(np.bool_), 1),
     "cu_seqlens": ((np.dtype(np.int64),), np.dtype(np.int64), 1),
     "sample_index": ((np.dtype(np.int64),), np.dtype(np.int64), 1),
-    "hidden": ((np.dtype(np.uint16),), np.dtype(np.uint16), 2),
+    "hidden": ((np.dtype(np.uint16), np.dtype(np.uint8)), np.dtype(np.uint16), 2),
 }
 REQUIRED_ATTRS = ("target_model", "layer_ids", "hidden_size", "producer_id", "bucket", "hidden_dtype")
 
@@ -125,8 +134,11 @@ class Shard:
     sample_index: torch.Tensor
     """int64 [N]: sample id of each sample (common/contract/epochs.py; the data cursor for resume)."""
     hidden: torch.Tensor
-    """bfloat16 [T, K*H]: the K captured layers concatenated in meta.layer_ids order."""
+    """bfloat16 [T, K*H]: the K captured layers concatenated in meta.layer_ids order; or float8_e4m3fn
+    values with `hidden_scales` (hidden_fp8.py)."""
     meta: ShardMeta
+    hidden_scales: torch.Tensor | None = None
+    """bfloat16 [T, K] when `hidden` is FP8: hidden[t, k*H:(k+1)*H] = values * hidden_scales[t, k]."""
 
     def __post_init__(self) -> None:
         problem = shard_problem(self)
@@ -147,6 +159,17 @@ class Shard:
     def num_samples(self) -> int:
         return int(self.sample_index.shape[0])
 
+    @property
+    def fp8(self) -> bool:
+        return self.hidden_scales is not None
+
+    def restored_hidden(self) -> torch.Tensor:
+        """bf16 [T, K*H]: `hidden` itself, or an FP8 shard's values times their scales (on the CPU: for the
+        tools and the held-out documents; the trainer dequantizes on its own device, after the copy)."""
+        if self.hidden_scales is None:
+            return self.hidden
+        return hidden_fp8.dequantize(self.hidden, self.hidden_scales)
+
 
 def shard_problem(s: Shard) -> str | None:
     """Why `s` is not a valid shard, or None. Shared by the constructor and the reader."""
@@ -157,8 +180,10 @@ def shard_problem(s: Shard) -> str | None:
         "loss_mask": (torch.bool, 1),
         "cu_seqlens": (torch.int64, 1),
         "sample_index": (torch.int64, 1),
-        "hidden": (torch.bfloat16, 2),
+        "hidden": (torch.bfloat16 if s.hidden_scales is None else hidden_fp8.FP8_DTYPE, 2),
     }
+    if s.hidden_scales is not None:
+        expect["hidden_scales"] = (hidden_fp8.SCALE_DTYPE, 2)
     for name, (dtype, ndim) in expect.items():
         t = getattr(s, name)
         if not isinstance(t, torch.Tensor):
@@ -182,6 +207,11 @@ def shard_problem(s: Shard) -> str | None:
         return (
             f"hidden has shape {tuple(s.hidden.shape)}, expected (T, K*H) = ({num_tokens}, {width}) "
             f"for K={s.meta.num_layers} layers of hidden_size {s.meta.hidden_size}"
+        )
+    if s.hidden_scales is not None and tuple(s.hidden_scales.shape) != (num_tokens, s.meta.num_layers):
+        return (
+            f"hidden_scales has shape {tuple(s.hidden_scales.shape)}, expected (T, K) = "
+            f"({num_tokens}, {s.meta.num_layers})"
         )
     return None
 

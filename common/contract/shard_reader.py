@@ -1,6 +1,7 @@
 """Reading one shard back, bit-exact: the arrays, its metadata alone, or its sample ids alone; a wrong
-version, a missing array, a shape mismatch or a bad checksum is one ShardFormatError (the consumer then
-quarantines the shard). The writer is shard_writer.py."""
+version, a missing array, a shape mismatch, a bad checksum or a non-finite FP8 scale is one
+ShardFormatError (the consumer then quarantines the shard). An FP8 shard is returned as it is stored,
+e4m3 values and their scales, without dequantizing on the host. The writer is shard_writer.py."""
 
 from __future__ import annotations
 
@@ -18,9 +19,11 @@ import zarr
 from zarr.storage import LocalStore
 
 from dflash.common.cli.exits import error_line
+from dflash.common.contract import hidden_fp8
 from dflash.common.contract.shard import (
-    HIDDEN_DTYPE,
+    HIDDEN_DTYPES,
     REQUIRED_ATTRS,
+    SCALES_ARRAY,
     SHARD_ARRAYS,
     SHARD_FORMAT,
     SHARD_VERSION,
@@ -59,8 +62,10 @@ def _check_attrs(path: Path, attrs: dict[str, Any], *, check_version: bool) -> N
     missing = [k for k in REQUIRED_ATTRS if k not in attrs]
     if missing:
         raise ShardFormatError(f"{path}: missing attribute(s) {', '.join(missing)}")
-    if attrs["hidden_dtype"] != HIDDEN_DTYPE:
-        raise ShardFormatError(f"{path}: hidden_dtype={attrs['hidden_dtype']!r}, expected {HIDDEN_DTYPE!r}")
+    if attrs["hidden_dtype"] not in HIDDEN_DTYPES:
+        raise ShardFormatError(
+            f"{path}: hidden_dtype={attrs['hidden_dtype']!r}, expected one of {', '.join(map(repr, HIDDEN_DTYPES))}"
+        )
 
 
 @contextlib.contextmanager
@@ -101,9 +106,13 @@ def read_shard(path: str | Path) -> Shard:
             raise ShardFormatError(
                 f"{path}: num_layers={attrs['num_layers']} but layer_ids has {meta.num_layers} entries"
             )
+        stored, hidden_dtype = HIDDEN_DTYPES[attrs["hidden_dtype"]]
+        fp8 = hidden_dtype == hidden_fp8.FP8_DTYPE
         data: dict[str, np.ndarray] = {}
         for name, (accepted, _, ndim) in SHARD_ARRAYS.items():
-            data[name] = _read_array(path, group, name, accepted, ndim)
+            data[name] = _read_array(path, group, name, (stored,) if name == "hidden" else accepted, ndim)
+        if fp8:
+            data[SCALES_ARRAY] = _read_array(path, group, SCALES_ARRAY, (np.dtype(np.uint16),), 2)
 
     try:
         shard = Shard(
@@ -111,7 +120,8 @@ def read_shard(path: str | Path) -> Shard:
             loss_mask=torch.from_numpy(data["loss_mask"].astype(np.bool_, copy=False)),
             cu_seqlens=torch.from_numpy(data["cu_seqlens"]),
             sample_index=torch.from_numpy(data["sample_index"]),
-            hidden=torch.from_numpy(data["hidden"]).view(torch.bfloat16),
+            hidden=torch.from_numpy(data["hidden"]).view(hidden_dtype),
+            hidden_scales=torch.from_numpy(data[SCALES_ARRAY]).view(hidden_fp8.SCALE_DTYPE) if fp8 else None,
             meta=meta,
         )
     except ValueError as e:
@@ -119,6 +129,12 @@ def read_shard(path: str | Path) -> Shard:
     for key, actual in (("num_tokens", shard.num_tokens), ("num_samples", shard.num_samples)):
         if key in attrs and attrs[key] != actual:
             raise ShardFormatError(f"{path}: attribute {key}={attrs[key]} but the arrays hold {actual}")
+    if shard.hidden_scales is not None:
+        problem = hidden_fp8.nonfinite_problem(
+            shard.hidden_scales, shard.cu_seqlens, shard.sample_index, meta.layer_ids
+        )
+        if problem:
+            raise ShardFormatError(f"{path}: {problem}")
     return shard
 
 

@@ -1,5 +1,6 @@
 """Writing one shard: a zarr v3 group in a directory, the hidden states chunked along T and compressed with
-the chosen codec, every chunk's CRC32C stored (docs/shard-format.md). The reader is shard_reader.py."""
+the chosen codec (bf16 as they are, or FP8 values beside their scales), every chunk's CRC32C stored
+(docs/shard-format.md). The reader is shard_reader.py."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ import zarr
 from zarr.codecs import Crc32cCodec, ZstdCodec
 from zarr.storage import LocalStore
 
+from dflash.common.contract import hidden_fp8
 from dflash.common.contract.codecs import CodecConfig, default_codec
 from dflash.common.contract.shard import (
     DEFAULT_CHUNK_BYTES,
     HIDDEN_DTYPE,
+    SCALES_ARRAY,
     SHARD_ARRAYS,
     SHARD_FORMAT,
     SHARD_VERSION,
@@ -42,6 +45,11 @@ def write_shard(
     `path` must not exist (FileExistsError): shards are written once under the spool's tmp/ and renamed.
     Tensors on another device are copied to the CPU; CPU tensors are written without an extra copy.
     Chunks of `hidden` are encoded in parallel by zarr's thread pool (`async.concurrency` chunks at once).
+
+    An FP8 codec stores `shard.hidden_scales` beside the e4m3 values when the shard is already quantized
+    (a producer quantizes on its device, before the copy to the host), and quantizes a bf16 shard here on
+    the CPU. A hidden state holding NaN or inf is refused with NonFiniteHiddenError naming the sample
+    (an FP8 shard would otherwise hold a NaN scale); a shard already FP8 cannot be stored as bf16.
     """
     path = Path(path)
     codec = default_codec() if codec is None else codec
@@ -56,14 +64,15 @@ def write_shard(
         raise ValueError(f"write_shard({path}): {problem}")
 
     num_tokens, num_samples = shard.num_tokens, shard.num_samples
-    # .view(torch.uint16) reinterprets the bf16 bits in place; .numpy() shares memory. No copy on CPU.
-    hidden = shard.hidden.detach().cpu().view(torch.uint16).numpy()
+    hidden, scales = _stored_hidden(path, shard, codec)
     columns = {
         "input_ids": shard.input_ids.cpu().numpy(),
         "loss_mask": shard.loss_mask.cpu().numpy(),
         "cu_seqlens": shard.cu_seqlens.cpu().numpy(),
         "sample_index": shard.sample_index.cpu().numpy(),
     }
+    if scales is not None:
+        columns[SCALES_ARRAY] = scales
     try:
         _write_group(path, _group_attrs(shard, codec), columns, hidden, codec, chunk_bytes)
     except BaseException:
@@ -77,6 +86,23 @@ def write_shard(
     return nbytes
 
 
+def _stored_hidden(path: Path, shard: Shard, codec: CodecConfig) -> tuple[np.ndarray, np.ndarray | None]:
+    """(`hidden`, `hidden_scales` or None) as the numpy arrays stored: the bits viewed as unsigned ints
+    (.view reinterprets in place, .numpy() shares memory: no copy of CPU tensors)."""
+    if not codec.fp8:
+        if shard.fp8:
+            raise ValueError(f"write_shard({path}): an FP8 shard cannot be stored with codec {codec.spec}")
+        return shard.hidden.detach().cpu().view(torch.uint16).numpy(), None
+    if shard.fp8:
+        values, scales = shard.hidden.detach().cpu(), shard.hidden_scales.detach().cpu()
+    else:
+        values, scales = hidden_fp8.quantize(shard.hidden.detach().cpu(), shard.meta.num_layers)
+    problem = hidden_fp8.nonfinite_problem(scales, shard.cu_seqlens, shard.sample_index, shard.meta.layer_ids)
+    if problem:
+        raise hidden_fp8.NonFiniteHiddenError(f"{path.name}: {problem}: not written")
+    return values.view(torch.uint8).numpy(), scales.view(torch.uint16).numpy()
+
+
 def _group_attrs(shard: Shard, codec: CodecConfig) -> dict[str, Any]:
     """The zarr group's attributes: what a reader checks before trusting the arrays (format, version) and
     the shard's metadata (docs/shard-format.md)."""
@@ -88,7 +114,7 @@ def _group_attrs(shard: Shard, codec: CodecConfig) -> dict[str, Any]:
         "layer_ids": list(meta.layer_ids),
         "num_layers": meta.num_layers,
         "hidden_size": meta.hidden_size,
-        "hidden_dtype": HIDDEN_DTYPE,
+        "hidden_dtype": hidden_fp8.FP8_NAME if codec.fp8 else HIDDEN_DTYPE,
         "producer_id": meta.producer_id,
         "bucket": meta.bucket,
         "epoch": meta.epoch,
@@ -109,13 +135,16 @@ def _write_group(
     array_config = {"write_empty_chunks": True}
     group = zarr.open_group(LocalStore(path), mode="w-", zarr_format=3, attributes=attrs)
     for name, data in columns.items():
-        # Small 1-D arrays: one chunk each (a few bytes per token, never the bottleneck).
+        # Small arrays: one chunk each (a few bytes per token, never the bottleneck); the scales of FP8
+        # hidden states are [T, K] bf16 bits, 2 bytes per token and layer.
+        scales = name == SCALES_ARRAY
         arr = group.create_array(
             name,
             shape=data.shape,
-            dtype=SHARD_ARRAYS[name][1],
-            chunks=(max(1, data.shape[0]),),
+            dtype=np.uint16 if scales else SHARD_ARRAYS[name][1],
+            chunks=tuple(max(1, n) for n in data.shape),
             compressors=[ZstdCodec(level=1), Crc32cCodec()],
+            dimension_names=("token", "layer") if scales else None,
             config=array_config,
         )
         arr[...] = data
@@ -123,7 +152,7 @@ def _write_group(
     arr = group.create_array(
         "hidden",
         shape=hidden.shape,
-        dtype=np.uint16,
+        dtype=hidden.dtype,
         chunks=(rows, hidden.shape[1]),
         compressors=codec.zarr_codecs(element_size=hidden.itemsize),
         dimension_names=("token", "feature"),

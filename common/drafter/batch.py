@@ -5,6 +5,9 @@ what varies is carried by padding (doc id -1, invalid anchor slots with zero lab
 
 Label convention (docs/architecture.md, the training recipe): block position k predicts the token AT anchor+k (same position, no shift).
 Position 0 holds the anchor token itself and is never a label.
+
+Hidden states from FP8 shards stay FP8 (values + per-(token, layer) scales) through packing and the copy to
+the device, and are dequantized there (``PackedSamples.to``): the host packs and copies half the bytes.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.common.contract import hidden_fp8
+
 
 @dataclass(kw_only=True)
 class PackedSamples:
@@ -23,11 +28,12 @@ class PackedSamples:
 
     input_ids: torch.Tensor  # int64 [S]
     loss_mask: torch.Tensor  # bool [S]
-    hidden: torch.Tensor  # [S, K*H] (bf16 from shards)
+    hidden: torch.Tensor  # [S, K*H] (bf16 from shards; float8_e4m3fn from FP8 shards, with hidden_scales)
     doc_ids: torch.Tensor  # int32 [S], 0..num_docs-1 in order, -1 = padding
     positions: torch.Tensor  # int64 [S], position within its document (0 for padding)
     sample_index: list[int]  # global dataset index of each document, in doc id order
     epoch: int = 0  # the campaign epoch of every document (a stream never mixes epochs)
+    hidden_scales: torch.Tensor | None = None  # bf16 [S, K] with FP8 hidden (0 on padding); None after .to()
 
     def __post_init__(self) -> None:
         s = self.input_ids.shape[0]
@@ -37,6 +43,14 @@ class PackedSamples:
                 raise ValueError(f"{name} must have shape [{s}], got {list(t.shape)}")
         if self.hidden.dim() != 2 or self.hidden.shape[0] != s:
             raise ValueError(f"hidden must have shape [{s}, K*H], got {list(self.hidden.shape)}")
+        if (self.hidden_scales is not None) != (self.hidden.dtype == hidden_fp8.FP8_DTYPE):
+            raise ValueError(f"hidden of {self.hidden.dtype} needs hidden_scales exactly when it is FP8")
+        if self.hidden_scales is not None and (
+            self.hidden_scales.dim() != 2
+            or self.hidden_scales.shape[0] != s
+            or self.hidden.shape[1] % max(1, self.hidden_scales.shape[1])
+        ):
+            raise ValueError(f"hidden_scales must have shape [{s}, K], got {list(self.hidden_scales.shape)}")
 
     @property
     def context_tokens(self) -> int:
@@ -53,15 +67,25 @@ class PackedSamples:
         non_blocking: bool = False,
         hidden_dtype: torch.dtype | None = None,
     ):
-        """A copy with every tensor on `device` (same class, lists kept); `hidden` optionally cast on the way."""
+        """A copy with every tensor on `device` (same class, lists kept); `hidden` optionally cast on the way.
+
+        FP8 hidden states are copied as they are (half the bytes of bf16) and dequantized on `device`,
+        after the copy (in the current stream: the input pipeline's copy stream), to `hidden_dtype` (default
+        bf16); the copy holds no scales."""
         moved = {
             f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
             for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor) and f.name != "hidden"
+            if isinstance(getattr(self, f.name), torch.Tensor) and f.name not in ("hidden", "hidden_scales")
         }
-        moved["hidden"] = self.hidden.to(
-            device, dtype=hidden_dtype or self.hidden.dtype, non_blocking=non_blocking
-        )
+        if self.hidden_scales is None:
+            moved["hidden"] = self.hidden.to(
+                device, dtype=hidden_dtype or self.hidden.dtype, non_blocking=non_blocking
+            )
+        else:
+            values = self.hidden.to(device, non_blocking=non_blocking)
+            scales = self.hidden_scales.to(device, non_blocking=non_blocking)
+            moved["hidden"] = hidden_fp8.dequantize(values, scales, hidden_dtype or torch.bfloat16)
+            moved["hidden_scales"] = None
         return dataclasses.replace(self, **moved)
 
 
@@ -108,6 +132,7 @@ def pack_samples(
     pin_memory: bool = False,
     position_offsets: Sequence[int] | None = None,
     epoch: int = 0,
+    hidden_scales: Sequence[torch.Tensor | None] | None = None,
 ) -> PackedSamples:
     """Pack (input_ids [T], loss_mask [T], hidden [T, D], sample_index) documents into exactly S tokens.
 
@@ -116,7 +141,9 @@ def pack_samples(
     memory, so the host->device copy of the (hundreds of MB) hidden states can run asynchronously on a copy
     stream; the hidden states are written once (no zero-fill of the whole stream, no second copy to pin).
     ``position_offsets`` gives each document's first position (a piece of a split document continues
-    where the previous piece ended; default 0).
+    where the previous piece ended; default 0). ``hidden_scales``: each document's [T, K] scales when its
+    hidden states are FP8 (None for a bf16 one); a stream of FP8 documents stays FP8, one mixing them with
+    bf16 documents (a spool of both codecs) is packed in bf16.
     """
     if not samples:
         raise ValueError("pack_samples needs at least one sample")
@@ -128,16 +155,13 @@ def pack_samples(
         )
     if min(lengths) < 1:
         raise ValueError("pack_samples got an empty sample")
-    hidden0 = samples[0][2]
-    width = hidden0.shape[-1]
+    width = samples[0][2].shape[-1]
     for doc, ((_, mask, hid, _), n) in enumerate(zip(samples, lengths, strict=True)):
         if mask.shape != (n,) or hid.shape != (n, width):
             raise ValueError(
                 f"sample {doc}: loss_mask {list(mask.shape)} / hidden {list(hid.shape)} do not match {n} tokens"
             )
-    hidden = torch.empty(context_tokens, width, dtype=hidden0.dtype, pin_memory=pin_memory)
-    torch.cat([hid.to(hidden0.dtype) for _, _, hid, _ in samples], out=hidden[:total])
-    hidden[total:].zero_()
+    hidden, scales = _pack_hidden([s[2] for s in samples], hidden_scales, context_tokens, total, pin_memory)
     input_ids = torch.zeros(context_tokens, dtype=torch.int64)
     input_ids[:total] = torch.cat([ids for ids, _, _, _ in samples])
     loss_mask = torch.zeros(context_tokens, dtype=torch.bool)
@@ -158,7 +182,38 @@ def pack_samples(
         positions=positions,
         sample_index=[int(s[3]) for s in samples],
         epoch=epoch,
+        hidden_scales=scales,
     )
+
+
+def _pack_hidden(
+    parts: list[torch.Tensor],
+    scales: Sequence[torch.Tensor | None] | None,
+    context_tokens: int,
+    total: int,
+    pin_memory: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The stream's hidden states (and FP8 scales), written once into (page-locked) memory, padding zeroed."""
+    if scales is not None and len(scales) != len(parts):
+        raise ValueError(f"hidden_scales has {len(scales)} entries for {len(parts)} samples")
+    fp8 = scales is not None and all(sc is not None for sc in scales)
+    if scales is not None and not fp8:  # FP8 beside bf16 documents: the stream is bf16 (mixed spools only)
+        parts = [
+            p if sc is None else hidden_fp8.dequantize(p, sc) for p, sc in zip(parts, scales, strict=True)
+        ]
+    dtype = parts[0].dtype
+    hidden = torch.empty(context_tokens, parts[0].shape[-1], dtype=dtype, pin_memory=pin_memory)
+    torch.cat([p.to(dtype) for p in parts], out=hidden[:total])
+    hidden[total:].zero_()
+    if not fp8:
+        return hidden, None
+    num_layers = scales[0].shape[-1]
+    if any(sc.shape != (p.shape[0], num_layers) for p, sc in zip(parts, scales, strict=True)):
+        raise ValueError(f"hidden_scales must be [T, {num_layers}] for each sample's T tokens")
+    packed_scales = torch.empty(context_tokens, num_layers, dtype=scales[0].dtype, pin_memory=pin_memory)
+    torch.cat(list(scales), out=packed_scales[:total])
+    packed_scales[total:].zero_()
+    return hidden, packed_scales
 
 
 def empty_packed(

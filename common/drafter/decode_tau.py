@@ -49,6 +49,7 @@ def read_held_out(shard_paths: Sequence) -> list[HeldOutDoc]:
     docs = []
     for path in shard_paths:
         shard = read_shard(path)
+        hidden = shard.restored_hidden()  # bf16 (an FP8 shard dequantized: eval shards are small)
         cu = shard.cu_seqlens.tolist()
         for i, sid in enumerate(shard.sample_index.tolist()):
             a, b = cu[i], cu[i + 1]
@@ -57,7 +58,7 @@ def read_held_out(shard_paths: Sequence) -> list[HeldOutDoc]:
                     sample_index=int(sid),
                     input_ids=shard.input_ids[a:b].numpy(),
                     loss_mask=shard.loss_mask[a:b].numpy(),
-                    hidden=shard.hidden[a:b],
+                    hidden=hidden[a:b],
                 )
             )
     return sorted(docs, key=lambda d: d.sample_index)

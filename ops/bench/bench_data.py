@@ -2,7 +2,8 @@
 
 - ``write_target_head``: a target model folder (config.json + model.safetensors with ONLY the embedding and
   lm_head, random bf16) of a named shape: what ``dflash-consume --target`` reads.
-- ``SpoolFiller``: producer processes writing real shards (the project's zarr writer, its default codec, the
+- ``SpoolFiller``: producer processes writing real shards (the project's zarr writer, its default codec or
+  ``codec``, the
   spool's publish protocol and byte budget) with a realistic chat length distribution (log-normal, median
   900 tokens, capped at the context; shards hold one length bucket each, as real producers write them).
   ``learnable=True`` makes tokens follow a sparse random Markov chain over 256 words (2 successors each) and
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.common.contract.codecs import CodecConfig
 from dflash.common.contract.names import shard_name
 from dflash.common.contract.shard import Shard, ShardMeta
 from dflash.common.contract.shard_writer import write_shard
@@ -78,6 +80,7 @@ class FillPlan:
     learnable: bool = False
     median_tokens: int = 900
     sigma: float = 0.9
+    codec: str | None = None  # the shards' codec spec (None: the shard format's default)
 
 
 def chat_lengths(rng: random.Random, n: int, *, cap: int, median: int, sigma: float) -> list[int]:
@@ -108,6 +111,7 @@ def _produce(plan: FillPlan, rank: int) -> int:
     g = torch.Generator().manual_seed(plan.seed * 1000 + rank)
     width = plan.hidden_size * len(plan.layer_ids)
     share = plan.total_tokens // plan.producers
+    codec = CodecConfig.parse(plan.codec) if plan.codec else None
     if plan.learnable:
         tg = torch.Generator().manual_seed(plan.seed)  # the same language for every producer
         words = torch.randperm(plan.vocab_size, generator=tg)[:LEARNABLE_VOCAB]
@@ -158,7 +162,7 @@ def _produce(plan: FillPlan, rank: int) -> int:
                 )
                 spool.wait_for_budget(plan.budget_bytes)
                 tmp = spool.new_tmp_path(shard_name(bucket, pid, seq))
-                spool.publish(tmp, nbytes=write_shard(tmp, shard))
+                spool.publish(tmp, nbytes=write_shard(tmp, shard, codec))
                 seq += 1
                 written += total
     spool.mark_done(pid)

@@ -42,6 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_data import FillPlan, SpoolFiller, write_target_head  # noqa: E402
 
+from dflash.common.contract.codecs import DEFAULT_CODEC_SPEC, CodecConfig
 from dflash.common.drafter.batch import build_draft_batch, pack_samples
 from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.dflash import recompile_count
@@ -345,7 +346,14 @@ def _steady_intervals(history: list[dict], *, from_step: int, save_steps: set[in
 
 
 def prefill_spool(
-    preset: str, *, workdir: Path, context: int, max_steps: int, producers: int, learnable: bool
+    preset: str,
+    *,
+    workdir: Path,
+    context: int,
+    max_steps: int,
+    producers: int,
+    learnable: bool,
+    codec: str | None = None,
 ) -> tuple[Path, Path, FillPlan, SpoolFiller, int, float]:
     """A spool filled by producer processes before training starts (the consumer alone is measured, not
     the producers' CPU load) and the preset's target head: (spool, target, plan, filler, tokens, seconds)."""
@@ -369,6 +377,7 @@ def prefill_spool(
         producers=producers,
         seed=0,  # the same data whatever the trainer's seed
         learnable=learnable,
+        codec=codec,
     )
     Spool(spool)  # create the layout before the processes start
     filler = SpoolFiller(plan)
@@ -439,6 +448,7 @@ def run_trainer(
     seed: int = 0,
     bucket: str = "random",
     producers: int = 12,
+    codec: str | None = None,
 ) -> dict:
     """The real Trainer over a spool that producer processes filled; ``options``: the TrainConfig fields
     of the consumer's flags (``consumer_options``)."""
@@ -451,9 +461,18 @@ def run_trainer(
         max_steps=max_steps,
         producers=producers,
         learnable=learnable,
+        codec=codec,
     )
     if feed_only:
-        return feed_throughput(spool, plan, context=context, anchors=anchors, steps=max_steps, fill_s=fill_s)
+        return feed_throughput(
+            spool,
+            plan,
+            context=context,
+            anchors=anchors,
+            steps=max_steps,
+            fill_s=fill_s,
+            device=device,
+        )
     run_dir = workdir / f"run-{preset}-{precision}-{int(time.time())}"
     ckpt = workdir / "ckpt"
     shutil.rmtree(ckpt, ignore_errors=True)
@@ -532,16 +551,25 @@ def run_trainer(
 
 
 def feed_throughput(
-    spool: Path, plan: FillPlan, *, context: int, anchors: int, steps: int, fill_s: float
+    spool: Path,
+    plan: FillPlan,
+    *,
+    context: int,
+    anchors: int,
+    steps: int,
+    fill_s: float,
+    device: str = "cuda",
 ) -> dict:
-    """The data path alone (claim, decode, pack, anchors, pinned copy to the GPU), no training step."""
+    """The data path alone (claim, decode, pack, anchors, pinned copy to the GPU; FP8 shards dequantized
+    on the GPU after the copy), no training step."""
     from dflash.common.contract.spool import Spool
     from dflash.common.drafter.batch import build_draft_batch
     from dflash.consumer.feed import ShardFeed
     from dflash.consumer.input_pipeline import InputPipeline
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    feed = ShardFeed(Spool(spool), "probe", context_tokens=context, bucket="random", pin_memory=True)
+    cuda = device.startswith("cuda")
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(device)
+    feed = ShardFeed(Spool(spool), "probe", context_tokens=context, bucket="random", pin_memory=cuda)
     gen = torch.Generator().manual_seed(0)
 
     def build(packed):
@@ -559,7 +587,7 @@ def feed_throughput(
         lambda w: feed.next_packed(wait_s=w),
         build,
         feed.exhausted,
-        device=device,
+        device=dev,
         hidden_dtype=torch.bfloat16,
     )
     times, n = [], 0
@@ -571,7 +599,8 @@ def feed_throughput(
                 if pipe.exhausted():
                     break
                 continue
-            torch.cuda.current_stream().synchronize()
+            if cuda:
+                torch.cuda.current_stream().synchronize()
             feed.commit()
             n += 1
             now = time.monotonic()
@@ -582,13 +611,19 @@ def feed_throughput(
         feed.close()
         shutil.rmtree(spool, ignore_errors=True)
     step_s = statistics.median(times[5:]) if len(times) > 10 else float("nan")
+    width, layers = plan.hidden_size * len(plan.layer_ids), len(plan.layer_ids)
+    fp8 = bool(plan.codec) and CodecConfig.parse(plan.codec).fp8
+    host_bytes = width + 2 * layers if fp8 else 2 * width  # what the host decodes, packs and copies per token
     return {
         "mode": "feed (data path only: claim, decode, pack, anchors, pinned copy; no step)",
+        "codec": plan.codec or DEFAULT_CODEC_SPEC,
         "steps": n,
         "ms_per_step_median": round(step_s * 1e3, 1),
         "context_tok_s": round(context / step_s),
         "fill": round(feed.counters.tokens_packed / max(1, feed.counters.slots_packed), 4),
-        "hidden_gb_per_s": round(context * plan.hidden_size * len(plan.layer_ids) * 2 / step_s / 1e9, 2),
+        "host_bytes_per_token": host_bytes,
+        "hidden_gb_per_s": round(context * width * 2 / step_s / 1e9, 2),  # as bf16, whatever the codec
+        "host_hidden_gb_per_s": round(context * host_bytes / step_s / 1e9, 2),
         "prefill_s": round(fill_s, 1),
     }
 
@@ -639,6 +674,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(a 32B-class final save writes ~31 GB: tens of seconds per run)",
     )
     p.add_argument("--json", default=None)
+    p.add_argument(
+        "--codec",
+        default=None,
+        help="the pre-filled spool's shard codec, e.g. fp8 or bf16 (default: the shard format's default)",
+    )
     consumer = p.add_argument_group(
         "dflash-consume's options (shapes, loss, compile, loop); --max-anchors-per-doc "
         "follows --num-anchors unless given"
@@ -689,6 +729,7 @@ def _run_one(
         learnable=args.mode == "learning",
         feed_only=args.mode == "feed",
         bucket="random" if args.mode == "trainer" else "oldest",
+        codec=args.codec,
     )
 
 

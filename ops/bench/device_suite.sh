@@ -37,6 +37,12 @@
 #     pipelineh  pipeline_bench.py: the hybrid-27B slice (8 layers), one producer + one consumer sharing GPU 0
 #     plan       dflash-plan --bench over those JSONs (8-GPU node split per shape; seconds)
 #   prodscope  8B-shaped: compiled per layer vs the whole truncated trunk (not in `producer`; ~1.5 min)
+#   fp8        FP8 vs bf16 shards, each part under its own timeout, JSON in $OUT as each finishes (~3-4 min;
+#              not in `all`): the 8B-shaped producer with codec bf16 and fp8 (tok/s, host bytes per token,
+#              pinned MB: $OUT/fp8prod/), then the consumer's data path alone at 32B-class width on a spool of
+#              each codec ($OUT/feed32_bf16.json, feed32_fp8.json: context tok/s, host bytes per token), then
+#              the producer's GPU test on both codecs (FP8_TESTS=0 skips it); FP8_SMALL=1: the same at the
+#              benches' CPU smoke sizes (ops/bench/fp8_cpu_check.sh runs it on a CPU box before a GPU call)
 # Run from the repo root on the device with `.whl` carried: `bash ../shared/device/wheels.sh fla-core`
 # (zarr, zstandard, numcodecs, boto3, datasets + fla-core: ~26 MB). Every bench writes JSON + markdown to
 # $OUT with the producer's thresholds checked (PASS/FAIL lines).
@@ -110,6 +116,27 @@ if want gpusel; then
     tests/test_attention.py tests/test_drafter.py 2>&1 | tee "$OUT/gpusel.log" | tail -8
 fi
 if want prod8; then pbench prod8 300 --preset 8b --variants "${PROD8_VARIANTS:-eager,full,static}" --tokens "${PROD8_TOKENS:-491520}"; fi
+if [[ "$parts" == *" fp8 "* ]]; then  # never part of `all`: it is the FP8 call
+  prod=(--preset 8b --tokens "${FP8_TOKENS:-491520}"); feed=(--preset 32b --steps 60)
+  if [[ -n "${FP8_SMALL:-}" ]]; then  # the same part at CPU smoke sizes: the check before a GPU call
+    prod=(--small); feed=(--preset tiny --steps 20 --device cpu --producers 2 --context-tokens 1024 --num-anchors 32)
+  fi
+  echo "== FP8 vs bf16: the producer (${prod[*]})"
+  timeout "${FP8_PROD_LIMIT:-200}" python3 ops/bench/producer_bench.py --out "$OUT/fp8prod" --variants bf16,fp8 \
+    --no-bare --no-forward "${prod[@]}" > "$OUT/fp8prod.log" 2>&1
+  echo "exit $?"; grep -E "^\| |PASS|FAIL|n/a" "$OUT/fp8prod.log" | cut -c1-220
+  for codec in bf16 fp8; do
+    echo "== FP8 vs bf16: the consumer's data path alone, $codec shards (${feed[*]})"
+    timeout "${FP8_FEED_LIMIT:-100}" python3 ops/bench/consumer_bench.py --mode feed --warmup 0 "${feed[@]}" \
+      --codec "$codec" --workdir /tmp/bench-work --json "$OUT/feed32_$codec.json" > "$OUT/feed32_$codec.log" 2>&1
+    echo "exit $?"; grep "^{" "$OUT/feed32_$codec.log" | cut -c1-600
+  done
+  if [[ "${FP8_TESTS:-1}" != 0 ]]; then
+    echo "== the producer on CUDA with each codec (pinned buffers, D2H, shards)"
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_producer_gpu.py -k produce_on_cuda 2>&1 \
+      | tee "$OUT/fp8_tests.log" | tail -4
+  fi
+fi
 if want prodscope; then pbench prodscope 240 --preset 8b --variants full,trunk --no-bare --tokens 196608; fi
 if want prod32; then pbench prod32 240 --preset 32b --variants full --tokens 163840 --no-forward; fi
 if want hybrid; then

@@ -75,6 +75,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "threads2": ("2 writer threads", {"writer_threads": 2}),
     "threads6": ("6 writer threads", {"writer_threads": 6}),
     "none": ("codec none (no compression)", {"codec": "none"}),
+    "bf16": ("as shipped, bf16 shards (codec zstd:1:shuffle)", {"codec": "zstd:1:shuffle"}),
+    "fp8": (
+        "as shipped, FP8 shards (codec fp8: e4m3 quantized on the GPU before the D2H copy)",
+        {"codec": "fp8"},
+    ),
 }
 # the producer's acceptance: (check, threshold, what); the ratio names are keys of the result's "ratios"
 ACCEPT = {
@@ -87,7 +92,9 @@ ACCEPT = {
 }
 FIRST_SHARD_S = 180  # a producer with default flags publishes its first shard within 3 minutes of starting
 COMMON_ACCEPT = [
-    ("full_vs_forward", 0.95, "producer >= 0.95x its own truncated forward (the spool never limits)")
+    ("full_vs_forward", 0.95, "producer >= 0.95x its own truncated forward (the spool never limits)"),
+    ("fp8_vs_bf16", 0.98, "FP8 shards not slower than bf16 shards (>= 0.98x: a run's noise)"),
+    ("host_bytes_bf16_over_fp8", 1.9, "FP8 hands the host ~half the bytes (D2H, pinned buffers)"),
 ]
 
 
@@ -328,6 +335,8 @@ def bench_producer(args, model, work, spool: Path, mem: MemSampler, variant: str
     # started, seconds that a long run amortizes and a 5-second one would not); seconds: the whole call
     out.update(trunk.report())
     out["first_shard_s"] = round(seen["first"] - t_start, 2) if "first" in seen else None
+    # the host's share: bytes of features (and FP8 scales) copied to the host per token, the pinned buffers
+    out["host_bytes_per_token"] = round(result["host_bytes"] / max(1, result["fwd_tokens"]), 1)
     out.update(
         seconds=round(dt, 3),
         tok_s=round(result["tokens"] / result["produce_s"], 1),
@@ -366,6 +375,10 @@ def ratios(results: dict, scale: float) -> dict:
     for v in VARIANTS:
         if v != "full" and full and f"producer_{v}" in r:
             out[f"full_vs_{v}"] = full / r[f"producer_{v}"]["tok_s"]
+    fp8, bf16 = r.get("producer_fp8", {}), r.get("producer_bf16", {})
+    if fp8.get("tok_s") and bf16.get("tok_s"):
+        out["fp8_vs_bf16"] = fp8["tok_s"] / bf16["tok_s"]
+        out["host_bytes_bf16_over_fp8"] = bf16["host_bytes_per_token"] / fp8["host_bytes_per_token"]
     return {k: round(v, 4) for k, v in out.items()}
 
 
@@ -436,16 +449,18 @@ def markdown(res: dict) -> str:
         f"{res['device_name']}, {res['dtype']}, torch {res['torch']}, transformers {res['transformers']}; "
         f"batch budget {res['args']['batch_tokens']} tokens; layers {res['layer_ids']}",
         "",
-        "| path | tok/s | seconds | warm-up s | first shard s | recompiles |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| path | tok/s | seconds | warm-up s | first shard s | recompiles | host B/token | pinned MB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for key, desc, v in rows:
+        pinned = f"{v['pinned_bytes'] / 1e6:,.0f}" if "pinned_bytes" in v else ""
         lines.append(
-            f"| {key}: {desc} | {v['tok_s']:,.0f} | {v['seconds']} | {v.get('compile_s', '')} | {v.get('first_shard_s', '')} | {v.get('recompiles', '')} |"
+            f"| {key}: {desc} | {v['tok_s']:,.0f} | {v['seconds']} | {v.get('compile_s', '')} | {v.get('first_shard_s', '')} "
+            f"| {v.get('recompiles', '')} | {v.get('host_bytes_per_token', '')} | {pinned} |"
         )
         if "own_forward" in v:
             lines.append(
-                f"| {key}: its own forward alone | {v['own_forward']['tok_s']:,.0f} | {v['own_forward']['seconds']} | | | |"
+                f"| {key}: its own forward alone | {v['own_forward']['tok_s']:,.0f} | {v['own_forward']['seconds']} | | | | | |"
             )
     if res["depth_scale"] != 1:
         lines += [

@@ -66,6 +66,11 @@ class DemoConfig:
     the in-training decode-order τ then estimates the real one, and the summary reports the gap)"""
     progress_every_s: float = field(default=5.0, metadata=flag(name="--progress-every", metavar="S"))
     """seconds between progress lines"""
+    codec: str | None = None
+    """the shards' codec (dflash-produce --codec), e.g. fp8 or bf16 (default: the shard format's default)"""
+    seed: int = 0
+    """the drafter's seed (dflash-consume --seed): its initialization and anchor draws, and the untrained
+    drafter's"""
 
     @property
     def size(self) -> DemoSize:

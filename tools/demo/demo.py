@@ -157,11 +157,12 @@ def _pipeline_cmd(cfg: DemoConfig, target: Path, dataset: Path, spool: Path, che
         checkpoint,
         "--keep-spool",  # the demo reads the held-out documents from it after training, then removes it
         "--producer-args",
-        f"--max-length {z.context_tokens} --batch-tokens 4096 --epochs {z.epochs} --eval-samples {z.eval_samples}",
+        f"--max-length {z.context_tokens} --batch-tokens 4096 --epochs {z.epochs} --eval-samples {z.eval_samples}"
+        + (f" --codec {cfg.codec}" if cfg.codec else ""),
         "--consumer-args",
         f"--context-tokens {z.context_tokens} --num-anchors {z.num_anchors} --max-anchors-per-doc {z.max_anchors_per_doc} "
         f"--num-layers {z.num_layers} --block-size {z.block_size} --eval-every {z.eval_every} --eval-budget 1 "
-        f"--log-every 1 --save-every {z.save_every} --lr {z.lr}",
+        f"--log-every 1 --save-every {z.save_every} --lr {z.lr} --seed {cfg.seed}",
     ]
 
 
@@ -226,7 +227,7 @@ def _evaluate(cfg: DemoConfig, target: Path, docs, checkpoint: str, env: dict) -
     drafters = cfg.run_dir / "drafters"
     z = cfg.size
     before = export_initial_drafter(
-        target, drafters / "untrained", num_layers=z.num_layers, block_size=z.block_size
+        target, drafters / "untrained", seed=cfg.seed, num_layers=z.num_layers, block_size=z.block_size
     )
     with _environ(env):
         after = export_checkpoint(checkpoint, RUN, drafters / "trained", dtype=torch.float32, overwrite=True)
@@ -302,6 +303,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         _, heldout = write_split(dataset, docs.sample_ids)
         summary = summarize_run(run_dir)
         summary["real_responses"] = cfg.real_responses
+        summary["codec"], summary["seed"] = cfg.codec, cfg.seed
         summary["heldout"] = str(heldout)
         summary["s3_server_pid"] = s3.proc.pid if s3 is not None else None
         s3_env = s3.env() if s3 is not None else {}
