@@ -143,16 +143,13 @@ def produce(
     produce_s = time.monotonic() - t_start
     phase = "done" if finished else "stopped"
     heartbeat(force=True, phase=phase, done=finished, produce_s=produce_s, **trunk.report())
-    result = {
-        **counters.snapshot(),
-        "done": finished,
+    run = {
         "padding_waste": bucketer.padding_waste,
         "produce_s": produce_s,
         "epoch_barrier_s": barrier.waited_s,
-        "codec": writer.codec.spec,
-        "pinned_bytes": pinned_bytes,
-        **trunk.report(),
     }
+    result = {**counters.snapshot(), "done": finished, **run, "codec": writer.codec.spec}
+    result.update(pinned_bytes=pinned_bytes, **trunk.report())
     log.info("producer %s %s: %s", worker.producer_id, phase, result)
     return result
 

@@ -70,7 +70,7 @@ def test_a_trainer_trains_from_a_spool_of_both_codecs_without_a_flag(tmp_path, t
 
     spool = Spool(tmp_path / "spool")
     fill(spool, ["fp8", "zstd:1:shuffle", "fp8", "zstd:1"])
-    cfg = TrainConfig(
+    cfg = TrainConfig.from_flat(
         spool=str(spool.root),
         target=str(tiny_target),
         compile=False,
