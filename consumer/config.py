@@ -380,6 +380,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         require_at_least_one_when_given(self, "max_steps")
+        total = self.optim.total_steps
+        if total is not None and self.max_steps is not None and total < self.max_steps:
+            raise ValueError(
+                f"total-steps {total} is below max-steps {self.max_steps}: steps past {total} would train "
+                "at lr 0 (the cosine ends there); give total-steps >= max-steps, or leave it out"
+            )
 
     @property
     def run_name(self) -> str:
