@@ -38,7 +38,7 @@ from dflash.consumer.campaign import CampaignPlan, read_plan
 from dflash.consumer.checkpointing.checkpointer import Checkpointer
 from dflash.consumer.checkpointing.state import TrainProgress, TrainState
 from dflash.consumer.config import TrainConfig
-from dflash.consumer.drafter_setup import build_drafter, set_up_device
+from dflash.consumer.drafter_setup import build_drafter, check_producers_target, set_up_device
 from dflash.consumer.feed import ShardFeed
 from dflash.consumer.heartbeat import ConsumerHeartbeat
 from dflash.consumer.held_out import HeldOutEval
@@ -80,6 +80,8 @@ class Trainer:
             compute_dtype=self.compute_dtype,
             dist=self.dist,
         )
+        # before any checkpoint or shard is touched: the producers fed this drafter's target and layers
+        check_producers_target(self.spool.read_run(), self.drafter_config, cfg.target, cfg.spool)
         self.optimizer, self.schedule = build_optimizer(
             self.model,
             cfg.optim,
