@@ -210,7 +210,8 @@ class Checkpointer:
 
         def write(host: dict) -> str:
             return with_retries(
-                lambda: save_checkpoint(
+                store=store,
+                write=lambda: save_checkpoint(
                     store,
                     self.run,
                     step,
@@ -221,7 +222,7 @@ class Checkpointer:
                     trained=trained,
                     config=config,
                     keep_last=keep_last,
-                )
+                ),
             )
 
         return write

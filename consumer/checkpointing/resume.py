@@ -190,7 +190,8 @@ def upload_fallback(
         )
         try:
             url = with_retries(
-                lambda: save_checkpoint(
+                store=store,
+                write=lambda: save_checkpoint(
                     store,
                     run,
                     local.step,
@@ -201,7 +202,7 @@ def upload_fallback(
                     trained=local.trained,
                     config=local.config,
                     keep_last=keep_last,
-                )
+                ),
             )
             fallback.delete_prefix(f"{run}/")
             log.info("checkpoint step %d -> %s; %s removed", local.step, redact(url), local.url)
