@@ -28,6 +28,7 @@ from dflash.common.cli.help import DefaultsHelpFormatter
 from dflash.common.metrics import format_rate
 from dflash.tools.plan.rates import (
     DEFAULT_DDP_EFFICIENCY,
+    THROTTLED_SHARE,
     MeasuredRates,
     ddp_efficiency,
     measure_rates,
@@ -38,7 +39,6 @@ log = logging.getLogger(__name__)
 
 PROG = "dflash-plan"
 THROTTLE_NOTE_RATIO = 0.85  # measured totals closer than this: one side was probably throttled
-THROTTLED_SHARE_NOTE = 0.05  # producers that waited on the spool budget this share of the time: said
 
 
 @dataclass(kw_only=True)
@@ -157,7 +157,7 @@ def render(cfg: PlanConfig, splits: list[Split], best: Split, measured: Measured
         )
         a, b = measured.producer_total_tok_s, measured.consumer_total_tok_s
         share = measured.producer_throttled
-        if share is not None and share >= THROTTLED_SHARE_NOTE:
+        if share is not None and share >= THROTTLED_SHARE:
             lines.append(
                 f"note: the producers waited on the spool budget {100 * share:.0f}% of the time (throttled: "
                 f"{format_rate(a)} tok/s measured); their rate below is over the time they did not wait, "

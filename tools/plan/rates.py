@@ -8,9 +8,9 @@ it is divided by ``world_size``; without it, each ``consumer-<rank>.jsonl`` is o
 rank rate already includes ``eff(c0)`` of its c0-rank group, so it is divided by that to get C. In a
 coupled run the faster side is throttled (producers by spool backpressure, consumers by an empty spool),
 so its measured rate is only a lower bound — the tool says so when the two totals are close. Producers
-say how long they waited on the spool's byte budget (``budget_wait_s``, ``main_wait_s`` in their metrics):
-their rate is taken over the time they did not wait (tokens / unblocked seconds), and the plan names the
-share of time they were throttled.
+say how long they waited on the spool's byte budget (``budget_blocked_s`` in their metrics, on every path:
+a hand-off, an epoch's drain, the last shards of a slice): their rate is taken over the time they did not
+wait (tokens forwarded / unblocked seconds), and the plan names the share of time they were throttled.
 
 Rates from benchmarks (``--bench a.json,b.json``): the ``figures`` of ``ops/bench/pipeline_bench.py`` (per
 target shape: one producer GPU's and one consumer GPU's rate alone, the producer's scaled to the shape's
@@ -31,6 +31,10 @@ from typing import Any
 from dflash.common.metrics import read_run_metrics
 
 DEFAULT_DDP_EFFICIENCY = 0.95
+THROTTLED_SHARE = 0.05
+"""Producers that waited on the spool budget this share of their time were throttled by the consumers: their
+measured rate is not what they make (dflash-plan plans their unthrottled rate and says so, dflash-status
+names the consumers the bottleneck)."""
 
 
 def ddp_efficiency(num_consumers: int, per_doubling: float) -> float:
@@ -67,9 +71,11 @@ def producer_rate(
 ) -> tuple[float | None, float | None]:
     """(tok/s while not waiting on the spool budget, share of the time it waited) of one producer.
 
-    Between two metrics records, the time its main loop waited on the writers (``main_wait_s``) counts as
-    throttled when the writers waited on the budget meanwhile (``budget_wait_s`` grew); the rate is the
-    tokens over the rest. Records without these counters: ``steady_rate`` and an unknown share (None)."""
+    The time it waited is its ``budget_blocked_s``: the wall time its main loop waited on writers that
+    waited on the budget (a hand-off, an epoch's drain, the last shards of its slice); its rate is the
+    tokens it forwarded (``fwd_tokens``) over the rest. Records from producers that did not count it:
+    between two records where the writers waited on the budget (``budget_wait_s`` grew), the main loop's
+    wait on the writers (``main_wait_s``). Records without either: ``steady_rate`` and an unknown share."""
     pts = [
         r
         for r in records
@@ -78,22 +84,23 @@ def producer_rate(
     if len(pts) < 2 or not any(_num(r, "budget_wait_s") is not None for r in pts):
         return steady_rate(records, warmup_frac=warmup_frac), None
     pts = pts[min(len(pts) - 2, math.ceil(warmup_frac * len(pts))) :]
-    busy = waited = tokens = 0.0
+    # a counter appears at its first count: absent before it, 0
+    exact = any(_num(r, "budget_blocked_s") is not None for r in pts)
+    made = "fwd_tokens" if any(_num(r, "fwd_tokens") is not None for r in pts) else "tokens"
+    span = waited = tokens = 0.0
     for a, b in zip(pts, pts[1:], strict=False):
         dt = _num(b, "elapsed_s") - _num(a, "elapsed_s")
         if dt <= 0:
             continue
-        blocked = 0.0
-        if (_num(b, "budget_wait_s") or 0.0) > (_num(a, "budget_wait_s") or 0.0):
-            blocked = min(dt, max(0.0, (_num(b, "main_wait_s") or 0.0) - (_num(a, "main_wait_s") or 0.0)))
-        busy, waited, tokens = (
-            busy + dt - blocked,
-            waited + blocked,
-            tokens + _num(b, "tokens") - _num(a, "tokens"),
-        )
-    if busy <= 0 or tokens <= 0:
+        span, tokens = span + dt, tokens + (_num(b, made) or 0.0) - (_num(a, made) or 0.0)
+        if exact:
+            waited += (_num(b, "budget_blocked_s") or 0.0) - (_num(a, "budget_blocked_s") or 0.0)
+        elif (_num(b, "budget_wait_s") or 0.0) > (_num(a, "budget_wait_s") or 0.0):
+            waited += min(dt, max(0.0, (_num(b, "main_wait_s") or 0.0) - (_num(a, "main_wait_s") or 0.0)))
+    waited = min(max(waited, 0.0), span)
+    if span - waited <= 0 or tokens <= 0:
         return steady_rate(records, warmup_frac=warmup_frac), None
-    return tokens / busy, waited / (busy + waited)
+    return tokens / (span - waited), waited / span
 
 
 @dataclass(kw_only=True)
