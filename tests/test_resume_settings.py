@@ -364,3 +364,31 @@ def test_the_producers_own_target_passes(tmp_path, tiny_target, tiny):
     assert _train(_trainer(spool, tiny_target, tmp_path / "store", max_steps=1))
     meta = json.loads(next((tmp_path / "store" / "r").glob("step-*/meta.json")).read_text())
     assert meta["config"]["drafter"]["target_fingerprint"] == fingerprint
+
+
+def test_weights_that_do_not_fit_without_a_recorded_drafter_are_one_line():
+    """The last net under ``check_resumable``: a checkpoint that records no drafter and does not fit is one
+    line naming the first tensor, never torch's multi-line error."""
+    from dflash.consumer.checkpointing.resume import restore
+    from dflash.consumer.checkpointing.state import TrainProgress, TrainState
+
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters())
+    state = TrainState(model, optimizer, LrSchedule(optimizer, 1, 10), None, TrainProgress())
+    ckpt = LoadedCheckpoint(
+        step=5,
+        epoch=0,
+        url="file:///store/r/step-00000005",
+        model_state={"weight": torch.zeros(3, 5), "bias": torch.zeros(3)},
+        optimizer_state={},
+        scheduler_state={},
+        rng_state={},
+        trained=SampleSet(epoch=0),
+        config={},
+        meta={},
+    )
+    with pytest.raises(
+        ValueError, match=r"^checkpoint step 5 does not fit this drafter: size mismatch for weight"
+    ) as e:
+        restore(ckpt, state, rank=0)
+    assert "\n" not in str(e.value)
