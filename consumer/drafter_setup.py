@@ -78,20 +78,22 @@ def check_producers_target(record: dict | None, drafter: DrafterConfig, target: 
     want = record.get("target_fingerprint")
     if want is None and os.path.isdir(model) and not same_path:
         want = target_fingerprint(model)  # producers of an older record: their folder is here to read
-    got = drafter.target_fingerprint
-    if want and got and want != got:
+    if want is None:
+        if not same_path:
+            log.warning(
+                "--target %s: the producers of spool %s ran %s and recorded no weights fingerprint to "
+                "compare: make sure they are the same model",
+                target,
+                spool,
+                model,
+            )
+        return
+    got = target_fingerprint(target)  # from the files, as the producers took theirs (not the loaded dtype)
+    if got != want:
         raise ValueError(
             f"--target {target}: not the model the producers of spool {spool} ran ({model}, its run "
             f"record): its embedding/lm_head weights differ (fingerprint {got}, the producers' {want}); "
             "give the producers' --model as --target"
-        )
-    if not want and not same_path:
-        log.warning(
-            "--target %s: the producers of spool %s ran %s and recorded no weights fingerprint to compare: "
-            "make sure they are the same model",
-            target,
-            spool,
-            model,
         )
 
 
