@@ -105,6 +105,11 @@ class LrSchedule:
         return self.curve.warmup_steps
 
     @property
+    def on_steps(self) -> bool:
+        """The curve runs on steps (a length given by flag, or no campaign), not on the data's tokens."""
+        return not self.curve.planned_tokens
+
+    @property
     def lr(self) -> float:
         """The rate the next optimizer step uses (the first parameter group's)."""
         return self._optimizer.param_groups[0]["lr"]

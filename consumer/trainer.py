@@ -378,7 +378,8 @@ class Trainer:
             schedule.size_from_data(
                 self.plan.total_steps, cfg.optim.warmup_ratio, planned, step_tokens, step=step
             )
-        if self.plan is None and override is None and step:  # resumed: the length a fresh run gets
+        if self.plan is None and override is None and step and schedule.on_steps:
+            # resumed on a checkpoint's curve of steps, the length unknown: the length a fresh run gets
             change = schedule.fit_length(cfg.schedule_steps, cfg.optim.warmup_ratio, step=step)
             if change and self.dist.is_main:
                 log.warning("schedule: %s (no length given, no campaign in the spool)", change)

@@ -127,19 +127,26 @@ def resumable(tmp_path: Path, five_steps: dict) -> tuple[Path, Path]:
 # ---- extending a run ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flag", ["max_steps", "total_steps"])
+@pytest.mark.parametrize("flag", ["max_steps", "total_steps", "neither"])
 def test_a_run_extended_by_a_larger_length_trains_every_new_step_at_a_positive_rate(
     resumable, tiny_target, flag, caplog
 ):
+    """Extended by a flag: the new length's curve, decaying to its end. With neither flag (and no
+    campaign in the spool) the run drains the spool on the length a fresh run gets (10000 steps)."""
     spool, store = resumable
-    extra = {"max_steps": 20} if flag == "max_steps" else {"max_steps": 20, "total_steps": 20}
+    extra = {"max_steps": {"max_steps": 20}, "total_steps": {"max_steps": 20, "total_steps": 20}}.get(
+        flag, {}
+    )
+    length = 20 if extra else 10_000
     with caplog.at_level(logging.WARNING, logger="dflash.consumer.trainer"):
         trainer = _trainer(spool, tiny_target, store, **extra)
-        assert trainer.step == 5 and trainer.schedule.total_steps == 20  # the console's step=k/20
+        assert trainer.step == 5
         rates = _train(trainer)
-    assert len(rates) == 15 and all(r > 0 for r in rates), rates  # steps 6..20
-    assert rates == sorted(rates, reverse=True)  # the cosine of the new length, decaying
-    said = [r.getMessage() for r in caplog.records if "re-planned over 20 steps" in r.getMessage()]
+        assert trainer.schedule.total_steps == length  # the console's step=k/length
+    assert len(rates) == (15 if extra else 19) and all(r > 0 for r in rates), rates  # steps 6.., no lr 0
+    if extra:
+        assert rates == sorted(rates, reverse=True)  # the cosine of the new length, decaying
+    said = [r.getMessage() for r in caplog.records if f"re-planned over {length} steps" in r.getMessage()]
     assert len(said) == 1 and "the checkpoint's curve was 5 steps" in said[0], said
 
 
