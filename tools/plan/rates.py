@@ -239,7 +239,7 @@ def _consumer_rates(records: list) -> dict[str, dict[str, float]]:
         if not isinstance(r, dict) or not r.get("preset") or r.get("error") or r.get("skipped"):
             continue
         is_trainer = str(r.get("mode", "")).startswith("trainer")
-        is_default_variant = r.get("variant") == "default" or ("variant" in r and not r.get("flags"))
+        is_default_variant = "variant" in r and (r["variant"] == "default" or r.get("flags") == "")
         if (is_trainer or is_default_variant) and _real_tok_s(r):
             runs.setdefault(str(r["preset"]), []).append(r)
     out = {}

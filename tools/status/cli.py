@@ -108,9 +108,9 @@ def _rates(
     procs: list[dict[str, Any]], metrics: dict[str, list[dict[str, Any]]], run_state: str | None
 ) -> dict:
     """Each side's rate and the bottleneck. A producer that waits on the spool budget is throttled by the
-    consumers (blocked now, or blocked ``THROTTLED_SHARE`` of its time: ``budget_wait_s`` and
-    ``main_wait_s`` in its metrics, read as dflash-plan reads them): its rate is then not what it makes,
-    and the bottleneck is the consumers whatever the two figures say."""
+    consumers (blocked now, or blocked ``THROTTLED_SHARE`` of its time: ``budget_blocked_s`` in its
+    metrics, read as dflash-plan reads them): its rate is then not what it makes, and the bottleneck is
+    the consumers whatever the two figures say."""
     over = run_state in ("finished", "stopped", "failed")
     prod, cons = _total_rate(procs, "producer", over=over), _total_rate(procs, "consumer", over=over)
     producers = [p for p in procs if p["role"] == "producer"]
