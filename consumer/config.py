@@ -35,6 +35,9 @@ Resume = Literal["auto", "none"]
 Precision = Literal["auto", "mixed", "amp", "bf16", "fp32"]
 LossImpl = Literal["auto", "chunked", "liger"]
 GcMode = Literal["python", "freeze", "interval"]
+RESUME_CHANGES = ("block-size", "mask-token-id", "target-layer-ids", "target", "draft-layer-types")
+"""What ``--resume-changes`` may name: the settings whose change leaves the checkpoint's weights loadable
+(consumer/checkpointing/resume.py compares them all)."""
 BUCKET_POLICIES = ("random", "oldest", "fullest")
 """The claim policies ``--bucket`` names; it also takes a bucket number, so it is no ``Literal``."""
 
@@ -98,6 +101,11 @@ class CheckpointConfig:
     resume: Resume = "auto"
     """auto: resume from the latest good checkpoint of the run (falling back past a corrupt one); none:
     start from scratch"""
+    resume_changes: str | None = None
+    """settings this resume is meant to change from the checkpoint's, comma-separated, among
+    block-size, mask-token-id, target-layer-ids, target (another target of the same shape: a fine-tune onto
+    it), draft-layer-types; any other difference from the checkpoint's drafter or target is refused (exit
+    2, one line naming it), and a shape its weights cannot load into is always refused (default: none)"""
     save_every: int = 500
     """checkpoint every N steps (and at the end, and on SIGTERM)"""
     keep_last: int = 3
@@ -116,6 +124,16 @@ class CheckpointConfig:
         check_choices(self)
         require_positive_ints(self, "save_every", "keep_last", "outage_saves")
         require_positive(self, "outage_minutes")
+        if unknown := sorted(self.meant_changes - set(RESUME_CHANGES)):
+            raise ValueError(
+                f"resume-changes {self.resume_changes!r}: {', '.join(unknown)} is not one of "
+                f"{', '.join(RESUME_CHANGES)}"
+            )
+
+    @property
+    def meant_changes(self) -> frozenset[str]:
+        """``--resume-changes`` as a set of setting names."""
+        return frozenset(x.strip() for x in (self.resume_changes or "").split(",") if x.strip())
 
 
 @dataclass(kw_only=True)
@@ -380,6 +398,12 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         require_at_least_one_when_given(self, "max_steps")
+        total = self.optim.total_steps
+        if total is not None and self.max_steps is not None and total < self.max_steps:
+            raise ValueError(
+                f"total-steps {total} is below max-steps {self.max_steps}: steps past {total} would train "
+                "at lr 0 (the cosine ends there); give total-steps >= max-steps, or leave it out"
+            )
 
     @property
     def run_name(self) -> str:

@@ -16,7 +16,7 @@ from dflash.common.compile import CompileConfig
 from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.layers import SLIDING
 from dflash.common.drafter.model import initial_drafter
-from dflash.common.target.head import load_target_head
+from dflash.common.target.head import load_target_head, target_fingerprint
 from dflash.consumer import distributed as D
 from dflash.consumer.config import DrafterShapeConfig, HostConfig, OptimConfig
 from dflash.consumer.step import cast_parameters, compile_drafter
@@ -53,6 +53,48 @@ def set_up_device(device_name: str, host: HostConfig) -> tuple[torch.device, tor
     if host.decode_threads:  # the feed's decoder: its chunk-decoding thread pool in this process
         zarr.config.set({"threading.max_workers": host.decode_threads})
     return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def check_producers_target(record: dict | None, drafter: DrafterConfig, target: str, spool: str) -> None:
+    """The drafter is built for what the producers feed it: their target layers and their target (the
+    spool's run record: ``model``, ``layer_ids``, ``target_fingerprint``), else ``ValueError`` in one
+    line, before step 1. Why: hidden states of another target of the same shape train a drafter that
+    never sees its own target's states and a silent nonsense run; another width fails deep in a matmul.
+    A record from producers that wrote no fingerprint is compared by the producers' folder when it is
+    here to read, else by name (a warning: a hub id and its local copy are the same model)."""
+    if not record:
+        return
+    layers = record.get("layer_ids")
+    if layers is not None and [int(i) for i in layers] != list(drafter.target_layer_ids):
+        raise ValueError(
+            f"--target-layer-ids {','.join(map(str, drafter.target_layer_ids))}: the producers of spool "
+            f"{spool} captured target layers {','.join(map(str, layers))} (its run record): give "
+            f"--target-layer-ids {','.join(map(str, layers))}"
+        )
+    model = record.get("model")
+    if not model:
+        return
+    same_path = os.path.realpath(model) == os.path.realpath(target)
+    want = record.get("target_fingerprint")
+    if want is None and os.path.isdir(model) and not same_path:
+        want = target_fingerprint(model)  # producers of an older record: their folder is here to read
+    if want is None:
+        if not same_path:
+            log.warning(
+                "--target %s: the producers of spool %s ran %s and recorded no weights fingerprint to "
+                "compare: make sure they are the same model",
+                target,
+                spool,
+                model,
+            )
+        return
+    got = target_fingerprint(target)  # from the files, as the producers took theirs (not the loaded dtype)
+    if got != want:
+        raise ValueError(
+            f"--target {target}: not the model the producers of spool {spool} ran ({model}, its run "
+            f"record): its embedding/lm_head weights differ (fingerprint {got}, the producers' {want}); "
+            "give the producers' --model as --target"
+        )
 
 
 def build_drafter(

@@ -105,6 +105,11 @@ class LrSchedule:
         return self.curve.warmup_steps
 
     @property
+    def on_steps(self) -> bool:
+        """The curve runs on steps (a length given by flag, or no campaign), not on the data's tokens."""
+        return not self.curve.planned_tokens
+
+    @property
     def lr(self) -> float:
         """The rate the next optimizer step uses (the first parameter group's)."""
         return self._optimizer.param_groups[0]["lr"]
@@ -129,7 +134,38 @@ class LrSchedule:
             if not self.curve.tokens_done:  # a checkpoint from before the count: full streams, as planned
                 self.curve.add_tokens(step * step_tokens)
             self.replan(step)
-        factor = self.curve(self._scheduler.last_epoch)  # this step's factor, resized
+        self._set_rate()  # this step's factor, resized
+
+    def fit_length(self, total_steps: int, warmup_ratio: float, *, step: int) -> str | None:
+        """Run the curve on steps over ``total_steps`` (a length given by flag, or the default), the
+        current rate set at once; a phrase saying what changed, None when the curve already was that.
+
+        Why: a checkpoint's schedule state carries its curve, length included, so a run extended by a
+        larger ``--max-steps`` / ``--total-steps`` would otherwise keep the old length and train every
+        further step at lr 0 (its samples used up with no learning). The new curve is the one a fresh run
+        of this length has, at this step: the rate the extension continues at is that curve's, never 0."""
+        curve = self.curve
+        if not curve.planned_tokens and curve.total_steps == total_steps:
+            return None
+        was = (
+            f"the checkpoint's curve ran on the data's tokens (~{curve.total_steps} steps)"
+            if curve.planned_tokens
+            else f"the checkpoint's curve was {curve.total_steps} steps"
+        )
+        before = self.lr
+        curve.planned_tokens = 0
+        curve.resize(total_steps, warmup_ratio)
+        self._planned_tokens = None
+        self._set_rate()
+        return (
+            f"{was} (lr {before:.3g} at step {step}); re-planned over {total_steps} steps from step {step}: "
+            f"warm-up {curve.warmup_steps}, cosine to 0 at step {total_steps}, step {step + 1} at lr "
+            f"{self.lr:.3g}"
+        )
+
+    def _set_rate(self) -> None:
+        """The rate of the next step from the curve as it is now (after resizing it)."""
+        factor = self.curve(self._scheduler.last_epoch)
         for group, base in zip(self._optimizer.param_groups, self._scheduler.base_lrs, strict=True):
             group["lr"] = base * factor
 

@@ -38,7 +38,7 @@ from dflash.consumer.campaign import CampaignPlan, read_plan
 from dflash.consumer.checkpointing.checkpointer import Checkpointer
 from dflash.consumer.checkpointing.state import TrainProgress, TrainState
 from dflash.consumer.config import TrainConfig
-from dflash.consumer.drafter_setup import build_drafter, set_up_device
+from dflash.consumer.drafter_setup import build_drafter, check_producers_target, set_up_device
 from dflash.consumer.feed import ShardFeed
 from dflash.consumer.heartbeat import ConsumerHeartbeat
 from dflash.consumer.held_out import HeldOutEval
@@ -80,6 +80,8 @@ class Trainer:
             compute_dtype=self.compute_dtype,
             dist=self.dist,
         )
+        # before any checkpoint or shard is touched: the producers fed this drafter's target and layers
+        check_producers_target(self.spool.read_run(), self.drafter_config, cfg.target, cfg.spool)
         self.optimizer, self.schedule = build_optimizer(
             self.model,
             cfg.optim,
@@ -103,6 +105,7 @@ class Trainer:
             device=self.device,
         )
         self.checkpoints.resume()  # every rank loads the same files
+        self._fit_schedule_to_flags()
         self._build_data()
         self._build_logs(state)
         self.stop_requested = False
@@ -375,6 +378,11 @@ class Trainer:
             schedule.size_from_data(
                 self.plan.total_steps, cfg.optim.warmup_ratio, planned, step_tokens, step=step
             )
+        if self.plan is None and override is None and step and schedule.on_steps:
+            # resumed on a checkpoint's curve of steps, the length unknown: the length a fresh run gets
+            change = schedule.fit_length(cfg.schedule_steps, cfg.optim.warmup_ratio, step=step)
+            if change and self.dist.is_main:
+                log.warning("schedule: %s (no length given, no campaign in the spool)", change)
         if self.plan is None:
             log.warning(
                 "no campaign in spool %s (producers have not counted the data): schedule of %d steps",
@@ -390,6 +398,25 @@ class Trainer:
             )
         if cfg.logs.eval_every and step == 0:  # the untrained drafter: the "before" of every later figure
             self._evaluate()
+
+    def _fit_schedule_to_flags(self) -> None:
+        """A resumed run with a length given by flag trains on a curve of that length: the checkpoint's
+        curve (its old length) is re-planned over it from this step, and the change said in one line. A
+        length the run has already passed is refused: every further step would train at lr 0."""
+        cfg, step = self.cfg, self.progress.step
+        given = cfg.optim.total_steps or cfg.max_steps
+        if not step or not given or (cfg.max_steps is not None and cfg.max_steps <= step):
+            return  # fresh (the curve is the flag's), data-sized, or nothing left to train
+        if given <= step:
+            raise ValueError(
+                f"--total-steps {given}: run {cfg.run_name!r} resumes at step {step}, so every further step "
+                f"would train at lr 0; give a --total-steps above {step} to extend it (the schedule is "
+                "re-planned over the new length), or leave it out to size the schedule from the data"
+            )
+        change = self.schedule.fit_length(given, cfg.optim.warmup_ratio, step=step)
+        if change and self.dist.is_main:
+            flag = f"--total-steps {given}" if cfg.optim.total_steps else f"--max-steps {given}"
+            log.warning("schedule: %s (%s)", change, flag)
 
     def _agree(self, item: StepInput | None) -> StepAgreement:
         """What every rank decides together before a step, from one small host-side collective: anyone

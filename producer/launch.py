@@ -17,6 +17,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from dflash.common.checkpoints.load import read_trained_set
+from dflash.common.cli.exits import one_line
 from dflash.common.contract.liveness import SpoolLock
 from dflash.common.contract.sample_set import SampleSet
 from dflash.common.contract.shard import CodecConfig, ShardFormatError
@@ -32,6 +33,7 @@ from dflash.common.target.data import (
     dataset_fingerprint,
     load_raw_dataset,
 )
+from dflash.common.target.head import target_fingerprint
 from dflash.producer.config import (
     LaunchConfig,
     ProduceConfig,
@@ -229,6 +231,7 @@ def prepare(cfg: ProduceConfig) -> Launch:
     identity = {
         "run": run,
         "model": model,
+        "target_fingerprint": _fingerprint(producer.model),
         "layer_ids": layer_ids,
         "dataset": fingerprint,
         "plan": _campaign_plan(producer, num_rows),
@@ -247,6 +250,16 @@ def prepare(cfg: ProduceConfig) -> Launch:
         workers[0].budget_bytes / 1e9,
     )
     return Launch(spool=spool, lock=lock, workers=workers, config=producer, num_rows=num_rows)
+
+
+def _fingerprint(model: str) -> str | None:
+    """The target's weights fingerprint for the run record (consumers compare their ``--target`` with
+    it before step 1); None when it cannot be read here (the record then holds the model's name only)."""
+    try:
+        return target_fingerprint(model)
+    except Exception as err:  # noqa: BLE001 - a record without it is checked by name; say why once
+        log.warning("target %s: no weights fingerprint for the run record (%s)", model, one_line(err))
+        return None
 
 
 def _campaign_plan(producer: ProducerConfig, num_rows: int) -> dict:

@@ -124,15 +124,15 @@ def produce(
     on_wait = lambda: heartbeat(phase="epoch barrier")  # noqa: E731
     barrier = EpochBarrier(spool, worker.producer_id, stop=stop, on_wait=on_wait)
     writer.start()
-    finished = False
+    finished, waiting = False, _WriterWait(writer, heartbeat, counters)
     t_start = time.monotonic()
     try:
-        batches = _campaign_batches(samples, bucketer, epochs, writer, barrier)
+        batches = _campaign_batches(samples, bucketer, epochs, writer, barrier, waiting)
         finished = _forward_all(
             trunk, batches, writer, heartbeat, torch.device(worker.device), pad_id, t_start
         )
     finally:
-        writer.close()
+        waiting.through(writer.close)  # the last shards may wait on the budget
         if writer.error is not None or not finished:
             finished = False
             spool.clean_tmp(worker.producer_id)
@@ -242,12 +242,46 @@ def _hand_off(
     return True
 
 
+class _WriterWait:
+    """The main loop waiting on its writers outside a hand-off (an epoch's drain, the final close): called
+    as it waits, it counts the time into ``main_wait_s`` (and ``budget_blocked_s``) as it passes and keeps
+    the heartbeat going, its phase the budget wait while a writer waits on the spool budget. Why: the last
+    shards of a slice (or an epoch) can wait on the budget for as long as the consumers take; uncounted
+    and unsaid, a producer blocked most of a short run was rated at its throttled rate by dflash-plan and
+    shown producing by dflash-status."""
+
+    def __init__(self, writer: ShardWriters, heartbeat: Heartbeat, counters: Counters) -> None:
+        self.writer, self.heartbeat, self.counters = writer, heartbeat, counters
+        self.since: float | None = None
+        self.blocked = False
+
+    def through(self, wait: Callable[..., None]) -> None:
+        """``wait(on_wait=self)`` (``writer.close``, ``writer.drain``), its time counted."""
+        self.since, self.blocked = time.monotonic(), self.writer.budget_blocked
+        wait(on_wait=self)
+        self._count()
+        self.since = None
+
+    def __call__(self) -> None:
+        """A look during the wait: the stretch since the last one counted, the heartbeat."""
+        self._count()
+        self.heartbeat(phase=BUDGET_PHASE if self.blocked else "waiting for writer")
+
+    def _count(self) -> None:
+        if self.since is None:
+            return
+        start = self.since
+        self.since, self.blocked = _budget_stretch(self.writer, start, self.blocked)
+        self.counters.add(main_wait_s=self.since - start)
+
+
 def _campaign_batches(
     samples: Iterable[Sample],
     bucketer: Bucketer,
     epochs: Epochs | None,
     writer: ShardWriters,
     barrier: EpochBarrier,
+    waiting: _WriterWait,
 ) -> Iterator[Batch]:
     """The batches of ``samples``; with ``epochs``, epoch by epoch: each epoch's buckets flushed at its end
     (batches tagged with it), its shards published (``writer.drain``), then the barrier (every epoch of
@@ -270,7 +304,7 @@ def _campaign_batches(
             batch.epoch = epoch
             yield batch
         if epoch < epochs.epochs - 1:
-            writer.drain()
+            waiting.through(writer.drain)
             if not barrier.reached(epoch):
                 return
     if pending is not None:
@@ -287,11 +321,31 @@ def _blocking(
     writer: ShardWriters, stop: threading.Event, heartbeat: Heartbeat, op: Callable[[float], object]
 ):
     """Retry a queue op with a timeout (get a free buffer / put a job) while the writer is behind,
-    keeping the heartbeat alive; None when stopping or the writer failed."""
-    while True:
-        try:
-            return op(0.2)
-        except (queue.Empty, queue.Full):
-            if stop.is_set() or writer.error is not None or not writer.alive():
-                return None
-            heartbeat(phase=BUDGET_PHASE if writer.budget_blocked else "waiting for writer")
+    keeping the heartbeat alive; None when stopping or the writer failed. The wait counts as
+    ``budget_blocked_s`` while a writer waits on the spool budget (``_budget_stretch``)."""
+    since, blocked = time.monotonic(), writer.budget_blocked
+    try:
+        while True:
+            try:
+                return op(0.2)
+            except (queue.Empty, queue.Full):
+                if stop.is_set() or writer.error is not None or not writer.alive():
+                    return None
+                since, blocked = _budget_stretch(writer, since, blocked)
+                heartbeat(phase=BUDGET_PHASE if blocked else "waiting for writer")
+    finally:
+        _budget_stretch(writer, since, blocked)
+
+
+def _budget_stretch(writer: ShardWriters, since: float, was_blocked: bool) -> tuple[float, bool]:
+    """Count the main loop's wait on its writers since ``since`` into ``budget_blocked_s`` when a writer
+    waited on the spool budget at either end of it; (now, whether one waits now).
+
+    Why a counter of its own: the main loop also waits on writers that are merely slower than the forward
+    (that is the producer's own rate), and the writers' ``budget_wait_s`` sums every thread's wait and
+    grows only when a shard is admitted; this is the wall time the producer made nothing because the
+    consumers had not trained what it made, which dflash-plan leaves out of its rate."""
+    now, blocked = time.monotonic(), writer.budget_blocked
+    if blocked or was_blocked:
+        writer.counters.add(budget_blocked_s=now - since)
+    return now, blocked

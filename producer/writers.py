@@ -9,6 +9,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,9 @@ from dflash.producer.buckets import Batch
 from dflash.producer.config import ProducerConfig, Worker
 
 log = logging.getLogger(__name__)
+
+WAIT_POLL_S = 0.2
+"""How often a wait on the writers (``drain``, ``close``) calls back: the heartbeat keeps its phase true."""
 
 
 @dataclass
@@ -153,9 +157,7 @@ class ShardWriters:
         self._admit_lock = threading.Lock()  # one budget admission at a time
         self._inflight_lock = threading.Lock()
         self._inflight = 0  # bytes reserved by shards admitted past the budget check and not yet published
-        self.budget_blocked = False
-        """A writer waits for the spool to drain below the budget (the heartbeat's phase says so: a
-        consumer then knows that no more data comes until it trains what it holds)."""
+        self._admitting = 0  # writer threads in _admit, not yet admitted
         self.threads = [
             threading.Thread(target=self._run, name=f"shard-writer-{worker.producer_id}-{i}", daemon=True)
             for i in range(worker.writer_threads)
@@ -165,6 +167,14 @@ class ShardWriters:
     def num_layers(self) -> int:
         """K, the captured layers: one FP8 scale per token and layer."""
         return len(self.meta_kw["layer_ids"])
+
+    @property
+    def budget_blocked(self) -> bool:
+        """A writer waits to be admitted under the spool budget: the spool is over it, or the shards its
+        other threads have in flight would take it over (the heartbeat's phase says so: a consumer then
+        knows that no more data comes until it trains what it holds; the main loop counts its waits then
+        as ``budget_blocked_s``). Under the budget a shard is admitted at once."""
+        return self._admitting > 0
 
     def start(self) -> None:
         for t in self.threads:
@@ -177,16 +187,31 @@ class ShardWriters:
         self.seq += 1
         return self.seq - 1
 
-    def drain(self) -> None:
-        """Wait until every job queued so far is published (or dropped: stopping, or a writer failed)."""
-        self.jobs.join()
+    def drain(self, on_wait: Callable[[], None] = lambda: None) -> None:
+        """Wait until every job queued so far is published (or dropped: stopping, or a writer failed),
+        calling ``on_wait`` every ``WAIT_POLL_S`` meanwhile (the producer's heartbeat and wait clock: the
+        jobs may wait on the spool budget for as long as the consumers take)."""
+        done = self.jobs.all_tasks_done  # the condition Queue.join waits on
+        while self.alive():
+            with done:
+                if done.wait_for(lambda: not self.jobs.unfinished_tasks, timeout=WAIT_POLL_S):
+                    return
+            on_wait()
 
-    def close(self) -> None:
-        """Finish queued jobs (dropped when stopping) and join the threads."""
+    def close(self, on_wait: Callable[[], None] = lambda: None) -> None:
+        """Finish queued jobs (dropped when stopping) and join the threads, calling ``on_wait`` every
+        ``WAIT_POLL_S`` meanwhile, as ``drain`` does."""
         for _ in self.threads:
-            self.jobs.put(None)
+            while True:
+                try:
+                    self.jobs.put(None, timeout=WAIT_POLL_S)
+                    break
+                except queue.Full:
+                    on_wait()
         for t in self.threads:
-            t.join()
+            while t.is_alive():
+                t.join(timeout=WAIT_POLL_S)
+                on_wait()
 
     def _run(self) -> None:
 
@@ -213,27 +238,29 @@ class ShardWriters:
         shard per thread. A shard is admitted past the budget only when none of its producer is in
         flight, so the spool stays under budget + one shard per producer.
         """
-        with self._admit_lock:
-            while True:
-                # read what is in flight BEFORE scanning: no shard is admitted while we hold the lock, so a
-                # shard counted here as in flight either is still in flight or, published since, is seen by
-                # the scan. Read after the scan, a shard published between the two counts nowhere (a busy
-                # box's CI once saw two shards past the budget that way).
-                with self._inflight_lock:
-                    pending = self._inflight
-                self.budget_blocked = spool.total_bytes() > self.worker.budget_bytes
-                try:
+        with self._inflight_lock:
+            self._admitting += 1
+        try:
+            with self._admit_lock:
+                while True:
+                    # read what is in flight BEFORE scanning: no shard is admitted while we hold the lock,
+                    # so a shard counted here as in flight either is still in flight or, published since,
+                    # is seen by the scan. Read after the scan, a shard published between the two counts
+                    # nowhere (a busy box's CI once saw two shards past the budget that way).
+                    with self._inflight_lock:
+                        pending = self._inflight
                     if not spool.wait_for_budget(self.worker.budget_bytes, should_stop=self.stop.is_set):
                         return False
-                finally:
-                    self.budget_blocked = False
-                if pending == 0 or spool.total_bytes() + pending <= self.worker.budget_bytes:
-                    break
-                if self.stop.wait(0.05):
-                    return False
+                    if pending == 0 or spool.total_bytes() + pending <= self.worker.budget_bytes:
+                        break
+                    if self.stop.wait(0.05):
+                        return False
+                with self._inflight_lock:
+                    self._inflight += reserved
+                return True
+        finally:
             with self._inflight_lock:
-                self._inflight += reserved
-            return True
+                self._admitting -= 1
 
     def _write(self, spool, job: WriteJob) -> None:
 

@@ -176,12 +176,15 @@ def test_s3_operation_backoff_outlasts_botocore_retries(s3_server, s3_faults, ca
     store = open_store(s3_server, s3_options=opts)
     # botocore makes one attempt per request here; two consecutive failures need the outer backoff
     counts = s3_faults(store.client, lambda n, op: 503 if n <= 2 else None, operation="PutObject")
-    with caplog.at_level(logging.WARNING, logger="dflash.common.checkpoints.s3"):
+    with caplog.at_level(logging.DEBUG, logger="dflash.common.checkpoints.s3"):
         store.put_bytes("run/k", b"v")
     assert store.get_bytes("run/k") == b"v"
     assert counts["PutObject"] == 3
-    retries = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
-    assert len(retries) == 2 and "attempt 1/4" in retries[0]
+    # counted, and said at DEBUG only: the line on the outcome says the count (a failed save's)
+    assert store.retries == 2
+    retries = [r for r in caplog.records if "retrying" in r.getMessage()]
+    assert len(retries) == 2 and "attempt 1/4" in retries[0].getMessage()
+    assert all(r.levelno == logging.DEBUG for r in retries)
 
     # a permanent outage gives up after operation_attempts with one clear line
     s3_faults(store.client, lambda n, op: 503, operation="GetObject")

@@ -71,7 +71,9 @@ def _events(tmp_path) -> list[tuple[str, int]]:
 
 @pytest.fixture(autouse=True)
 def _no_retry_pause(monkeypatch):
-    monkeypatch.setattr(checkpointer, "with_retries", lambda write: outage.with_retries(write, pause_s=0))
+    monkeypatch.setattr(
+        checkpointer, "with_retries", lambda write, **kw: outage.with_retries(write, pause_s=0, **kw)
+    )
 
 
 def test_saves_on_its_cadence_and_a_fresh_state_resumes_from_the_last(tmp_path):
@@ -163,3 +165,52 @@ def test_an_outage_past_its_bound_stops_with_the_state_on_local_disk_and_resumes
     assert fresh.progress.step == 6 and torch.equal(fresh.model.weight, state.model.weight)
     assert not (tmp_path / "run" / "fallback-checkpoint" / "r").exists()
     assert isinstance(fresh.progress.trained, SampleSet) and len(fresh.progress.trained) == 6
+
+
+class _DownS3Client:
+    """A boto3 S3 client whose every call fails with S3's 503 SlowDown: a store outage as the S3 store's
+    own backoff sees it (transient: each operation is tried ``operation_attempts`` times)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __getattr__(self, name: str):
+        from botocore.exceptions import ClientError
+
+        def call(*_args, **_kwargs):
+            self.calls += 1
+            error = {"Error": {"Code": "SlowDown", "Message": "injected"}}
+            raise ClientError({**error, "ResponseMetadata": {"HTTPStatusCode": 503}}, name)
+
+        return call
+
+
+def test_each_failed_save_is_one_line_with_its_retries_counted_in_it(tmp_path, caplog):
+    """Four periodic saves into an S3 store that answers every request 503: four lines at WARNING or above,
+    each naming its save and summarising the retries under it (before: 32 retry warnings)."""
+    import logging
+
+    from dflash.common.checkpoints.s3 import S3Options, S3Store
+
+    state = _state()
+    ckpt = _checkpointer(tmp_path, state, outage_saves=5)
+    _train(state, ckpt, 2)  # a good checkpoint first: the failures after it are within the bound
+    ckpt.save(final=True)
+    client = _DownS3Client()
+    options = S3Options(operation_attempts=4, backoff_s=0.0, max_backoff_s=0.0)
+    ckpt.store = S3Store("down-bucket", "ckpt", options=options, client=client)
+    caplog.clear()
+    with caplog.at_level(logging.DEBUG):
+        for _ in range(4):
+            _train(state, ckpt, 2)
+            _written(ckpt)
+            ckpt.poll()
+    said = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    lines = [r.getMessage() for r in said]
+    assert len(said) == 4, lines
+    for step, line in zip((4, 6, 8, 10), lines, strict=True):
+        assert line.startswith(f"checkpoint step {step} failed: ") and "\n" not in line, line
+        assert "SlowDown" in line and "(tried 2 times; the store retried 6 operations within them)" in line
+        assert f"({step // 2 - 1} of --outage-saves 5 failed in a row)" in line
+    assert client.calls == 4 * 2 * 4  # every retry happened: 4 saves x 2 attempts x 4 tries of an operation
+    assert ckpt.stop_reason is None

@@ -43,6 +43,7 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
         "--outage-saves": "a store outage is trained through for this many failed saves, then the state goes to local disk",
         "--outage-minutes": "the same bound in minutes since the first failed save",
         "--fallback-dir": "where the state goes when the store refuses it (the same command uploads it later)",
+        "--resume-changes": "a resume under another drafter setting than the checkpoint's is refused unless named here",
     },
     "dflash-eval": {
         "--temperature": "lossless speculative rejection sampling",

@@ -1,5 +1,6 @@
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -172,6 +173,7 @@ def test_measure_rates_group_rate_file(tmp_path):
 
 
 def _pipeline_json(path, shape, producer, consumer, scale=1.0):
+    """pipeline_bench's JSON: its ``figures`` (one per shape) beside its phases."""
     fig = {"shape": shape, "producer_tok_s": producer, "consumer_tok_s": consumer, "depth_scale": scale}
     if scale != 1.0:
         fig["producer_tok_s_full_depth"] = producer * scale
@@ -195,7 +197,9 @@ def test_bench_figures_plan_each_shape(tmp_path, capsys):
     assert shapes["8b"] == {"producer_tok_s": 40_000, "consumer_tok_s": 26_000}
     assert shapes["hybrid27b"]["producer_tok_s"] == pytest.approx(80_000 * 6 / 62)
     base = PlanConfig(num_gpus=8, producer_tok_s=1, consumer_tok_s=1)
-    by = {p["shape"]: p for p in plan.plan_shapes(shapes, base)}
+    plans, missing = plan.plan_shapes(shapes, base)
+    by = {p["shape"]: p for p in plans}
+    assert missing == []
     for shape, rates in shapes.items():  # each the best of the node's splits, as plan_splits computes them
         want = best_split(plan_splits(PlanConfig(num_gpus=8, **rates)))
         assert by[shape]["best"]["producers"] == want.producers and by[shape]["node_tok_s"] == pytest.approx(
@@ -216,11 +220,129 @@ def test_bench_without_a_rate_is_one_line_exit_2(tmp_path, capsys):
         plan.main(["--gpus", "8", "--bench", str(pb)])
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert "shape 32b: no consumer_tok_s" in err and "\n" not in err
+    assert err.startswith(
+        "dflash-plan: error: no shape could be planned: shape 32b: no consumer rate (measured"
+    )
+    assert "consumer_bench.py --mode trainer" in err and "\n" not in err
     (tmp_path / "junk.json").write_text("{}")
     with pytest.raises(SystemExit):
         plan.main(["--gpus", "8", "--bench", str(tmp_path / "junk.json")])
-    assert "no producer or consumer rate" in capsys.readouterr().err
+    assert "no shape could be planned: no rate in the --bench files" in capsys.readouterr().err
+
+
+# The benches' files as they write them (fields the plan reads, and others beside them), fabricated small.
+PRODUCER_BENCH_32B = {  # ops/bench/producer_bench.py: producer_bench_<preset>.json
+    "preset": "32b",
+    "layers": 64,
+    "full_depth": 64,
+    "depth_scale": 1.0,
+    "complete": True,
+    "results": {
+        "producer_full": {"tok_s": 9_000.0, "first_shard_s": 41.2, "own_forward": {"tok_s": 9_900.0}}
+    },
+}
+PRODUCER_BENCH_HYBRID = {
+    **PRODUCER_BENCH_32B,
+    "preset": "hybrid27b",
+    "results": {"producer_full": {"tok_s": 8_000.0}},
+}
+CONSUMER_BENCH = [  # ops/bench/consumer_bench.py --json: reference, then one record per preset x precision x seed
+    {"mode": "reference", "ms_per_step": 170.3, "context_tok_s": 24_052},
+    {
+        "mode": "trainer (real Trainer over a real spool)",
+        "preset": "32b",
+        "precision": "amp",
+        "seed": 0,
+        "device": "NVIDIA H200",
+        "context_tokens": 4096,
+        "ms_per_step_median": 180.0,
+        "context_tok_s": 22_756,
+        "real_tok_s": 21_600,
+        "fill": 0.949,
+    },
+    {
+        "mode": "trainer (real Trainer over a real spool)",
+        "preset": "32b",
+        "precision": "bf16",  # a sweep's other precision: not the consumer's default rate
+        "seed": 0,
+        "device": "NVIDIA H200",
+        "context_tokens": 4096,
+        "ms_per_step_median": 150.0,
+        "real_tok_s": 25_900,
+        "fill": 0.949,
+    },
+    {
+        "mode": "feed (data path only: claim, decode, pack, anchors, pinned copy; no step)",
+        "context_tok_s": 90_000,
+    },
+]
+AB_JSONL = [  # ops/bench/consumer_ab.py: OUT/ab/ab.jsonl, a record per line as each finishes
+    {"variant": "reference", "ms_per_step": 170.3},
+    {"variant": "prefill", "prefill_s": 35.1, "prefill_tokens": 400_000},
+    {
+        "variant": "default",
+        "flags": "--profile-steps 1:5",
+        "ms_per_step_median": 176.0,
+        "fill": 0.95,
+        "precision": "amp",
+        "rc": 0,
+        "preset": "8b",
+        "context_tokens": 4096,
+        "real_tok_s": 22_109,
+    },
+    {
+        "variant": "liger",
+        "flags": "--loss-impl liger",
+        "ms_per_step_median": 160.0,
+        "fill": 0.95,
+        "preset": "8b",
+        "context_tokens": 4096,
+        "real_tok_s": 24_320,
+    },
+]
+
+
+def test_bench_plans_every_shape_with_both_measured_rates_and_names_what_the_others_lack(tmp_path, capsys):
+    """The device suite's own files: producer_bench (32b, hybrid27b), consumer_bench (32b: its default
+    precision's run, not the bf16 sweep's), consumer_ab (8b: the default flags' variant) and pipeline_bench
+    (8b's producer). 32b and 8b are planned; hybrid27b, with no consumer rate measured, is one line."""
+    files = {
+        "producer_bench_32b.json": json.dumps(PRODUCER_BENCH_32B),
+        "producer_bench_hybrid27b.json": json.dumps(PRODUCER_BENCH_HYBRID),
+        "trainer32.json": json.dumps(CONSUMER_BENCH, indent=2),
+        "ab.jsonl": "".join(json.dumps(r) + "\n" for r in AB_JSONL),
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    paths = [str(tmp_path / n) for n in files]
+    paths.append(_pipeline_json(tmp_path / "pipeline_bench_8b.json", "8b", 30_000, None))
+    shapes = plan.read_bench_figures(paths)
+    assert shapes == {
+        "32b": {"producer_tok_s": 9_000.0, "consumer_tok_s": 21_600},
+        "hybrid27b": {"producer_tok_s": 8_000.0},
+        "8b": {"consumer_tok_s": 22_109, "producer_tok_s": 30_000.0},
+    }
+    plan.main(["--gpus", "8", "--bench", ",".join(paths)])
+    out = capsys.readouterr().out
+    assert "32b" in out and "  8b " in out
+    lines = [line.strip() for line in out.splitlines() if "hybrid27b" in line]
+    assert lines == [
+        "shape hybrid27b: no consumer rate (measured by ops/bench/consumer_bench.py --mode trainer, "
+        "consumer_ab.py or pipeline_bench.py), not planned"
+    ]
+    plan.main(["--gpus", "8", "--bench", ",".join(paths), "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert [p["shape"] for p in got["plans"]] == ["32b", "8b"] and len(got["not_planned"]) == 1
+
+
+def test_the_device_suite_plans_from_its_own_files_and_assumes_no_rate():
+    """ops/bench/device_suite.sh's plan part feeds dflash-plan the suite's bench outputs, and writes no rate
+    of its own (an assumed consumer rate once stood in for a measured one)."""
+    suite = (Path(__file__).resolve().parents[1] / "ops" / "bench" / "device_suite.sh").read_text()
+    part = suite[suite.index("if want plan; then") :]
+    assert "assumed" not in part and "consumer_tok_s" not in part and "echo '{" not in part
+    for made in ("producer_bench_*.json", "pipeline_bench_*.json", "trainer*.json", "ab/ab.jsonl"):
+        assert made in part, made
 
 
 def test_a_producer_throttled_by_the_spool_budget_is_planned_at_its_unthrottled_rate(tmp_path, capsys):

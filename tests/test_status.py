@@ -125,7 +125,14 @@ def test_json_snapshot(tmp_path, capsys):
     }  # no ledger row, no launcher row, producer 2 is of an earlier launch
     assert snap["older_producers"] == ["2"]
     assert procs[("producer", "0")]["samples"] == 3000  # the heartbeat is newer than the metrics line
-    assert snap["rates"] == {"producer_tok_s": 8000, "consumer_tok_s": 38_900, "bottleneck": "producers"}
+    assert snap["rates"] == {
+        "producer_tok_s": 8000,
+        "consumer_tok_s": 38_900,
+        "bottleneck": "producers",
+        "producer_throttled": None,  # its metrics count no budget wait
+        "producer_unthrottled_tok_s": None,
+        "over_the_run": False,
+    }
     st = snap["spool"]["states"]
     assert st == {
         "tmp": {"shards": 1, "bytes": 500},

@@ -10,6 +10,7 @@ import io
 import logging
 import random
 import re
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -169,6 +170,8 @@ class S3Store(CheckpointStore):
         self.prefix = prefix.strip("/")
         self.options = options or S3Options()
         self.url = f"s3://{bucket}/{self.prefix}".rstrip("/")
+        self.retries = 0
+        self._retries_lock = threading.Lock()
         opts = self.options
         config = Config(
             # total_max_attempts counts the first try too ("max_attempts" in this dict would not)
@@ -223,7 +226,11 @@ class S3Store(CheckpointStore):
                 if attempt < opts.operation_attempts and _is_transient(cause):
                     backoff = min(opts.max_backoff_s, opts.backoff_s * 2 ** (attempt - 1))
                     delay = backoff * random.uniform(0.5, 1.0)
-                    log.warning(
+                    with self._retries_lock:
+                        self.retries += 1
+                    # counted, not said: the caller's line on the operation's outcome says the count
+                    # (a store outage once logged 32 retry warnings for 4 failed checkpoints)
+                    log.debug(
                         one_line(
                             f"{what} {self.url_for(key)}: {type(cause).__name__}: {cause}; "
                             f"retrying in {delay:.2f}s (attempt {attempt}/{opts.operation_attempts})"

@@ -36,6 +36,10 @@ class CheckpointStore(ABC):
     key raises StoreKeyNotFoundError, any other failure CheckpointStoreError (one line, redacted)."""
 
     url: str
+    retries: int = 0
+    """Whole operations this store tried again after a transient failure, so far (the S3 store's backoff
+    around an operation; 0 for a folder). A caller that tries a write again itself says the count once,
+    in the line that reports the write's outcome, rather than a line per retry."""
 
     @abstractmethod
     def put_bytes(self, key: str, data: bytes) -> None:

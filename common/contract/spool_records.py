@@ -61,13 +61,16 @@ IDLE_PHASES = frozenset({BUDGET_PHASE, "done", "stopped", "aborted"})
 live producer is in one of them (consumer/feed.py)."""
 
 
-IDENTITY_KEYS = ("run", "model", "layer_ids", "dataset", "plan")
+IDENTITY_KEYS = ("run", "model", "target_fingerprint", "layer_ids", "dataset", "plan")
 """What makes two launches the same run (state/run.json): a launch that differs in any field that both
-sides record is another run. A consumer records only ``run``; a producer fills in the rest."""
+sides record is another run. A consumer records only ``run``; a producer fills in the rest, and a consumer
+checks its ``--target`` against ``model`` / ``target_fingerprint`` (the weights of the target's embedding
+and lm_head, common/target/head.py) before its first step."""
 
 
 FLAG_OF = {
     "model": "--model",
+    "target_fingerprint": "--model (its weights' fingerprint)",
     "layer_ids": "--layer-ids",
     "epochs": "--epochs",
     "shuffle_seed": "--shuffle-seed",

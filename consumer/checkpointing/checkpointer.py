@@ -22,7 +22,7 @@ from dflash.common.redact import redact
 from dflash.consumer import distributed as D
 from dflash.consumer.checkpointing.background import AsyncCheckpointer, SaveOutcome
 from dflash.consumer.checkpointing.outage import OutagePolicy, fallback_store, has_state, with_retries
-from dflash.consumer.checkpointing.resume import restore, upload_fallback
+from dflash.consumer.checkpointing.resume import check_resumable, restore, upload_fallback
 from dflash.consumer.checkpointing.state import TrainState
 from dflash.consumer.config import CheckpointConfig
 from dflash.consumer.optim import MasterAdamW
@@ -111,7 +111,10 @@ class Checkpointer:
         if ckpt is None:
             log.info("no checkpoint under %s/%s: starting fresh", redact(self.cfg.store), self.run)
             return
+        changes = check_resumable(ckpt, self.state.drafter_config, run=self.run, meant=self.cfg.meant_changes)
         restore(ckpt, self.state, self.dist.rank)
+        if changes and self.dist.is_main:
+            log.warning("resuming with %s (--resume-changes)", "; ".join(changes))
         self._have_checkpoint = True
         progress = self.state.progress
         log.info("resumed from step %d (%d samples already trained)", progress.step, len(progress.trained))
@@ -207,7 +210,8 @@ class Checkpointer:
 
         def write(host: dict) -> str:
             return with_retries(
-                lambda: save_checkpoint(
+                store=store,
+                write=lambda: save_checkpoint(
                     store,
                     self.run,
                     step,
@@ -218,7 +222,7 @@ class Checkpointer:
                     trained=trained,
                     config=config,
                     keep_last=keep_last,
-                )
+                ),
             )
 
         return write

@@ -7,7 +7,8 @@ acked. An expired credential or a dead endpoint would otherwise let a run train 
 fail at its final save. So:
 
 - a save is tried ``SAVE_ATTEMPTS`` times with a pause between (the S3 client already retries each request
-  and backs off around each operation: this covers an outage of a few more seconds);
+  and backs off around each operation: this covers an outage of a few more seconds); a save that still
+  fails is one line, its retries counted in it;
 - after ``outage_saves`` failed saves in a row, or ``outage_minutes`` since the first of them, whichever
   comes first, the consumer stops taking shards, writes its state to a local folder (``fallback_dir``) and
   exits with one line saying where the state is and that the same command resumes it;
@@ -29,7 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from dflash.common.checkpoints.store import CheckpointStoreError, LocalStore
+from dflash.common.checkpoints.store import CheckpointStore, CheckpointStoreError, LocalStore
+from dflash.common.cli.exits import one_line
 
 log = logging.getLogger(__name__)
 
@@ -39,21 +41,36 @@ T = TypeVar("T")
 
 
 def with_retries(
-    write: Callable[[], T], *, attempts: int = SAVE_ATTEMPTS, pause_s: float = RETRY_PAUSE_S
+    write: Callable[[], T],
+    *,
+    store: CheckpointStore | None = None,
+    attempts: int = SAVE_ATTEMPTS,
+    pause_s: float = RETRY_PAUSE_S,
 ) -> T:
-    """``write()``, tried again after ``pause_s`` (doubling) when the store refuses it; the last error raises."""
+    """``write()``, tried again after ``pause_s`` (doubling) when the store refuses it. The last failure
+    raises ``CheckpointStoreError`` with the retries summarised in its one line (these attempts, and the
+    operations ``store`` tried again within them): a failed save is one line in the log, not one per
+    retry (docs/reliability.md)."""
+    before = store.retries if store is not None else 0
     for attempt in range(1, attempts + 1):
         try:
             return write()
         except (CheckpointStoreError, OSError) as err:
             if attempt == attempts:
-                raise
-            log.warning(
-                "checkpoint write failed (%s); trying again in %.0f s", str(err).splitlines()[0], pause_s
-            )
+                raise CheckpointStoreError(f"{one_line(err)} ({_tried(attempts, store, before)})") from None
+            log.debug("checkpoint write failed (%s); trying again in %.0f s", one_line(err), pause_s)
             time.sleep(pause_s)
             pause_s *= 2
     raise AssertionError("unreachable")
+
+
+def _tried(attempts: int, store: CheckpointStore | None, before: int) -> str:
+    """``tried 2 times; the store retried 6 operations within them``: what a failed write's line says."""
+    text = f"tried {attempts} time{'s' if attempts != 1 else ''}"
+    retried = (store.retries - before) if store is not None else 0
+    if retried:
+        text += f"; the store retried {retried} operation{'s' if retried != 1 else ''} within them"
+    return text
 
 
 @dataclass

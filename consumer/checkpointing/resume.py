@@ -1,13 +1,16 @@
 """Where a consumer's run starts: the latest good checkpoint of the run, after the state a store outage
 left on local disk has gone back to the store (``outage.py``).
 
-Every rank loads the same files; a checkpoint whose draft layers differ from this run's, or whose weights
-do not fit this drafter, is one clear error rather than a silently different model.
+Every rank loads the same files; a checkpoint of another drafter (another block size, mask token, target
+layers, target, draft layers or shape: ``check_resumable``) is one clear line rather than a silently
+different model or torch's error, unless ``--resume-changes`` says the change is meant.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Any
 
 from dflash.common.checkpoints.layout import LoadedCheckpoint
 from dflash.common.checkpoints.load import finished_steps, load_latest_good, restore_rng_state
@@ -23,27 +26,124 @@ from dflash.consumer.optim import MasterAdamW
 log = logging.getLogger(__name__)
 
 
-def check_layout(ckpt: LoadedCheckpoint, drafter: DrafterConfig) -> None:
-    """The checkpoint's draft layers (full / sliding, the window) are this run's, else ``ValueError``."""
+@dataclass(frozen=True)
+class DrafterSetting:
+    """One setting that defines the drafter or its inputs, as a resume compares it with the checkpoint's."""
+
+    name: str
+    """How ``--resume-changes`` names it (``RESUME_CHANGES``); the unloadable ones are never named there."""
+    flag: str
+    """What the user gives to set it."""
+    fields: tuple[str, ...]
+    """The ``DrafterConfig`` fields it is."""
+    loads: bool
+    """The checkpoint's weights load into a drafter with another value (a change can be meant)."""
+
+
+DRAFTER_SETTINGS = (
+    DrafterSetting("num-layers", "--num-layers", ("num_layers",), loads=False),
+    DrafterSetting("hidden-size", "--target (its hidden size)", ("hidden_size",), loads=False),
+    DrafterSetting(
+        "target-shape",
+        "--target (its attention heads, head size, MLP width)",
+        ("num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size"),
+        loads=False,
+    ),
+    DrafterSetting(
+        "target-layer-count", "--target-layer-ids (how many)", ("num_context_layers",), loads=False
+    ),
+    DrafterSetting(
+        "draft-layer-types",
+        "--draft-layer-types/--sliding-window",
+        ("layer_types", "sliding_window"),
+        loads=True,
+    ),
+    DrafterSetting("block-size", "--block-size", ("block_size",), loads=True),
+    DrafterSetting("mask-token-id", "--mask-token-id", ("mask_token_id",), loads=True),
+    DrafterSetting("target-layer-ids", "--target-layer-ids", ("target_layer_ids",), loads=True),
+    DrafterSetting("target", "--target (its vocabulary)", ("vocab_size",), loads=True),
+    DrafterSetting("target", "--target (its weights' fingerprint)", ("target_fingerprint",), loads=True),
+)
+"""Every setting a resume compares, the ones whose weights cannot load first (a change there is never
+meant: another drafter). Old checkpoints that lack a field are not compared on it."""
+
+
+def _compared(recorded: dict) -> dict:
+    """A drafter's recorded fields in the terms the settings compare: the context-layer count derived,
+    and a checkpoint from before sliding layers existed (no ``layer_types``) read as all full attention."""
+    out = dict(recorded)
+    if "target_layer_ids" in recorded:
+        out["num_context_layers"] = len(recorded["target_layer_ids"])
+    if "num_layers" in recorded:
+        out["layer_types"] = recorded.get("layer_types") or ["full_attention"] * int(recorded["num_layers"])
+        out["sliding_window"] = recorded.get("sliding_window")
+    return out
+
+
+def _value(values: dict, fields: tuple[str, ...]) -> Any:
+    return values[fields[0]] if len(fields) == 1 else {f: values[f] for f in fields}
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k} {_show(v)}" for k, v in value.items())
+    if isinstance(value, list):
+        return ",".join(str(v) for v in value) if all(isinstance(v, int) for v in value) else str(value)
+    text = str(value)
+    return text[:12] + "…" if len(text) > 24 else text
+
+
+def check_resumable(
+    ckpt: LoadedCheckpoint, drafter: DrafterConfig, *, run: str, meant: frozenset[str]
+) -> list[str]:
+    """Compare every setting that defines the drafter or its inputs with the checkpoint's: a difference
+    is ``ValueError`` (one line naming the setting, the checkpoint's value and the given one) unless its
+    weights load and ``meant`` (``--resume-changes``) names it; the meant ones come back as phrases for
+    the log. Why: a resume under another block size, mask token, target layers or target trains on
+    silently as another drafter, and one that cannot load ended in a raw torch error."""
     saved = (ckpt.config or {}).get("drafter") or {}
-    layout = {"layer_types": drafter.layer_types, "sliding_window": drafter.sliding_window}
-    was = {  # checkpoints from before sliding layers existed: all full attention
-        "layer_types": saved.get("layer_types") or ["full_attention"] * drafter.num_layers,
-        "sliding_window": saved.get("sliding_window"),
-    }
-    if saved and was != layout:
-        raise ValueError(
-            f"checkpoint step {ckpt.step} was trained with draft layers {was['layer_types']} (window "
-            f"{was['sliding_window']}), this run asks for {layout['layer_types']} (window "
-            f"{layout['sliding_window']}): give the same --draft-layer-types/--sliding-window, or --resume none"
-        )
+    if not saved:
+        return []
+    was = _compared(saved)
+    now = _compared(drafter.to_dict())
+    where = f"checkpoint step {ckpt.step} of run {run!r}"
+    accepted = []
+    for s in DRAFTER_SETTINGS:
+        if not all(f in was and f in now for f in s.fields):
+            continue  # not recorded by an older checkpoint
+        if s.fields == ("target_fingerprint",) and not (
+            was["target_fingerprint"] and now["target_fingerprint"]
+        ):
+            continue  # unknown on one side: nothing to compare
+        old, new = _value(was, s.fields), _value(now, s.fields)
+        if old == new:
+            continue
+        change = f"{where} was trained with {s.flag} {_show(old)}, this run gives {_show(new)}"
+        if not s.loads:
+            raise ValueError(
+                f"{change}: its weights cannot load into this drafter; give the checkpoint's value to "
+                "resume it, or --resume none (or another --run) to start over"
+            )
+        if s.name not in meant:
+            raise ValueError(
+                f"{change}: give the checkpoint's value to resume it, --resume-changes {s.name} if the "
+                "change is meant (the next checkpoint records the new value), or --resume none (or another "
+                "--run) to start over"
+            )
+        accepted.append(f"{s.flag} {_show(old)} -> {_show(new)}")
+    return accepted
 
 
 def restore(ckpt: LoadedCheckpoint, state: TrainState, rank: int) -> None:
-    """Weights, optimizer, schedule, this rank's RNG, the step and the trained set from ``ckpt``."""
-    check_layout(ckpt, state.drafter_config)
+    """Weights, optimizer, schedule, this rank's RNG, the step and the trained set from ``ckpt`` (checked
+    first with ``check_resumable``; a checkpoint without a recorded drafter that still does not fit is
+    one line too, never torch's multi-line error)."""
     model, optimizer = state.model, state.optimizer
-    missing, unexpected = model.load_state_dict(ckpt.model_state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(ckpt.model_state, strict=False)
+    except RuntimeError as err:  # a size mismatch: torch lists every tensor, one per line
+        first = next((ln.strip() for ln in str(err).splitlines()[1:] if ln.strip()), str(err))
+        raise ValueError(f"checkpoint step {ckpt.step} does not fit this drafter: {first}") from None
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     if trainable & set(missing) or unexpected:
         raise ValueError(
@@ -90,7 +190,8 @@ def upload_fallback(
         )
         try:
             url = with_retries(
-                lambda: save_checkpoint(
+                store=store,
+                write=lambda: save_checkpoint(
                     store,
                     run,
                     local.step,
@@ -101,7 +202,7 @@ def upload_fallback(
                     trained=local.trained,
                     config=local.config,
                     keep_last=keep_last,
-                )
+                ),
             )
             fallback.delete_prefix(f"{run}/")
             log.info("checkpoint step %d -> %s; %s removed", local.step, redact(url), local.url)

@@ -16,7 +16,9 @@ keeps what finished), with: median ms/step over the measured steps and the ratio
 per-10-step intervals (ms/step, GPU busy fraction, GPU ms per step, host wait, GC ms, allocator retries),
 fill, first step, recompiles after warm-up, peak memory over the first and the last fifth of the
 intervals, the loss per interval (the same spool and seed: a variant that computes another loss shows it),
-and the kernel table when the variant asks for one (``--profile-steps``, copied to OUT).
+the kernel table when the variant asks for one (``--profile-steps``, copied to OUT), and the preset, context
+and real tokens/s (context x fill per median step: one consumer GPU's rate, as ``dflash-plan --bench`` reads
+it from the variant of the default flags).
 
     python ops/bench/consumer_ab.py --preset 32b --reference .bench/ref --out $OUT \\
         --variant default= --variant "liger=--loss-impl liger" --variant "gc-python=--gc-mode python"
@@ -338,7 +340,11 @@ def main() -> None:
             with open(out / f"{name}.log", "w") as log:
                 rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT).returncode
             rec = json.loads(js.read_text()) if js.exists() else {"variant": name, "flags": shlex.join(flags)}
-            rec.update(rc=rc, wall_s=round(time.monotonic() - t, 1))
+            rec.update(
+                rc=rc, wall_s=round(time.monotonic() - t, 1), preset=args.preset, context_tokens=args.context
+            )
+            if rec.get("ms_per_step_median") and rec.get("fill"):  # what dflash-plan --bench reads
+                rec["real_tok_s"] = round(args.context * rec["fill"] / (rec["ms_per_step_median"] / 1e3))
             if rc in (124, 137):
                 rec["timed_out"] = f"{limit} s"
             elif rc != 0:  # the variant's last words: its log holds the rest

@@ -35,7 +35,8 @@
 #     pipeline1  pipeline_bench.py: 8B-shaped, one producer + one consumer sharing GPU 0 (~3 min: the
 #                consumer's cold compile, the 16 GB target saved and loaded twice)
 #     pipelineh  pipeline_bench.py: the hybrid-27B slice (8 layers), one producer + one consumer sharing GPU 0
-#     plan       dflash-plan --bench over those JSONs (8-GPU node split per shape; seconds)
+#     plan       dflash-plan --bench over the suite's own producer_bench, pipeline_bench and consumer_bench
+#                JSONs and ab/ab.jsonl (8-GPU node split per shape with both rates measured; seconds)
 #   prodscope  8B-shaped: compiled per layer vs the whole truncated trunk (not in `producer`; ~1.5 min)
 #   fp8        FP8 vs bf16 shards, each part under its own timeout, JSON in $OUT as each finishes (~3-4 min;
 #              not in `all`): the 8B-shaped producer with codec bf16 and fp8 (tok/s, host bytes per token,
@@ -162,12 +163,11 @@ if want pipelineh; then
 fi
 if want plan; then
   echo "== dflash-plan over the figures"
-  # the 32B-class and hybrid drafters' consumer rates are not measured by this runbook: 4096 tokens x fill
-  # 0.95 / 0.1703 s (the 32B-class trainer step, ../shared/bench/RESULTS.md) for both (the hybrid's 248K
-  # vocabulary makes its drafter slower: an upper bound); measured files listed after it override it
-  echo '{"figures": [{"shape": "32b", "consumer_tok_s": 22850, "source": "RESULTS.md 32B-class step 170.3 ms"},
-    {"shape": "hybrid27b", "consumer_tok_s": 22850, "source": "assumed: the 32B-class drafter rate"}]}' > "$OUT/consumer_assumed.json"
-  files=$(ls "$OUT"/consumer_assumed.json "$OUT"/pipeline/pipeline_bench_*.json "$OUT"/producer_bench_*.json 2>/dev/null | paste -sd, -)
+  # measured rates only: the producer's from producer_bench / pipeline_bench, the consumer's from
+  # pipeline_bench, consumer_bench (trainer8, trainer32, trainer32x3) and consumer_ab (ab/ab.jsonl); a shape
+  # that lacks one is a line of the plan, not planned
+  files=$(ls "$OUT"/pipeline/pipeline_bench_*.json "$OUT"/pipeline_bench_*.json "$OUT"/producer_bench_*.json \
+    "$OUT"/trainer*.json "$OUT"/ab/ab.jsonl 2>/dev/null | paste -sd, -)
   dflash-plan --gpus 8 --bench "$files" --json > "$OUT/plan.json" 2> "$OUT/plan.err" || cat "$OUT/plan.err"
   dflash-plan --gpus 8 --bench "$files" 2>&1 | tail -8
 fi

@@ -203,12 +203,15 @@ def _run(phase: str, args, jobs: dict[str, tuple[list[str], dict]], spool: Path)
 
 
 def _producer_rates(run_dir: Path) -> dict:
-    """Per producer: tokens, production seconds (after warm-up), compile and recompiles (final heartbeat)."""
+    """Per producer: tokens, production seconds (after warm-up), compile and recompiles (final heartbeat);
+    its rate over the time it did not wait on the spool budget (a throttled rate is not a producer's)."""
     runs = [
         recs for stem, recs in read_run_metrics(run_dir / "metrics").items() if stem.startswith("producer")
     ]
     finals = [recs[-1] for recs in runs]
-    rates = [f["tokens"] / f["produce_s"] for f in finals]
+    # the time a producer's main loop waited on writers blocked by the spool budget is not its rate's
+    blocked = [f.get("main_wait_s", 0.0) if f.get("budget_wait_s") else 0.0 for f in finals]
+    rates = [f["tokens"] / max(f["produce_s"] - b, 1e-9) for f, b in zip(finals, blocked, strict=True)]
     # the process's own view of its GPU memory (torch's allocated bytes, every heartbeat), beside nvidia-smi's
     own = _flat(
         [{"gb": r["gpu_mem_gb"]} for r in runs[0] if r.get("phase") == "produce" and "gpu_mem_gb" in r], "gb"
@@ -218,6 +221,7 @@ def _producer_rates(run_dir: Path) -> dict:
         "tokens": int(sum(f["tokens"] for f in finals)),
         "samples": int(sum(f["samples"] for f in finals)),
         "tok_s_per_gpu": float(np.mean(rates)),
+        "budget_blocked_s": float(sum(blocked)),
         "tok_s": float(sum(rates)),
         "start_time": min(f["time"] - f["produce_s"] for f in finals),
         "compile_s": max(f.get("compile_s", 0) for f in finals),

@@ -27,7 +27,9 @@ from dflash.common.cli.flags import add_flags, flag, from_args
 from dflash.common.cli.help import DefaultsHelpFormatter
 from dflash.common.metrics import format_rate
 from dflash.tools.plan.rates import (
+    BENCH_OF,
     DEFAULT_DDP_EFFICIENCY,
+    THROTTLED_SHARE,
     MeasuredRates,
     ddp_efficiency,
     measure_rates,
@@ -38,7 +40,6 @@ log = logging.getLogger(__name__)
 
 PROG = "dflash-plan"
 THROTTLE_NOTE_RATIO = 0.85  # measured totals closer than this: one side was probably throttled
-THROTTLED_SHARE_NOTE = 0.05  # producers that waited on the spool budget this share of the time: said
 
 
 @dataclass(kw_only=True)
@@ -109,25 +110,24 @@ def best_split(splits: list[Split]) -> Split:
     )
 
 
-def plan_shapes(shapes: dict[str, dict[str, float]], base: PlanConfig) -> list[dict]:
-    """One plan per shape (``base`` gives the GPUs, nodes and DDP efficiency); raises ValueError naming a
-    shape that lacks a rate."""
-    out = []
+def plan_shapes(shapes: dict[str, dict[str, float]], base: PlanConfig) -> tuple[list[dict], list[str]]:
+    """One plan per shape with both rates (``base`` gives the GPUs, nodes and DDP efficiency), and a line
+    for each shape that lacks one: which rate, and which benchmark measures it."""
+    plans, missing = [], []
     for shape, rates in sorted(shapes.items()):
-        missing = sorted({"producer_tok_s", "consumer_tok_s"} - set(rates))
-        if missing:
-            raise ValueError(
-                f"shape {shape}: no {' or '.join(missing)} in the --bench files (run pipeline_bench's "
-                f"phases for it, or give --{missing[0].replace('_', '-')})"
-            )
+        lacks = sorted({"producer_tok_s", "consumer_tok_s"} - set(rates))
+        if lacks:
+            what = " and ".join(f"no {k.split('_')[0]} rate (measured by {BENCH_OF[k]})" for k in lacks)
+            missing.append(f"shape {shape}: {what}, not planned")
+            continue
         cfg = PlanConfig(
             num_gpus=base.num_gpus, nodes=base.nodes, ddp_efficiency=base.ddp_efficiency, **rates
         )
         best = best_split(plan_splits(cfg))
-        out.append(
+        plans.append(
             {"shape": shape, **rates, "best": asdict(best), "node_tok_s": best.end_to_end_tok_s / cfg.nodes}
         )
-    return out
+    return plans, missing
 
 
 def render_shapes(plans: list[dict], base: PlanConfig) -> str:
@@ -157,7 +157,7 @@ def render(cfg: PlanConfig, splits: list[Split], best: Split, measured: Measured
         )
         a, b = measured.producer_total_tok_s, measured.consumer_total_tok_s
         share = measured.producer_throttled
-        if share is not None and share >= THROTTLED_SHARE_NOTE:
+        if share is not None and share >= THROTTLED_SHARE:
             lines.append(
                 f"note: the producers waited on the spool budget {100 * share:.0f}% of the time (throttled: "
                 f"{format_rate(a)} tok/s measured); their rate below is over the time they did not wait, "
@@ -201,7 +201,8 @@ class PlanInputs:
     json: bool = False
     """print the plan as JSON"""
     bench: str | None = None
-    """pipeline_bench / producer_bench JSON files, comma-separated: a plan per target shape they measured"""
+    """benchmark results, comma-separated (pipeline_bench, producer_bench and consumer_bench JSON, consumer_ab's
+    ab.jsonl): a plan per target shape with both rates measured, a line for a shape that lacks one"""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -258,22 +259,30 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _main_bench(args) -> None:
-    """``--bench``: a plan per shape from benchmark figures (flags --producer-tok-s/--consumer-tok-s, when
-    given, apply to every shape)."""
+    """``--bench``: a plan per shape from measured benchmark figures (flags --producer-tok-s /
+    --consumer-tok-s, when given, apply to every shape). A shape that lacks a rate, or a file that holds
+    none, is one line; exit 2 (one line) only when no shape could be planned."""
+    notes: list[str] = []
     try:
-        shapes = read_bench_figures([p for p in args.bench.split(",") if p.strip()])
+        shapes = read_bench_figures([p for p in args.bench.split(",") if p.strip()], notes)
         given = {k: v for k in ("producer_tok_s", "consumer_tok_s") if (v := getattr(args, k)) is not None}
         for rates in shapes.values():
             rates.update(given)
         base = from_args(PlanConfig, args, producer_tok_s=1.0, consumer_tok_s=1.0)
-        plans = plan_shapes(shapes, base)
+        plans, missing = plan_shapes(shapes, base)
+        if not plans:
+            why = "; ".join(missing) if missing else "no rate in the --bench files"
+            raise ValueError(f"no shape could be planned: {why}")
     except ValueError as e:
         fail(PROG, e)
-    print(
-        json.dumps({"config": asdict(base), "plans": plans}, indent=2)
-        if args.json
-        else render_shapes(plans, base)
-    )
+    if args.json:
+        print(
+            json.dumps(
+                {"config": asdict(base), "plans": plans, "not_planned": missing, "notes": notes}, indent=2
+            )
+        )
+        return
+    print("\n".join([render_shapes(plans, base), *(f"  {line}" for line in missing + notes)]))
 
 
 if __name__ == "__main__":

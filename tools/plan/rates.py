@@ -8,15 +8,19 @@ it is divided by ``world_size``; without it, each ``consumer-<rank>.jsonl`` is o
 rank rate already includes ``eff(c0)`` of its c0-rank group, so it is divided by that to get C. In a
 coupled run the faster side is throttled (producers by spool backpressure, consumers by an empty spool),
 so its measured rate is only a lower bound — the tool says so when the two totals are close. Producers
-say how long they waited on the spool's byte budget (``budget_wait_s``, ``main_wait_s`` in their metrics):
-their rate is taken over the time they did not wait (tokens / unblocked seconds), and the plan names the
-share of time they were throttled.
+say how long they waited on the spool's byte budget (``budget_blocked_s`` in their metrics, on every path:
+a hand-off, an epoch's drain, the last shards of a slice): their rate is taken over the time they did not
+wait (tokens forwarded / unblocked seconds), and the plan names the share of time they were throttled.
 
-Rates from benchmarks (``--bench a.json,b.json``): the ``figures`` of ``ops/bench/pipeline_bench.py`` (per
-target shape: one producer GPU's and one consumer GPU's rate alone, the producer's scaled to the shape's
-full depth when the bench ran a slice) and ``ops/bench/producer_bench.py`` results (its shipped producer's
-rate, at full depth); a later file overrides an earlier one's figure for the same shape. Every shape with
-both rates gets its own plan: the split of a node and the predicted node tok/s (``nodes`` = 1: the node).
+Rates from benchmarks (``--bench a.json,b.json``), only measured ones: the ``figures`` of
+``ops/bench/pipeline_bench.py`` (per target shape: one producer GPU's and one consumer GPU's rate alone, the
+producer's scaled to the shape's full depth when the bench ran a slice, its time blocked on the spool budget
+left out), ``ops/bench/producer_bench.py`` results (its shipped producer's rate, at full depth),
+``ops/bench/consumer_bench.py --json`` output (per preset, the real Trainer's tokens/s in the default
+precision) and ``ops/bench/consumer_ab.py``'s ab.jsonl (the variant of dflash-consume's default flags); a
+later file overrides an earlier one's figure for the same shape. Every shape with both rates gets its own
+plan: the split of a node and the predicted node tok/s (``nodes`` = 1: the node); a shape that lacks one
+says which and which bench measures it.
 """
 
 from __future__ import annotations
@@ -29,8 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from dflash.common.metrics import read_run_metrics
+from dflash.consumer.config import OptimConfig
 
 DEFAULT_DDP_EFFICIENCY = 0.95
+THROTTLED_SHARE = 0.05
+"""Producers that waited on the spool budget this share of their time were throttled by the consumers: their
+measured rate is not what they make (dflash-plan plans their unthrottled rate and says so, dflash-status
+names the consumers the bottleneck)."""
 
 
 def ddp_efficiency(num_consumers: int, per_doubling: float) -> float:
@@ -67,9 +76,11 @@ def producer_rate(
 ) -> tuple[float | None, float | None]:
     """(tok/s while not waiting on the spool budget, share of the time it waited) of one producer.
 
-    Between two metrics records, the time its main loop waited on the writers (``main_wait_s``) counts as
-    throttled when the writers waited on the budget meanwhile (``budget_wait_s`` grew); the rate is the
-    tokens over the rest. Records without these counters: ``steady_rate`` and an unknown share (None)."""
+    The time it waited is its ``budget_blocked_s``: the wall time its main loop waited on writers that
+    waited on the budget (a hand-off, an epoch's drain, the last shards of its slice); its rate is the
+    tokens it forwarded (``fwd_tokens``) over the rest. Records from producers that did not count it:
+    between two records where the writers waited on the budget (``budget_wait_s`` grew), the main loop's
+    wait on the writers (``main_wait_s``). Records without either: ``steady_rate`` and an unknown share."""
     pts = [
         r
         for r in records
@@ -78,22 +89,23 @@ def producer_rate(
     if len(pts) < 2 or not any(_num(r, "budget_wait_s") is not None for r in pts):
         return steady_rate(records, warmup_frac=warmup_frac), None
     pts = pts[min(len(pts) - 2, math.ceil(warmup_frac * len(pts))) :]
-    busy = waited = tokens = 0.0
+    # a counter appears at its first count: absent before it, 0
+    exact = any(_num(r, "budget_blocked_s") is not None for r in pts)
+    made = "fwd_tokens" if any(_num(r, "fwd_tokens") is not None for r in pts) else "tokens"
+    span = waited = tokens = 0.0
     for a, b in zip(pts, pts[1:], strict=False):
         dt = _num(b, "elapsed_s") - _num(a, "elapsed_s")
         if dt <= 0:
             continue
-        blocked = 0.0
-        if (_num(b, "budget_wait_s") or 0.0) > (_num(a, "budget_wait_s") or 0.0):
-            blocked = min(dt, max(0.0, (_num(b, "main_wait_s") or 0.0) - (_num(a, "main_wait_s") or 0.0)))
-        busy, waited, tokens = (
-            busy + dt - blocked,
-            waited + blocked,
-            tokens + _num(b, "tokens") - _num(a, "tokens"),
-        )
-    if busy <= 0 or tokens <= 0:
+        span, tokens = span + dt, tokens + (_num(b, made) or 0.0) - (_num(a, made) or 0.0)
+        if exact:
+            waited += (_num(b, "budget_blocked_s") or 0.0) - (_num(a, "budget_blocked_s") or 0.0)
+        elif (_num(b, "budget_wait_s") or 0.0) > (_num(a, "budget_wait_s") or 0.0):
+            waited += min(dt, max(0.0, (_num(b, "main_wait_s") or 0.0) - (_num(a, "main_wait_s") or 0.0)))
+    waited = min(max(waited, 0.0), span)
+    if span - waited <= 0 or tokens <= 0:
         return steady_rate(records, warmup_frac=warmup_frac), None
-    return tokens / busy, waited / (busy + waited)
+    return tokens / (span - waited), waited / span
 
 
 @dataclass(kw_only=True)
@@ -154,35 +166,97 @@ def measure_rates(
 # ---- rates from benchmark files ------------------------------------------------------------------------
 
 
-def read_bench_figures(paths: list[str]) -> dict[str, dict[str, float]]:
-    """{shape: {"producer_tok_s", "consumer_tok_s"}} per GPU from pipeline_bench / producer_bench JSON files
-    (module docstring). Raises ValueError naming the file for anything else."""
+BENCH_OF = {
+    "producer_tok_s": "ops/bench/producer_bench.py or pipeline_bench.py",
+    "consumer_tok_s": "ops/bench/consumer_bench.py --mode trainer, consumer_ab.py or pipeline_bench.py",
+}
+"""Which benchmark measures each rate (a shape that lacks one says so)."""
+
+
+def read_bench_figures(paths: list[str], notes: list[str] | None = None) -> dict[str, dict[str, float]]:
+    """{shape: {"producer_tok_s", "consumer_tok_s"}} per GPU from the benchmarks' files (module docstring):
+    pipeline_bench and producer_bench JSON, consumer_bench ``--json`` output, consumer_ab's ab.jsonl. A
+    file that cannot be read raises ValueError naming it; one that holds no rate is a line in ``notes``."""
     shapes: dict[str, dict[str, float]] = {}
     for path in paths:
+        text = _read(path)
         try:
-            res = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ValueError(
-                f"--bench {path}: cannot read a benchmark JSON ({type(err).__name__}: {err})"
-            ) from None
-        found = False
-        for fig in res.get("figures", []) if isinstance(res, dict) else []:  # pipeline_bench
-            prod = fig.get("producer_tok_s_full_depth") or fig.get("producer_tok_s")
-            rates = {
-                k: float(v)
-                for k, v in (("producer_tok_s", prod), ("consumer_tok_s", fig.get("consumer_tok_s")))
-                if v
-            }
-            shapes.setdefault(str(fig.get("shape")), {}).update(rates)
-            found = found or bool(rates)
-        full = (res.get("results") or {}).get("producer_full") if isinstance(res, dict) else None
-        if full and full.get("tok_s"):  # producer_bench: its shipped producer, scaled to full depth
-            shapes.setdefault(str(res.get("preset")), {})["producer_tok_s"] = float(full["tok_s"]) * float(
-                res.get("depth_scale", 1)
-            )
-            found = True
-        if not found:
-            raise ValueError(
-                f"--bench {path}: no producer or consumer rate in it (not a pipeline_bench/producer_bench JSON)"
+            res: Any = json.loads(text)
+        except json.JSONDecodeError:
+            try:  # consumer_ab's ab.jsonl: one record per line
+                res = [json.loads(line) for line in text.splitlines() if line.strip()]
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"--bench {path}: cannot read a benchmark JSON (JSONDecodeError: {err})"
+                ) from None
+        found = _figures(res) if isinstance(res, dict) else _consumer_rates(res)
+        for shape, rates in found.items():
+            shapes.setdefault(shape, {}).update(rates)
+        if not found and notes is not None:
+            notes.append(
+                f"--bench {path}: no producer or consumer rate in it (not a pipeline_bench, producer_bench, "
+                "consumer_bench or consumer_ab result), ignored"
             )
     return shapes
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError as err:
+        raise ValueError(
+            f"--bench {path}: cannot read a benchmark JSON ({type(err).__name__}: {err})"
+        ) from None
+
+
+def _figures(res: dict) -> dict[str, dict[str, float]]:
+    """pipeline_bench's ``figures`` (per shape, each side alone; the producer's scaled to full depth) and
+    producer_bench's shipped producer (``results.producer_full``, scaled to full depth)."""
+    shapes: dict[str, dict[str, float]] = {}
+    for fig in res.get("figures", []):
+        prod = fig.get("producer_tok_s_full_depth") or fig.get("producer_tok_s")
+        rates = {
+            k: float(v)
+            for k, v in (("producer_tok_s", prod), ("consumer_tok_s", fig.get("consumer_tok_s")))
+            if v
+        }
+        if rates:
+            shapes.setdefault(str(fig.get("shape")), {}).update(rates)
+    full = (res.get("results") or {}).get("producer_full")
+    if full and full.get("tok_s"):
+        rate = float(full["tok_s"]) * float(res.get("depth_scale", 1))
+        shapes.setdefault(str(res.get("preset")), {})["producer_tok_s"] = rate
+    return shapes
+
+
+def _consumer_rates(records: list) -> dict[str, dict[str, float]]:
+    """One consumer GPU's real tokens/s per preset from consumer_bench's ``--json`` list (its trainer-mode
+    runs: the real Trainer over a real spool) or consumer_ab's records (the variant of dflash-consume's
+    default flags). Runs in another precision than the default one of their device (a bf16 sweep) are
+    left out when a default one is there; several runs of a preset (seeds) give their median."""
+    runs: dict[str, list[dict]] = {}
+    for r in records:
+        if not isinstance(r, dict) or not r.get("preset") or r.get("error") or r.get("skipped"):
+            continue
+        is_trainer = str(r.get("mode", "")).startswith("trainer")
+        is_default_variant = "variant" in r and (r["variant"] == "default" or r.get("flags") == "")
+        if (is_trainer or is_default_variant) and _real_tok_s(r):
+            runs.setdefault(str(r["preset"]), []).append(r)
+    out = {}
+    for preset, rs in runs.items():
+        default = [r for r in rs if r.get("precision") in (None, _default_precision(r))]
+        out[preset] = {"consumer_tok_s": statistics.median(_real_tok_s(r) for r in default or rs)}
+    return out
+
+
+def _real_tok_s(r: dict) -> float | None:
+    """A run's real (supervised-or-not, packed) tokens/s: ``real_tok_s``, else context x fill per step."""
+    if _num(r, "real_tok_s"):
+        return _num(r, "real_tok_s")
+    ms, context, fill = _num(r, "ms_per_step_median"), _num(r, "context_tokens"), _num(r, "fill")
+    return context * fill / (ms / 1e3) if ms and context and fill else None
+
+
+def _default_precision(r: dict) -> str:
+    """The precision dflash-consume takes by default on the device the run measured."""
+    return OptimConfig().resolved_precision("cpu" if r.get("device", "cpu") == "cpu" else "cuda")

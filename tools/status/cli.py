@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from dflash.common.metrics import (
     mean_acc,
     read_run_metrics,
 )
+from dflash.tools.plan.rates import THROTTLED_SHARE, producer_rate
 from dflash.tools.status.processes import RUNNING, process_rows
 from dflash.tools.status.render import render
 from dflash.tools.status.sources import (
@@ -90,12 +92,48 @@ def _run_state(procs: list[dict[str, Any]]) -> str | None:
     return "finished"
 
 
-def _total_rate(procs: list[dict[str, Any]], role: str) -> float:
-    active = [p for p in procs if p["role"] == role and p["active"] and is_number(p.get("tok_s"))]
+def _total_rate(procs: list[dict[str, Any]], role: str, *, over: bool) -> float:
+    """The role's summed rate: its running processes' (the producers' average since they started, the
+    consumers' last interval), or, once the run is ``over``, every process's as its row shows it (the
+    run's rates, not 0 because nothing runs any more)."""
+    rows = [p for p in procs if p["role"] == role and is_number(p.get("tok_s"))]
+    counted = rows if over else [p for p in rows if p["active"]]
     # A consumer that reports world_size > 1 logs the all-reduced rate of its whole DDP group:
     # count it once (the lowest rank's), never once per rank.
-    group = [p for p in active if role == "consumer" and (p.get("world_size") or 1) > 1]
-    return group[0]["tok_s"] if group else sum(p["tok_s"] for p in active)
+    group = [p for p in counted if role == "consumer" and (p.get("world_size") or 1) > 1]
+    return group[0]["tok_s"] if group else sum(p["tok_s"] for p in counted)
+
+
+def _rates(
+    procs: list[dict[str, Any]], metrics: dict[str, list[dict[str, Any]]], run_state: str | None
+) -> dict:
+    """Each side's rate and the bottleneck. A producer that waits on the spool budget is throttled by the
+    consumers (blocked now, or blocked ``THROTTLED_SHARE`` of its time: ``budget_blocked_s`` in its
+    metrics, read as dflash-plan reads them): its rate is then not what it makes, and the bottleneck is
+    the consumers whatever the two figures say."""
+    over = run_state in ("finished", "stopped", "failed")
+    prod, cons = _total_rate(procs, "producer", over=over), _total_rate(procs, "consumer", over=over)
+    producers = [p for p in procs if p["role"] == "producer"]
+    shares, unthrottled = [], 0.0
+    for p in producers:
+        rate, share = producer_rate(metrics.get(f"producer-{p['id']}", []))
+        if share is not None:
+            shares.append(share)
+        unthrottled += rate or 0.0
+    share = statistics.fmean(shares) if shares else None
+    throttled = (share or 0.0) >= THROTTLED_SHARE
+    blocked = throttled or any(p["state"] == "blocked" for p in producers)
+    bottleneck = None
+    if prod > 0 and cons > 0:
+        bottleneck = "consumers" if blocked or prod >= cons else "producers"
+    return {
+        "producer_tok_s": prod,
+        "consumer_tok_s": cons,
+        "bottleneck": bottleneck,
+        "producer_throttled": share,
+        "producer_unthrottled_tok_s": unthrottled if throttled else None,
+        "over_the_run": over,
+    }
 
 
 def _planned(p: dict[str, Any]) -> int | None:
@@ -185,10 +223,7 @@ def collect(
     spool = spool_snapshot(spool_root, heartbeat_timeout_s=stale_s) if spool_root else None
     metrics = read_run_metrics(run_dir / "metrics")
     procs, older, older_consumers = process_rows(metrics, spool, read_pids(run_dir), now=now, stale_s=stale_s)
-    prod_tok_s, cons_tok_s = _total_rate(procs, "producer"), _total_rate(procs, "consumer")
-    bottleneck = None
-    if prod_tok_s > 0 and cons_tok_s > 0:
-        bottleneck = "producers" if prod_tok_s < cons_tok_s else "consumers"
+    run_state = _run_state(procs)
     logs_dir = run_dir / "logs"
     return {
         "run_dir": str(run_dir),
@@ -197,10 +232,10 @@ def collect(
         "processes": procs,
         "older_producers": older,
         "older_consumers": older_consumers,
-        "run_state": _run_state(procs),
+        "run_state": run_state,
         "spool": spool,
         "training": _training(procs, metrics, now),
-        "rates": {"producer_tok_s": prod_tok_s, "consumer_tok_s": cons_tok_s, "bottleneck": bottleneck},
+        "rates": _rates(procs, metrics, run_state),
         "progress": _progress(procs, metrics),
         "checkpoint": _last_checkpoint(metrics, now),
         "logs": [str(p) for p in sorted(logs_dir.glob("*.log"))] if logs_dir.is_dir() else [],

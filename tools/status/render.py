@@ -113,10 +113,16 @@ def _training(t: dict[str, Any] | None) -> list[str]:
 
 def _progress(snap: dict[str, Any]) -> list[str]:
     r, pr, spool = snap["rates"], snap["progress"], snap["spool"]
-    line = f"rates: prod={format_rate(r['producer_tok_s'])} tok/s (average)  cons={format_rate(r['consumer_tok_s'])} tok/s"
+    what = "rates over the run" if r.get("over_the_run") else "rates"
+    line = f"{what}: prod={format_rate(r['producer_tok_s'])} tok/s (average)  cons={format_rate(r['consumer_tok_s'])} tok/s"
     if r["bottleneck"]:
         line += f"  (bottleneck: {r['bottleneck']})"
     out = [line]
+    if r.get("producer_unthrottled_tok_s") is not None:  # throttled: the spool was full
+        out.append(
+            f"  producers waited on the spool budget {100 * r['producer_throttled']:.0f}% of the time "
+            f"(throttled by the consumers); unthrottled ~{format_rate(r['producer_unthrottled_tok_s'])} tok/s"
+        )
     state, t = snap.get("run_state"), snap.get("training") or {}
     if state in ("finished", "stopped", "failed"):
         done = f"{pr['samples']}/{pr['planned_samples']} samples produced; " if pr else ""
