@@ -35,6 +35,7 @@ from dflash.common.contract.shard_reader import read_shard, read_shard_meta
 from dflash.common.contract.spool import Spool
 from dflash.common.drafter.batch import PackedSamples, pack_samples
 from dflash.consumer.config import FeedConfig
+from dflash.consumer.data_clock import FEED_STAGES, PIPELINE_STAGES, StageClock
 from dflash.consumer.heartbeat import ConsumerHeartbeat
 from dflash.consumer.input_pipeline import put_until_stopped
 from dflash.consumer.packing import Sample, best_fit, lowest_epoch
@@ -86,7 +87,15 @@ class ShardFeed:
         heartbeat_timeout_s: float = FeedConfig.heartbeat_timeout_s,
         expected_layer_ids: list[int] | None = None,
         heartbeat: ConsumerHeartbeat | None = None,
+        clock: StageClock | None = None,
+        packing_clock: StageClock | None = None,
     ) -> None:
+        self.clock = clock or StageClock(FEED_STAGES)
+        """The decode thread's time by stage (claim, decode, empty spool, handoff): the training loop
+        charges its waits to them (consumer/data_clock.py)."""
+        self.packing_clock = packing_clock or StageClock(PIPELINE_STAGES)
+        """The clock of the thread calling ``next_packed``: its time blocked on decoded shards counts as
+        its ``wait_shards``."""
         self.expected_layer_ids = expected_layer_ids
         self.spool = spool
         self.consumer_id = consumer_id
@@ -159,26 +168,30 @@ class ShardFeed:
         try:
             while not self._stop.is_set():
                 now = time.monotonic()
-                if now - last_recover > min(5.0, self.heartbeat_timeout_s / 4):
-                    self.spool.recover_dead_claims(heartbeat_timeout_s=self.heartbeat_timeout_s)
-                    last_recover = now
-                path = self.spool.claim(self.consumer_id, bucket=self.bucket)
+                with self.clock.stage("claim"):
+                    if now - last_recover > min(5.0, self.heartbeat_timeout_s / 4):
+                        self.spool.recover_dead_claims(heartbeat_timeout_s=self.heartbeat_timeout_s)
+                        last_recover = now
+                    path = self.spool.claim(self.consumer_id, bucket=self.bucket)
                 if path is None:
-                    # Our own claims are in the pool already, so "drained" here ignores claimed/.
-                    if self.spool.producers_done() and self._nothing_claimable():
-                        put_until_stopped(self._loaded, _END, self._stop)
-                        return
-                    idle_since = idle_since or now
-                    if now - idle_since >= WAITING_LOG_S and now - last_wait_log >= WAITING_LOG_S:
-                        self._log_waiting(now - idle_since)
-                        last_wait_log = now
-                    time.sleep(self.poll_s)
+                    with self.clock.stage("spool_empty"):
+                        # Our own claims are in the pool already, so "drained" here ignores claimed/.
+                        if self.spool.producers_done() and self._nothing_claimable():
+                            put_until_stopped(self._loaded, _END, self._stop)
+                            return
+                        idle_since = idle_since or now
+                        if now - idle_since >= WAITING_LOG_S and now - last_wait_log >= WAITING_LOG_S:
+                            self._log_waiting(now - idle_since)
+                            last_wait_log = now
+                        time.sleep(self.poll_s)
                     continue
                 idle_since = None
                 self.counters.shards_claimed += 1
-                samples = self._decode(path)
+                with self.clock.stage("decode"):
+                    samples = self._decode(path)
                 if samples is not None:
-                    put_until_stopped(self._loaded, (path, samples), self._stop)
+                    with self.clock.stage("handoff"):
+                        put_until_stopped(self._loaded, (path, samples), self._stop)
         except BaseException as err:  # surfaced to the training loop by next_packed
             self._error = err
             put_until_stopped(self._loaded, _END, self._stop)
@@ -270,7 +283,8 @@ class ShardFeed:
         while True:
             timeout = max(0.0, deadline - time.monotonic())
             try:
-                item = self._loaded.get(timeout=timeout) if timeout > 0 else self._loaded.get_nowait()
+                with self.packing_clock.stage("wait_shards"):
+                    item = self._loaded.get(timeout=timeout) if timeout > 0 else self._loaded.get_nowait()
             except queue.Empty:
                 return alive
             if item is _END:

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.common.drafter.batch import DraftBatch, PackedSamples
+from dflash.consumer.data_clock import PIPELINE_STAGES, StageClock
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class InputPipeline:
         hidden_dtype: torch.dtype,
         depth: int = 2,
         poll_s: float = 0.2,
+        clock: StageClock | None = None,
     ) -> None:
         if depth < 1:
             raise ValueError(f"input pipeline depth must be >= 1, got {depth}")
@@ -77,6 +79,9 @@ class InputPipeline:
         self.device = device
         self.hidden_dtype = hidden_dtype
         self._poll_s = poll_s
+        self.clock = clock or StageClock(PIPELINE_STAGES)
+        """This thread's time by stage (pack, build, copy, handoff; ``next_packed`` adds its wait for
+        decoded shards): the training loop charges its waits to them (consumer/data_clock.py)."""
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -89,12 +94,18 @@ class InputPipeline:
     def _loop(self) -> None:
         try:
             while not self._stop.is_set():
-                packed = self._next_packed(self._poll_s)
+                with self.clock.stage("pack"):
+                    packed = self._next_packed(self._poll_s)
                 if packed is None:
                     if self._source_exhausted():
                         break
                     continue
-                put_until_stopped(self._queue, self._stage(self._build(packed)), self._stop)
+                with self.clock.stage("build"):
+                    batch = self._build(packed)
+                with self.clock.stage("copy"):
+                    staged = self._stage(batch)
+                with self.clock.stage("handoff"):
+                    put_until_stopped(self._queue, staged, self._stop)
         except BaseException as err:  # surfaced to the training loop by get()
             self._error = err
         put_until_stopped(self._queue, _END, self._stop)

@@ -18,6 +18,7 @@ from dflash.consumer import distributed as D
 from dflash.consumer.campaign import CampaignPlan
 from dflash.consumer.checkpointing.state import TrainState
 from dflash.consumer.config import LogConfig
+from dflash.consumer.data_clock import describe_wait
 from dflash.consumer.heartbeat import ConsumerHeartbeat
 from dflash.consumer.loop_watch import LoopWatch
 from dflash.consumer.step import StepStats
@@ -115,7 +116,7 @@ class IntervalLogger:
                 {k: v for k, v in rec.items() if k not in ("acc_per_pos", "time")}, step=rec["step"]
             )
         line = format_console_line(rec, elapsed_s=time.monotonic() - self._t_process, eta_s=rec.get("eta_s"))
-        loop_line = f"wait {rec['host_wait_ms']:.0f} ms/step, gc {rec['gc_ms']:.0f} ms"
+        loop_line = f"{describe_wait(rec)}, gc {rec['gc_ms']:.0f} ms"
         if "gpu_busy" in rec:
             loop_line = f"gpu busy {100 * rec['gpu_busy']:.0f}% ({rec['gpu_ms']:.0f} ms/step), " + loop_line
         log.info("%s | %s", line, loop_line)

@@ -7,7 +7,8 @@
   waiting for the host to launch the next one). Events are read only once they have completed
   (``query()``): reading them never syncs; a step still running is counted in the next interval.
 - **Host**: the main thread's time blocked on the next step's inputs (``host_wait_ms`` per step: a slow
-  data path) and spent launching a step (``host_launch_ms`` per step: on a GPU the launches run ahead of
+  data path; ``wait_ms_by_cause`` says which stage of the data path it waited on, and ``feed_ms`` /
+  ``pipeline_ms`` what each data thread spent per step: consumer/data_clock.py) and spent launching a step (``host_launch_ms`` per step: on a GPU the launches run ahead of
   the kernels unless the host is slow or the launch queue is full).
 - **Python's garbage collector**: every collection in the process, timed with ``gc.callbacks``
   (``gc_ms``, ``gc_max_ms``, ``gc_count`` over the interval, ``gc_full`` of them full ones); a collection holds the GIL for its whole
@@ -28,19 +29,33 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+from dflash.consumer.data_clock import DataPathClock
 
 log = logging.getLogger(__name__)
 
 
 class LoopWatch:
     """Per-interval step timing (module docstring). ``begin()``/``end()`` bracket each step's launches,
-    ``waited(s)`` adds host wait, ``interval()`` returns the interval's figures and starts the next."""
+    ``waiting()`` brackets the wait for the next step's inputs, ``interval()`` returns the interval's figures
+    and starts the next."""
 
-    def __init__(self, device: torch.device, *, gc_mode: str = "python", freeze_at_step: int = 2) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        gc_mode: str = "python",
+        freeze_at_step: int = 2,
+        data_clock: DataPathClock | None = None,
+    ) -> None:
+        self.data_clock = data_clock
+        """The data path's stage clocks, which a wait is charged to (None: the wait is only timed)."""
         self.cuda = device.type == "cuda"
         self.device = device
         self.gc_mode = gc_mode
@@ -75,9 +90,19 @@ class LoopWatch:
             self.gc_count += 1
             self.gc_full += info.get("generation") == 2
 
-    def waited(self, seconds: float) -> None:
-        """The main thread was blocked ``seconds`` on the next step's inputs."""
-        self.wait_s += seconds
+    @contextmanager
+    def waiting(self) -> Iterator[None]:
+        """The main thread blocks on the next step's inputs inside: timed, and charged to the data path's
+        stages that ran meanwhile."""
+        t0 = time.perf_counter()
+        try:
+            if self.data_clock is None:
+                yield
+            else:
+                with self.data_clock.during():
+                    yield
+        finally:
+            self.wait_s += time.perf_counter() - t0
 
     def begin(self) -> None:
         self._host_t0 = time.perf_counter()
@@ -157,6 +182,8 @@ class LoopWatch:
             "gc_count": self.gc_count,
             "gc_full": self.gc_full,
         }
+        if self.data_clock is not None:
+            out.update(self.data_clock.interval(self.steps))
         if self.cuda:
             out.update(self._gpu_figures())
             retries = self._alloc_retries()

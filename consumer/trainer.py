@@ -38,6 +38,7 @@ from dflash.consumer.campaign import CampaignPlan, read_plan
 from dflash.consumer.checkpointing.checkpointer import Checkpointer
 from dflash.consumer.checkpointing.state import TrainProgress, TrainState
 from dflash.consumer.config import TrainConfig
+from dflash.consumer.data_clock import DataPathClock
 from dflash.consumer.drafter_setup import build_drafter, check_producers_target, set_up_device
 from dflash.consumer.feed import ShardFeed
 from dflash.consumer.heartbeat import ConsumerHeartbeat
@@ -127,6 +128,9 @@ class Trainer:
         pipeline (anchors, labels, the host->device copy)."""
         feed = self.cfg.feed
         self._padding_input: StepInput | None = None
+        self.data_clock = (
+            DataPathClock()
+        )  # the two data threads' stage times, which the loop's waits are charged to
         self.heartbeat = ConsumerHeartbeat(self.spool, self.consumer_id, timeout_s=feed.heartbeat_timeout_s)
         self.feed = ShardFeed(
             self.spool,
@@ -141,6 +145,8 @@ class Trainer:
             pin_memory=self.device.type == "cuda",
             expected_layer_ids=list(self.drafter_config.target_layer_ids),
             heartbeat=self.heartbeat,
+            clock=self.data_clock.feed,
+            packing_clock=self.data_clock.pipeline,
         )
         self.inputs = InputPipeline(
             lambda wait_s: self.feed.next_packed(wait_s=wait_s),
@@ -149,6 +155,7 @@ class Trainer:
             device=self.device,
             hidden_dtype=self.compute_dtype,
             depth=feed.prefetch_steps,
+            clock=self.data_clock.pipeline,
         )
 
     def _build_logs(self, state: TrainState) -> None:
@@ -168,7 +175,10 @@ class Trainer:
             self.spool, budget=cfg.logs.eval_budget, metrics=self.metrics, wandb=self.wandb
         )
         self.watch = LoopWatch(
-            self.device, gc_mode=cfg.host.gc_mode, freeze_at_step=WARMUP_STEPS_FOR_RECOMPILES
+            self.device,
+            gc_mode=cfg.host.gc_mode,
+            freeze_at_step=WARMUP_STEPS_FOR_RECOMPILES,
+            data_clock=self.data_clock,
         )
         self.logger = IntervalLogger(
             cfg.logs,
@@ -237,9 +247,8 @@ class Trainer:
     def _next_input(self) -> tuple[StepInput | None, StepAgreement | None]:
         """The step to train now and the ranks' agreement on it: (input, agreement) to step (padding when
         this rank has nothing for it), (None, agreement) to look again, (None, None) to stop."""
-        t_wait = time.perf_counter()
-        item, self._deferred = self._deferred or self.inputs.get(timeout=0.5), None
-        self.watch.waited(time.perf_counter() - t_wait)
+        with self.watch.waiting():
+            item, self._deferred = self._deferred or self.inputs.get(timeout=0.5), None
         self.checkpoints.poll()  # a finished background save said at once; an outage past its bound stops
         agreed = self._agree(item)
         if agreed.fatal:  # the store refuses checkpoints: the state to local disk, one line, stop

@@ -258,6 +258,7 @@ def test_loop_watch_times_collections_and_host_wait_and_restores_the_collector()
     """LoopWatch alone: a collection inside an interval is counted and timed, waits add up per step, and
     gc_mode interval turns automatic collection off after the warm-up step and back on at close."""
     import gc
+    import time
 
     import torch
 
@@ -265,16 +266,18 @@ def test_loop_watch_times_collections_and_host_wait_and_restores_the_collector()
 
     watch = LoopWatch(torch.device("cpu"), gc_mode="interval", freeze_at_step=1)
     try:
-        watch.waited(0.004)
+        with watch.waiting():
+            time.sleep(0.004)
         watch.begin()
         watch.end(step=1)
         assert watch.frozen and not gc.isenabled()
         watch.begin()
         gc.collect()
         watch.end(step=2)
-        watch.waited(0.002)
+        with watch.waiting():
+            time.sleep(0.002)
         fig = watch.interval()
-        assert fig["host_wait_ms"] == 3.0  # (4 + 2) ms over two steps
+        assert fig["host_wait_ms"] >= 3.0  # at least (4 + 2) ms over two steps
         assert fig["gc_count"] >= 2 and fig["gc_full"] >= 2  # the freeze's collection and the one in step 2
         assert fig["gc_ms"] > 0 and fig["gc_max_ms"] > 0
         assert watch.interval()["gc_count"] == 0  # a fresh interval
