@@ -472,6 +472,8 @@ def run_trainer(
             steps=max_steps,
             fill_s=fill_s,
             device=device,
+            decode_threads=options.get("decode_threads"),
+            pool_streams=options.get("pool_streams", 4),
         )
     run_dir = workdir / f"run-{preset}-{precision}-{int(time.time())}"
     ckpt = workdir / "ckpt"
@@ -559,17 +561,35 @@ def feed_throughput(
     steps: int,
     fill_s: float,
     device: str = "cuda",
+    decode_threads: int | None = None,
+    pool_streams: int = 4,
 ) -> dict:
     """The data path alone (claim, decode, pack, anchors, pinned copy to the GPU; FP8 shards dequantized
-    on the GPU after the copy), no training step."""
+    on the GPU after the copy), no training step: the steps it delivers per second, and each data
+    thread's time per step by stage (consumer/data_clock.py), which says what bounds it."""
+    import zarr
+
     from dflash.common.contract.spool import Spool
     from dflash.common.drafter.batch import build_draft_batch
+    from dflash.consumer.data_clock import DataPathClock
     from dflash.consumer.feed import ShardFeed
     from dflash.consumer.input_pipeline import InputPipeline
 
+    if decode_threads:  # as dflash-consume sets it (consumer/drafter_setup.py), before the first read
+        zarr.config.set({"threading.max_workers": decode_threads})
     cuda = device.startswith("cuda")
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device(device)
-    feed = ShardFeed(Spool(spool), "probe", context_tokens=context, bucket="random", pin_memory=cuda)
+    clock = DataPathClock()
+    feed = ShardFeed(
+        Spool(spool),
+        "probe",
+        context_tokens=context,
+        bucket="random",
+        pin_memory=cuda,
+        pool_streams=pool_streams,
+        clock=clock.feed,
+        packing_clock=clock.pipeline,
+    )
     gen = torch.Generator().manual_seed(0)
 
     def build(packed):
@@ -589,9 +609,11 @@ def feed_throughput(
         feed.exhausted,
         device=dev,
         hidden_dtype=torch.bfloat16,
+        clock=clock.pipeline,
     )
     times, n = [], 0
     t = time.monotonic()
+    t0 = t
     try:
         while n < steps:
             item = pipe.get(timeout=5.0)
@@ -607,6 +629,8 @@ def feed_throughput(
             times.append(now - t)
             t = now
     finally:
+        stages = clock.interval(n)  # each thread's ms per step by stage, over the whole run
+        wall_s = time.monotonic() - t0
         pipe.close()
         feed.close()
         shutil.rmtree(spool, ignore_errors=True)
@@ -625,6 +649,10 @@ def feed_throughput(
         "hidden_gb_per_s": round(context * width * 2 / step_s / 1e9, 2),  # as bf16, whatever the codec
         "host_hidden_gb_per_s": round(context * host_bytes / step_s / 1e9, 2),
         "prefill_s": round(fill_s, 1),
+        "decode_threads": decode_threads or "zarr default",
+        "mean_ms_per_step": round(1e3 * wall_s / max(1, n), 1),
+        "feed_thread_ms_per_step": stages["feed_ms"],
+        "pipeline_thread_ms_per_step": stages["pipeline_ms"],
     }
 
 

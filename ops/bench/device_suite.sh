@@ -4,6 +4,9 @@
 #   tests      GPU tests (flex fwd+bwd vs SDPA, three consumers compiling on one GPU, producer on CUDA)
 #   ref        the reference consumer step (needs .bench/ref: a copy of ../shared/bench)
 #   feed32     the data path alone at 32B-class width (claim, decode, pack, pinned copy; no step)
+#   feedsweep  feed32 with --decode-threads 2, 4, 8 (FEED_THREADS), each in a process of its own under
+#              FEED_LIMIT s (~60 s each with its pre-fill): context tok/s and each data thread's ms per step
+#              by stage; not in `all`
 #   trainer32  the real Trainer over a real spool, 32B-class drafter, default precision (amp) and bf16
 #   ckpt32     trainer32 with background checkpoints every 60 steps (stall per save; warm first step)
 #   warm32     a fresh process on the warm compile cache: time to first step
@@ -86,6 +89,14 @@ if want tests; then
 fi
 if want ref; then bench ref --mode reference --reference .bench/ref; fi
 if want feed32; then bench feed32 --mode feed --preset 32b --steps 60 --warmup 0; fi
+if [[ "$parts" == *" feedsweep "* ]]; then  # not in `all`: the data path alone per decode-thread count
+  for n in ${FEED_THREADS:-2 4 8}; do
+    timeout "${FEED_LIMIT:-90}" python3 ops/bench/consumer_bench.py --workdir /tmp/bench-work --mode feed \
+      --preset 32b --steps 80 --warmup 0 --decode-threads "$n" --json "$OUT/feed32_t$n.json" \
+      > "$OUT/feed32_t$n.log" 2>&1
+    echo "exit $? (decode threads $n)"; grep "^{" "$OUT/feed32_t$n.log" | cut -c1-900
+  done
+fi
 if want trainer32; then  # no checkpoints: the loop alone; py-spy samples every thread for 12 s
   DFLASH_BENCH_PYSPY="${PYSPY_DELAY:-75}:12:$OUT/pyspy32.txt" \
     bench trainer32 --mode trainer --preset 32b --steps 120 --save-every 0 --precision auto --precision bf16
