@@ -47,6 +47,7 @@ from dflash.tools.demo.assets import demo_dataset_path, tiny_target_dir
 from dflash.tools.eval.cli import main as eval_main
 from dflash.tools.eval.run import load_prompts
 from dflash.tools.export.cli import main as export_main
+from tests.hybrid_helpers import tiny_hybrid_vlm_config
 
 HIDDEN, LAYERS, BLOCK, NEW = 32, 6, 8, 64
 PROMPTS = 8
@@ -64,44 +65,7 @@ def _one_thread():
 def _config() -> Qwen3_5Config:
     """Qwen3.5's multimodal layout at tiny sizes: layers linear, linear, full, linear, linear, full. Linear
     head dims of 32: fla's kernels' smallest (the CUDA parametrization runs them)."""
-    return Qwen3_5Config(
-        text_config=dict(
-            vocab_size=4096,
-            hidden_size=HIDDEN,
-            intermediate_size=64,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=2,
-            linear_key_head_dim=32,
-            linear_value_head_dim=32,
-            linear_conv_kernel_dim=4,
-            full_attention_interval=3,
-            max_position_embeddings=1024,
-            rope_parameters=dict(
-                rope_type="default",
-                rope_theta=10000.0,
-                partial_rotary_factor=0.25,
-                mrope_section=[1, 1, 0],
-                mrope_interleaved=True,
-            ),
-        ),
-        vision_config=dict(
-            depth=1,
-            hidden_size=16,
-            intermediate_size=32,
-            num_heads=2,
-            out_hidden_size=HIDDEN,
-            patch_size=16,
-            num_position_embeddings=64,
-        ),
-        image_token_id=4090,
-        video_token_id=4091,
-        vision_start_token_id=4092,
-        vision_end_token_id=4093,
-    )
+    return tiny_hybrid_vlm_config(hidden=HIDDEN, layers=LAYERS, linear_head_dim=32, full_attention_interval=3)
 
 
 @pytest.fixture(scope="module")

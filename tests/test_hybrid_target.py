@@ -28,49 +28,13 @@ from dflash.common.target.loading import load_target, vision_parameters
 from dflash.producer.config import ProducerConfig, TrunkCompileConfig, Worker
 from dflash.producer.worker import run_producer
 from dflash.tools.demo.assets import demo_dataset_path, tiny_target_dir
+from tests.hybrid_helpers import tiny_hybrid_vlm_config
 
 HIDDEN, LAYERS = 32, 4
 
 
 def _vlm_config() -> Qwen3_5Config:
-    return Qwen3_5Config(
-        text_config=dict(
-            vocab_size=4096,
-            hidden_size=HIDDEN,
-            intermediate_size=64,
-            num_hidden_layers=LAYERS,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=16,
-            linear_num_key_heads=2,
-            linear_num_value_heads=2,
-            linear_key_head_dim=8,
-            linear_value_head_dim=8,
-            linear_conv_kernel_dim=4,
-            full_attention_interval=2,
-            max_position_embeddings=1024,
-            rope_parameters=dict(
-                rope_type="default",
-                rope_theta=10000.0,
-                partial_rotary_factor=0.25,
-                mrope_section=[1, 1, 0],
-                mrope_interleaved=True,
-            ),
-        ),
-        vision_config=dict(
-            depth=1,
-            hidden_size=16,
-            intermediate_size=32,
-            num_heads=2,
-            out_hidden_size=HIDDEN,
-            patch_size=16,
-            num_position_embeddings=64,
-        ),
-        image_token_id=4090,
-        video_token_id=4091,
-        vision_start_token_id=4092,
-        vision_end_token_id=4093,
-    )
+    return tiny_hybrid_vlm_config(hidden=HIDDEN, layers=LAYERS, linear_head_dim=8, full_attention_interval=2)
 
 
 @pytest.fixture(scope="module")
