@@ -157,7 +157,8 @@ class ShardWriters:
         self._admit_lock = threading.Lock()  # one budget admission at a time
         self._inflight_lock = threading.Lock()
         self._inflight = 0  # bytes reserved by shards admitted past the budget check and not yet published
-        self._admitting = 0  # writer threads in _admit, not yet admitted
+        self._budget_waiting = threading.Event()
+        """Set while the writer admitting a shard waits on the spool budget (one admits at a time)."""
         self.threads = [
             threading.Thread(target=self._run, name=f"shard-writer-{worker.producer_id}-{i}", daemon=True)
             for i in range(worker.writer_threads)
@@ -173,8 +174,8 @@ class ShardWriters:
         """A writer waits to be admitted under the spool budget: the spool is over it, or the shards its
         other threads have in flight would take it over (the heartbeat's phase says so: a consumer then
         knows that no more data comes until it trains what it holds; the main loop counts its waits then
-        as ``budget_blocked_s``). Under the budget a shard is admitted at once."""
-        return self._admitting > 0
+        as ``budget_blocked_s``). Under the budget a shard is admitted at once and this stays False."""
+        return self._budget_waiting.is_set()
 
     def start(self) -> None:
         for t in self.threads:
@@ -238,10 +239,9 @@ class ShardWriters:
         shard per thread. A shard is admitted past the budget only when none of its producer is in
         flight, so the spool stays under budget + one shard per producer.
         """
-        with self._inflight_lock:
-            self._admitting += 1
-        try:
-            with self._admit_lock:
+        budget = self.worker.budget_bytes
+        with self._admit_lock:
+            try:
                 while True:
                     # read what is in flight BEFORE scanning: no shard is admitted while we hold the lock,
                     # so a shard counted here as in flight either is still in flight or, published since,
@@ -249,18 +249,20 @@ class ShardWriters:
                     # nowhere (a busy box's CI once saw two shards past the budget that way).
                     with self._inflight_lock:
                         pending = self._inflight
-                    if not spool.wait_for_budget(self.worker.budget_bytes, should_stop=self.stop.is_set):
+                    if not spool.wait_for_budget(
+                        budget, should_stop=self.stop.is_set, waiting=self._budget_waiting
+                    ):
                         return False
-                    if pending == 0 or spool.total_bytes() + pending <= self.worker.budget_bytes:
+                    if pending == 0 or spool.total_bytes() + pending <= budget:
                         break
+                    self._budget_waiting.set()  # the shards in flight would take the spool over it
                     if self.stop.wait(0.05):
                         return False
-                with self._inflight_lock:
-                    self._inflight += reserved
-                return True
-        finally:
+            finally:
+                self._budget_waiting.clear()
             with self._inflight_lock:
-                self._admitting -= 1
+                self._inflight += reserved
+            return True
 
     def _write(self, spool, job: WriteJob) -> None:
 

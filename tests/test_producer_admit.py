@@ -1,6 +1,7 @@
-"""The spool budget's admission of a producer's shards (producer.writers.ShardWriters._admit), driven through
-one interleaving that a busy box produced: another writer thread's shard is published between this
-thread's budget scan and its read of what is in flight. Deterministic: the interleaving is injected."""
+"""The spool budget's admission of a producer's shards (producer.writers.ShardWriters._admit): driven through
+one interleaving that a busy box produced (another writer thread's shard is published between this
+thread's budget scan and its read of what is in flight; deterministic: the interleaving is injected), and
+the producer said blocked on the budget only while the spool is over it."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class _RacingSpool:
     def __init__(self, writers: ShardWriters):
         self.writers, self.total, self.checks = writers, 0, 0
 
-    def wait_for_budget(self, budget_bytes, *, should_stop=None):
+    def wait_for_budget(self, budget_bytes, *, should_stop=None, waiting=None):
         self.checks += 1
         if self.checks == 1:  # saw the other shard's tmp dir nearly empty: under budget
             self.publish_other()
@@ -66,3 +67,42 @@ def test_a_shard_published_during_the_budget_check_still_counts(tmp_path):
     stop.set()
     t.join(timeout=60)
     assert admitted == [False] and spool.checks >= 2
+
+
+class _HeldSpool:
+    """A spool holding ``total`` bytes until the test changes it; its budget wait is the real one."""
+
+    wait_for_budget = Spool.wait_for_budget
+
+    def __init__(self, total: int, on_scan=None):
+        self.total, self.on_scan = total, on_scan
+
+    def total_bytes(self):
+        if self.on_scan is not None:
+            self.on_scan()
+        return self.total
+
+
+def test_a_producer_is_blocked_on_the_budget_only_while_the_spool_is_over_it(tmp_path):
+    """Under the budget a shard is admitted and the producer never looks blocked (a consumer would pack
+    short streams, dflash-plan would discount its time); over it, it is blocked until the spool drains."""
+    cfg = ProducerConfig(model="unused", data=DataConfig(dataset="unused"))
+    worker = Worker(producer_id="p0", spool=str(tmp_path / "spool"), budget_bytes=BUDGET)
+    writers = ShardWriters(cfg, worker, {}, Counters(), threading.Event())
+    seen: list[bool] = []
+    under = _HeldSpool(0, on_scan=lambda: seen.append(writers.budget_blocked))
+    assert writers._admit(under, SHARD)
+    assert seen and not any(seen) and not writers.budget_blocked
+    writers._inflight = 0  # that shard was written
+
+    full = _HeldSpool(SHARD)
+    admitted: list[bool] = []
+    t = threading.Thread(target=lambda: admitted.append(writers._admit(full, SHARD)), daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60  # guards a hang only
+    while not writers.budget_blocked and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writers.budget_blocked and t.is_alive() and not admitted
+    full.total = 0  # the consumers trained and acked what the spool held
+    t.join(timeout=60)
+    assert admitted == [True] and not writers.budget_blocked

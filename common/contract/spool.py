@@ -273,21 +273,34 @@ class Spool:
         return n
 
     def wait_for_budget(
-        self, budget_bytes: int, *, poll_s: float = 0.05, should_stop: Callable[[], bool] | None = None
+        self,
+        budget_bytes: int,
+        *,
+        poll_s: float = 0.05,
+        should_stop: Callable[[], bool] | None = None,
+        waiting: threading.Event | None = None,
     ) -> bool:
         """Block while the spool holds more than ``budget_bytes`` (tmp+ready+claimed). Nothing is dropped:
         the caller writes its next shard only after this returns, so the spool stays under budget plus
-        one shard per producer. Returns False if ``should_stop()`` ended the wait, else True."""
+        one shard per producer. ``waiting`` is set once the spool is seen over the budget and cleared when
+        this returns after that (the producer's heartbeat and rates tell a budget wait from work by it). Returns
+        False if ``should_stop()`` ended the wait, else True."""
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be > 0, got {budget_bytes!r}")
         t0 = None
-        while (total := self.total_bytes()) > budget_bytes:
-            if t0 is None:
-                t0 = time.monotonic()
-                log.info("spool holds %d bytes > budget %d: waiting for consumers", total, budget_bytes)
-            if should_stop is not None and should_stop():
-                return False
-            time.sleep(poll_s)
+        try:
+            while (total := self.total_bytes()) > budget_bytes:
+                if t0 is None:
+                    t0 = time.monotonic()
+                    log.info("spool holds %d bytes > budget %d: waiting for consumers", total, budget_bytes)
+                    if waiting is not None:
+                        waiting.set()
+                if should_stop is not None and should_stop():
+                    return False
+                time.sleep(poll_s)
+        finally:
+            if waiting is not None and t0 is not None:
+                waiting.clear()
         if t0 is not None:
             log.info("spool back under budget after %.1f s", time.monotonic() - t0)
         return True
