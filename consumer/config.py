@@ -147,7 +147,8 @@ class FeedConfig:
     """seconds before a silent consumer's claims are recovered"""
     pool_streams: int = 4
     """samples held for packing, in streams' worth of tokens (host memory: pool-streams x context-tokens
-    x K*H x 2 bytes, ~0.8 GB at 32B-class width): more choice, fuller streams"""
+    x K*H bytes for FP8 shards, x 2 for bf16: ~0.4 / 0.8 GB at 32B-class width): more choice, fuller
+    streams"""
     min_split_tokens: int = 32
     """fill a stream with at least this many empty slots with the head of a longer document, its tail
     going into a later stream; 0 = never split (32, two blocks: 99 % of slots filled at 1024 and 4096

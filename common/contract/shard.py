@@ -58,14 +58,15 @@ SCALES_ARRAY = "hidden_scales"
 # shard encode in parallel and a reader never decodes much more than it needs.
 DEFAULT_CHUNK_BYTES = 2 << 20
 
-# name -> (numpy dtypes accepted on read, the dtype written, rank)
+# name -> (numpy dtypes accepted on read, the dtype written, rank); `hidden` is stored as its
+# `hidden_dtype` attribute says (HIDDEN_DTYPES)
 SHARD_ARRAYS: dict[str, tuple[tuple[np.dtype, ...], np.dtype, int]] = {
     "input_ids": ((np.dtype(np.int32),), np.dtype(np.int32), 1),
     "loss_mask": ((np.dtype(np.bool_), np.dtype(np.uint8)), np.dtype(np.bool_), 1),
     "cu_seqlens": ((np.dtype(np.int64),), np.dtype(np.int64), 1),
     "sample_index": ((np.dtype(np.int64),), np.dtype(np.int64), 1),
-    "hidden": ((np.dtype(np.uint16), np.dtype(np.uint8)), np.dtype(np.uint16), 2),
 }
+HIDDEN_RANK = 2
 REQUIRED_ATTRS = ("target_model", "layer_ids", "hidden_size", "producer_id", "bucket", "hidden_dtype")
 
 

@@ -22,6 +22,7 @@ from dflash.common.cli.exits import error_line
 from dflash.common.contract import hidden_fp8
 from dflash.common.contract.shard import (
     HIDDEN_DTYPES,
+    HIDDEN_RANK,
     REQUIRED_ATTRS,
     SCALES_ARRAY,
     SHARD_ARRAYS,
@@ -110,7 +111,8 @@ def read_shard(path: str | Path) -> Shard:
         fp8 = hidden_dtype == hidden_fp8.FP8_DTYPE
         data: dict[str, np.ndarray] = {}
         for name, (accepted, _, ndim) in SHARD_ARRAYS.items():
-            data[name] = _read_array(path, group, name, (stored,) if name == "hidden" else accepted, ndim)
+            data[name] = _read_array(path, group, name, accepted, ndim)
+        data["hidden"] = _read_array(path, group, "hidden", (stored,), HIDDEN_RANK)
         if fp8:
             data[SCALES_ARRAY] = _read_array(path, group, SCALES_ARRAY, (np.dtype(np.uint16),), 2)
 

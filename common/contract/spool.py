@@ -167,9 +167,6 @@ class Spool:
     def heartbeats(self) -> list[dict]:
         return self.records.heartbeats()
 
-    def ready_bytes(self) -> int:
-        return self.scan.ready_bytes()
-
     def total_bytes(self) -> int:
         return self.scan.total_bytes()
 

@@ -120,9 +120,6 @@ class SpoolScan:
                 self._size_cache = {k: v for k, v in self._size_cache.items() if k in seen}
         return list(out.values())
 
-    def ready_bytes(self) -> int:
-        return sum(s for *_, s in self.entries(("ready",)))
-
     def total_bytes(self) -> int:
         """Bytes in tmp+ready+claimed, and acked shards not yet deleted (what backpressure limits)."""
         return sum(s for *_, s in self.entries(FLOW))

@@ -145,12 +145,3 @@ def _spans_in(text: str, flat_spans: list[tuple[int, int]]) -> Rendering:
                 a = end
         spans.append((a, b))
     return text, [(a, b) for a, b in spans if a < b]
-
-
-def assistant_spans_by_prefix(tokenizer, msgs: list[dict[str, Any]]) -> Rendering:
-    """One rendering of the whole row with its assistant spans; ValueError when the template renders some
-    turn differently as history (generation_renderings splits such a row)."""
-    groups = generation_renderings(tokenizer, msgs)
-    if len(groups) > 1:
-        raise ValueError("chat template renders differently as history (not prefix-stable)")
-    return groups[0]
