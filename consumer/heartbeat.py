@@ -14,6 +14,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+from dflash.common.cli.exits import error_line
 from dflash.common.contract.spool import Spool
 from dflash.common.contract.spool_records import IDLE_PHASES
 
@@ -34,10 +35,8 @@ class ConsumerHeartbeat:
         self._stop = threading.Event()
         self._spool_summary: dict = {}
         self._producers_producing = 0
-        try:
-            self._scan()
-        except OSError:
-            pass
+        self._last_problem = ""
+        self._scan_safely()
         self.spool.heartbeat("consumer", consumer_id, {})
         self._thread = threading.Thread(target=self._loop, name=f"hb-{consumer_id}", daemon=True)
         self._thread.start()
@@ -75,9 +74,23 @@ class ConsumerHeartbeat:
         while not self._stop.wait(self.every_s):
             try:
                 self.spool.heartbeat("consumer", self.consumer_id, self._beat_counters())
-                self._scan()
-            except OSError as err:  # a full or vanished spool must not kill training
-                log.warning("heartbeat failed: %s", err)
+            except Exception as err:  # noqa: BLE001  a full spool, a failing counter source: beat on
+                self._warn(f"heartbeat failed: {error_line(err)}")
+            self._scan_safely()
+
+    def _scan_safely(self) -> None:
+        """A scan whose failure is said (once while it lasts) and leaves the last scan's view: a vanished
+        spool, or another process's unreadable record, must not stop this consumer's beats (the others
+        would take its claims back) nor its training."""
+        try:
+            self._scan()
+        except Exception as err:  # noqa: BLE001
+            self._warn(f"spool scan failed (the last one's view is kept): {error_line(err)}")
+
+    def _warn(self, problem: str) -> None:
+        if problem != self._last_problem:
+            log.warning("%s", problem)
+            self._last_problem = problem
 
     def _scan(self) -> None:
         s = self.spool.stats(heartbeat_timeout_s=self.timeout_s)

@@ -128,9 +128,8 @@ class Trainer:
         pipeline (anchors, labels, the host->device copy)."""
         feed = self.cfg.feed
         self._padding_input: StepInput | None = None
-        self.data_clock = (
-            DataPathClock()
-        )  # the two data threads' stage times, which the loop's waits are charged to
+        # the two data threads' stage times, which the loop's waits are charged to
+        self.data_clock = DataPathClock()
         self.heartbeat = ConsumerHeartbeat(self.spool, self.consumer_id, timeout_s=feed.heartbeat_timeout_s)
         self.feed = ShardFeed(
             self.spool,

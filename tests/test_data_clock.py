@@ -20,7 +20,7 @@ from dflash.consumer.input_pipeline import InputPipeline
 from dflash.consumer.loop_watch import LoopWatch
 from tests.test_feed import finish, make_shard, publish
 
-SLOW_S = 0.3
+SLOW_S = 0.5
 """A slowed stage's extra time per call: far above what a tiny shard's other stages take on a loaded box."""
 
 

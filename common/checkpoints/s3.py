@@ -229,7 +229,7 @@ class S3Store(CheckpointStore):
                     with self._retries_lock:
                         self.retries += 1
                     # counted, not said: the caller's line on the operation's outcome says the count
-                    # (a store outage once logged 32 retry warnings for 4 failed checkpoints)
+                    # (an outage is one line per failed save, not one per retry)
                     log.debug(
                         one_line(
                             f"{what} {self.url_for(key)}: {type(cause).__name__}: {cause}; "

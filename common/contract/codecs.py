@@ -116,7 +116,9 @@ class CodecConfig:
         if not isinstance(spec, str) or not spec.strip():
             raise ValueError(f"codec spec {spec!r}: {_SPEC_HELP}")
         text = spec.strip().lower()
-        values: Values = "bf16"  # no prefix: bf16, the meaning every spec had before FP8
+        values: Values = (
+            "bf16"  # no prefix: bf16 values, so spool specs written as `zstd:1` read as they were
+        )
         if text in VALUE_DEFAULTS:
             text = VALUE_DEFAULTS[text]
         for prefix in VALUE_DEFAULTS:

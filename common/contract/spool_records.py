@@ -198,9 +198,8 @@ class SpoolRecords:
                         "settings are fixed: give the same, use another --spool, or discard this one with "
                         "ops/run_all.sh --fresh-spool)"
                     )
-                missing = {
-                    k: v for k, v in ident.items() if k not in rec or rec[k] != v
-                }  # fill in, merge dicts
+                # fill in what the record lacks, merge dicts
+                missing = {k: v for k, v in ident.items() if k not in rec or rec[k] != v}
                 missing = {
                     k: {**rec[k], **v} if isinstance(v, dict) and isinstance(rec.get(k), dict) else v
                     for k, v in missing.items()

@@ -98,9 +98,8 @@ class DraftBatch(PackedSamples):
     block_input_ids: torch.Tensor  # int64 [N, B]: token at anchor, then mask_token_id
     block_positions: torch.Tensor  # int64 [N, B]: document position of anchor + k
     labels: torch.Tensor  # int64 [N, B]: token at anchor+k where it is in the anchor's document, else 0
-    label_weights: (
-        torch.Tensor
-    )  # float32 [N, B]: 0 at k=0, outside the document, off loss_mask, invalid slots
+    # float32 [N, B]: 0 at k=0, outside the document, off loss_mask, invalid slots
+    label_weights: torch.Tensor
 
     def __post_init__(self) -> None:
         super().__post_init__()
