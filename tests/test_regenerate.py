@@ -24,10 +24,12 @@ from dflash.common.target.chat import tokenize_slice
 from dflash.common.target.data import DataConfig, load_raw_dataset
 from dflash.tools.demo.assets import tiny_target_dir
 from dflash.tools.regenerate.cli import main
+from dflash.tools.regenerate.config import SETTINGS, RegenerateConfig
 from dflash.tools.regenerate.dialogue import Dialogue
 from dflash.tools.regenerate.ledger import Ledger, LedgerError
-from dflash.tools.regenerate.reply import assistant_message
-from dflash.tools.regenerate.rows import read_rows
+from dflash.tools.regenerate.reply import Reply, Request, assistant_message
+from dflash.tools.regenerate.rows import SourceRow, read_rows
+from dflash.tools.regenerate.run import Tally, _details, _run_window
 
 TEMPLATE = (Path(__file__).parent / "data" / "qwen3_rules.jinja").read_text()
 WEATHER = {
@@ -137,6 +139,44 @@ def test_each_turn_sees_the_targets_earlier_answers_and_tool_results_stay_where_
     assert prompt_only.next_request().messages == [{"role": "user", "content": "Hi"}]
     prompt_only.accept({"role": "assistant", "content": "Hello"}, "stop")
     assert prompt_only.next_request() is None
+
+
+def test_a_row_the_target_ends_on_a_tool_call_is_truncated_kept_and_counted(tmp_path):
+    """The source ends asking (a user or a tool turn) and the target calls a tool: no result exists for that
+    call, so the row ends on it, truncated as where the source answered, and is kept and counted as such."""
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    called = {"role": "assistant", "content": "", "tool_calls": [call]}
+    old_call = {**called, "tool_calls": [{**call, "id": "c1"}]}
+    ends_on_user = [{"role": "user", "content": "Weather in Oslo?"}]
+    ends_on_tool = [*ends_on_user, old_call, {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
+    for source in (ends_on_user, ends_on_tool):
+        d = Dialogue(source, [WEATHER])
+        while (request := d.next_request()) is not None:
+            d.accept(json.loads(json.dumps(called)), "stop")
+            assert request.messages[-1]["role"] in ("user", "tool")
+        assert d.out[-1]["tool_calls"] and d.record()["truncated"] is True, [m["role"] for m in d.out]
+    answered = Dialogue(ends_on_user, [WEATHER])  # an answer, not a call: the row is whole
+    answered.next_request()
+    answered.accept({"role": "assistant", "content": "Rain."}, "stop")
+    assert answered.next_request() is None and not answered.truncated
+
+    class _CallsATool:
+        window = 4
+
+        def complete(self, requests: list[Request]) -> list[Reply]:
+            return [Reply(message=json.loads(json.dumps(called))) for _ in requests]
+
+    out = tmp_path / "out.jsonl"
+    cfg = RegenerateConfig(endpoint="http://unused", dataset="unused", out=str(out))
+    ledger = Ledger(out, cfg.settings(), SETTINGS)
+    tally = Tally(total=1, before=0, progress_s=60.0)
+    row = SourceRow(0, ends_on_user, [WEATHER], {"id": "r0"})
+    _run_window(cfg, _CallsATool(), [row], ledger, tally)
+    ledger.close()
+    written = _out_rows(out)[0]
+    assert written["dflash_regenerate"]["truncated"] is True and written["messages"][-1]["tool_calls"]
+    assert (tally.regenerated, tally.truncated) == (1, 1)
+    assert "1 ended early" in _details(tally, ledger)
 
 
 # ---- the output file ---------------------------------------------------------------------------------

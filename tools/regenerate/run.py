@@ -43,7 +43,7 @@ class Tally:
     failed: int = 0
     skipped: Counter = field(default_factory=Counter)
     cut_kept: int = 0  # rows kept with a turn cut at --max-new-tokens
-    truncated: int = 0  # rows ended early where the source's tool results no longer fit
+    truncated: int = 0  # rows ended early, or on a call, where the source's tool results no longer fit
     tokens: int = 0
     start: float = field(default_factory=time.monotonic)
     last_line: float = field(default_factory=time.monotonic)
@@ -148,7 +148,8 @@ def _details(tally: Tally, ledger: Ledger) -> str:
         parts.append(f"{tally.cut_kept} kept with a turn cut at --max-new-tokens")
     if tally.truncated:
         parts.append(
-            f"{tally.truncated} ended early (the target's tool calls left the source's tool results)"
+            f"{tally.truncated} ended early or on a tool call without its result (the target's tool calls "
+            "left the source's tool results)"
         )
     if tally.skipped:
         parts.append("skipped: " + ", ".join(f"{why} {n}" for why, n in tally.skipped.most_common()))
