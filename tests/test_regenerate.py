@@ -12,12 +12,13 @@ import re
 import shutil
 import socket
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 from pipeline_helpers import cpu_env, produce_cmd
-from regenerate_helpers import scripted_server
+from regenerate_helpers import CUT_SHORT, CutShort, scripted_server
 from transformers import AutoTokenizer
 
 from dflash.common.target.chat import tokenize_slice
@@ -263,6 +264,32 @@ def test_failed_rows_are_counted_listed_and_only_they_are_retried(tmp_path, caps
         assert Path(f"{out}.errors.jsonl").read_text() == ""
         assert main(["--endpoint", server.url, *args]) == 0, "a finished output: nothing left to do"
         assert sum(server.requests.values()) == 3, "a finished output asks nothing"
+
+
+def test_a_reply_cut_short_is_retried_and_then_only_its_row_fails(tmp_path, capsys):
+    """A body shorter than its headers promise (http.client.IncompleteRead from the read) is a failure of
+    the connection, retried as one; once the retries are spent the row is a failed row, the run goes on."""
+    questions = ["q0", "q1 ONCE", "q2 ALWAYS"]
+    rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": q}]} for i, q in enumerate(questions)]
+    data, out = _jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    asked: Counter = Counter()
+
+    def cut(prompt: str) -> str | CutShort:
+        asked[prompt] += 1
+        return CUT_SHORT if "ALWAYS" in prompt or ("ONCE" in prompt and asked[prompt] == 1) else LONG
+
+    with scripted_server(cut) as server:
+        code = main(
+            ["--endpoint", server.url, "--dataset", str(data), "--out", str(out)]
+            + ["--tokenizer", str(tiny_target_dir()), "--retries", "1", "--retry-wait-s", "0.05"]
+        )
+    said = capsys.readouterr()
+    lines = said.out.strip().splitlines()
+    assert code == 1 and lines[-1:] == ["regenerated 2, failed 1, skipped 0 = input 3"], said.err[-500:]
+    errors = [json.loads(line) for line in Path(f"{out}.errors.jsonl").read_text().splitlines()]
+    assert [e["row"] for e in errors] == [2] and errors[0]["error"].startswith("IncompleteRead"), errors
+    assert "(2 tries)" in errors[0]["error"] and sorted(asked.values()) == [1, 2, 2]
+    assert set(_out_rows(out)) == {0, 1}
 
 
 def _target_answers(prompt: str) -> str:
