@@ -7,7 +7,9 @@ The local engine and ``transformers serve`` (a real target, greedy) are tests/te
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import re
 import shutil
 import socket
@@ -24,6 +26,8 @@ from transformers import AutoTokenizer
 from dflash.common.target.chat import tokenize_slice
 from dflash.common.target.data import DataConfig, load_raw_dataset
 from dflash.tools.demo.assets import tiny_target_dir
+from dflash.tools.regenerate import ledger as regenerate_ledger
+from dflash.tools.regenerate import run as regenerate_run
 from dflash.tools.regenerate.cli import main
 from dflash.tools.regenerate.config import SETTINGS, RegenerateConfig
 from dflash.tools.regenerate.dialogue import Dialogue
@@ -213,6 +217,23 @@ def test_a_torn_last_line_is_cut_and_settings_or_a_second_run_are_refused(tmp_pa
     ledger.close()
     with pytest.raises(LedgerError, match="temperature=0.0.*not temperature=0.7"):
         Ledger(out, {**settings, "temperature": 0.7}, ("dataset", "temperature"))
+    assert _lock_is_free(out), "a refused run let the output go"
+    Path(f"{out}.settings.json").write_text('{"dataset": "d", "temp')  # a hand edit, a full disk
+    with pytest.raises(LedgerError, match=r"out\.jsonl\.settings\.json.* not JSON"):
+        Ledger(out, settings, ("dataset", "temperature"))
+    assert _lock_is_free(out)
+
+
+def _lock_is_free(out: Path) -> bool:
+    """No open file of this process or another holds ``OUT.lock`` (flock: a second open file conflicts)."""
+    fd = os.open(f"{out}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
 
 
 # ---- the command, against a scripted server ----------------------------------------------------------
@@ -429,6 +450,49 @@ def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys, extra, message):
     err = capsys.readouterr().err.strip().splitlines()  # after the datasets library's progress lines
     assert exc.value.code == 2 and err[-1].startswith("dflash-regenerate: error: "), err
     assert message in err[-1] and not any("Traceback" in line for line in err)
+
+
+@pytest.mark.parametrize("case", ["under a file", "a folder", "settings not JSON"])
+def test_an_output_that_cannot_be_opened_is_one_line_exit_2_and_lets_the_lock_go(tmp_path, capsys, case):
+    data = _jsonl(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    out, named = tmp_path / "out.jsonl", str(tmp_path / "out.jsonl")
+    if case == "under a file":
+        (tmp_path / "file").write_text("")
+        out, named = tmp_path / "file" / "out.jsonl", str(tmp_path / "file")
+    elif case == "a folder":
+        out.mkdir()
+    else:
+        Path(f"{out}.settings.json").write_text("{not json")
+        named = f"{out}.settings.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "/nonexistent/target", "--dataset", str(data), "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and err[-1].startswith("dflash-regenerate: error: "), err
+    assert named in err[-1] and not any("Traceback" in line for line in err), err[-1]
+    assert case == "under a file" or _lock_is_free(out), "the failed start-up still holds OUT.lock"
+
+
+@pytest.mark.parametrize("where", ["read_rows", "_repair"])
+def test_ctrl_c_while_starting_is_one_line_exit_130_and_lets_the_lock_go(
+    tmp_path, capsys, monkeypatch, where
+):
+    """Ctrl-C (or SIGTERM, which the command turns into one) while the dataset loads or the output opens."""
+    data = _jsonl(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    out = tmp_path / "out.jsonl"
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    module = regenerate_run if where == "read_rows" else regenerate_ledger
+    monkeypatch.setattr(module, where, interrupted)
+    cfg = RegenerateConfig(model="/nonexistent/target", dataset=str(data), out=str(out))
+    try:
+        code = regenerate_run.run(cfg)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C while starting escaped run() (a traceback)")
+    said = capsys.readouterr()
+    assert code == 130 and said.out.strip().startswith("stopped") and len(said.out.splitlines()) == 1
+    assert "Traceback" not in said.err and _lock_is_free(out)
 
 
 @pytest.mark.pipeline

@@ -162,23 +162,42 @@ def open_engine(cfg: RegenerateConfig):
     return LocalEngine(cfg) if cfg.model is not None else EndpointEngine(cfg)
 
 
+def _open(cfg: RegenerateConfig) -> tuple[int, Iterator[SourceRow], Ledger]:
+    """(rows in the input, the rows, the output's ledger). Whatever stops the start-up is bad input, so it
+    is a DataError or a LedgerError naming --dataset or --out: one line and exit 2, never a traceback."""
+    try:
+        total, rows = read_rows(cfg.dataset, split=cfg.split, fmt=cfg.format, limit=cfg.limit)
+    except DataError:
+        raise
+    except (OSError, ValueError) as err:
+        raise DataError(f"cannot read --dataset {cfg.dataset}: {error_line(err)}") from err
+    try:
+        ledger = Ledger(Path(cfg.out), cfg.settings(), SETTINGS)
+    except LedgerError:
+        raise
+    except (OSError, ValueError) as err:  # a folder where the file goes, a read-only disk, ...
+        raise LedgerError(f"cannot write --out {cfg.out}: {error_line(err)}") from err
+    return total, rows, ledger
+
+
 def run(cfg: RegenerateConfig) -> int:
     log_to_console(PROG)
     try:
-        total, rows = read_rows(cfg.dataset, split=cfg.split, fmt=cfg.format, limit=cfg.limit)
-        ledger = Ledger(Path(cfg.out), cfg.settings(), SETTINGS)
+        total, rows, ledger = _open(cfg)
     except (DataError, LedgerError) as err:
         fail(PROG, err)
+    except KeyboardInterrupt:
+        print("stopped while starting, before any row was asked; the same command starts again", flush=True)
+        return EXIT_INTERRUPTED
+    todo = total - sum(1 for i in (*ledger.written, *ledger.skipped) if i < total)
+    tally = Tally(total=total, before=total - todo, progress_s=cfg.progress_s)
     try:
-        todo = total - sum(1 for i in (*ledger.written, *ledger.skipped) if i < total)
-        tally = Tally(total=total, before=total - todo, progress_s=cfg.progress_s)
         if todo:
             log.info("%d of %d rows to regenerate into %s", todo, total, cfg.out)
             engine = open_engine(cfg)
             for window in _windows(rows, ledger, tally, engine.window):
                 _run_window(cfg, engine, window, ledger, tally)
     except EngineError as err:
-        ledger.close()
         fail(PROG, err)
     except KeyboardInterrupt:
         print(f"stopped: {accounting(tally, ledger)}; the same command continues", flush=True)
@@ -187,7 +206,8 @@ def run(cfg: RegenerateConfig) -> int:
         log.debug("regeneration failed", exc_info=True)
         print_error(PROG, error_line(err))
         return EXIT_FAILURE
+    finally:  # every written line is fsynced already: closing lets the lock go (a caller may run again)
+        ledger.close()
     print(_details(tally, ledger), flush=True)
     print(accounting(tally, ledger), flush=True)
-    ledger.close()
     return EXIT_FAILURE if tally.failed else EXIT_OK
