@@ -23,8 +23,8 @@ from pipeline_helpers import cpu_env, produce_cmd
 from regenerate_helpers import CUT_SHORT, CutShort, scripted_server
 from transformers import AutoTokenizer
 
-from dflash.common.target.chat import tokenize_slice
-from dflash.common.target.data import DataConfig, load_raw_dataset
+from dflash.common.target.chat import tokenize_conversations, tokenize_slice
+from dflash.common.target.data import RAW_JSON_COLUMN, DataConfig, load_raw_dataset
 from dflash.tools.demo.assets import tiny_target_dir
 from dflash.tools.regenerate import ledger as regenerate_ledger
 from dflash.tools.regenerate import run as regenerate_run
@@ -48,7 +48,7 @@ WEATHER = {
 LONG = "The answer is explained with care and a short example, point by point, for the reader."
 
 
-def _jsonl(path: Path, rows: list[dict]) -> Path:
+def _jsonl(path: Path, rows: list[dict | list]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -202,6 +202,78 @@ def test_a_file_of_openai_and_sharegpt_rows_is_read_row_by_row_as_the_producer_r
     assert [r.messages[0]["content"] for r in got] == ["a?", "b?"]
 
 
+def _rules_tokenizer(tmp_path: Path) -> Path:
+    """The tiny target's tokenizer with a Qwen3-style template (thinking, tools): a folder in tmp_path."""
+    tok_dir = tmp_path / "qwen3-rules-tokenizer"
+    shutil.copytree(tiny_target_dir(), tok_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.jinja"))
+    (tok_dir / "chat_template.jinja").write_text(TEMPLATE)
+    return tok_dir
+
+
+def test_every_row_reads_as_the_producer_trains_it_bare_turn_lists_and_arrow_nulls_included(tmp_path):
+    """What regenerate reads of each row is what dflash-produce trains of it: the producer's own
+    tokenization of the file (tokenize_slice) equals the same tokenization of the messages and tools read
+    here. A raw-JSON file (a bare turn list beside an object: the producer trains the list as turns) and a
+    typed one (arrow pads each row with the other rows' fields as None: in turns, metadata and tools)."""
+    tok = AutoTokenizer.from_pretrained(_rules_tokenizer(tmp_path))
+
+    def qa(q: str, a: str) -> list[dict]:
+        return [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Oslo"}},
+    }
+    called = {"role": "assistant", "content": "", "reasoning_content": "Look it up.", "tool_calls": [call]}
+    raw = _jsonl(
+        tmp_path / "raw.jsonl", [qa("A bare list?", "Read as turns."), {"messages": qa("And?", "Yes.")}]
+    )
+    typed = _jsonl(
+        tmp_path / "typed.jsonl",
+        [
+            {
+                "id": "a",
+                "meta": {"source": "x"},
+                "tools": [WEATHER],
+                "messages": [
+                    {"role": "user", "content": "Weather in Oslo?"},
+                    called,
+                    {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+                    {"role": "assistant", "content": "Rain."},
+                ],
+            },
+            {"id": "b", "meta": {"lang": "en"}, "messages": qa("Hi?", "Hello.")},
+        ],
+    )
+    for path, raw_json in ((raw, True), (typed, False)):
+        cfg = DataConfig(dataset=str(path), min_loss_tokens=1)
+        ds = load_raw_dataset(cfg)
+        assert (RAW_JSON_COLUMN in ds.column_names) == raw_json, ds.column_names
+        samples = tokenize_slice(ds, tok, cfg, np.arange(len(ds)))
+        assert set(samples["status"]) == {"ok"}, samples["status"]
+        by_row: dict[int, list] = {}
+        for i, seg, ids, mask in zip(
+            samples["sample_index"],
+            samples["segment"],
+            samples["input_ids"],
+            samples["loss_mask"],
+            strict=True,
+        ):
+            by_row.setdefault(i, []).append((seg, ids, mask))
+        _, rows = read_rows(str(path), split="train", fmt="auto", limit=None)
+        for row in rows:
+            assert row.reason == "ok", (path.name, row.index, row.reason)
+            [ours] = tokenize_conversations(tok, [row.messages], [row.tools])
+            theirs = [(ids, mask) for _, ids, mask in sorted(by_row[row.index])]
+            assert ours == theirs, f"{path.name} row {row.index} reads unlike the producer trains it"
+            if not raw_json:
+                assert row.fields == {
+                    "id": "ab"[row.index],
+                    "meta": [{"source": "x"}, {"lang": "en"}][row.index],
+                }
+
+
 def test_a_torn_last_line_is_cut_and_settings_or_a_second_run_are_refused(tmp_path):
     out = tmp_path / "out.jsonl"
     settings = {"dataset": "d", "temperature": 0.0}
@@ -331,9 +403,7 @@ def _target_answers(prompt: str) -> str:
 def _regenerate_tool_and_thinking_rows(tmp_path: Path, capsys) -> tuple[Path, Path, dict]:
     """A multi-turn row with tool calls and a ``tools`` list, and a prompt, answered by a thinking,
     tool-calling target (scripted) through the endpoint engine: (output, tokenizer folder, requests)."""
-    tok_dir = tmp_path / "qwen3-rules-tokenizer"
-    shutil.copytree(tiny_target_dir(), tok_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.jinja"))
-    (tok_dir / "chat_template.jinja").write_text(TEMPLATE)
+    tok_dir = _rules_tokenizer(tmp_path)
     call = {
         "id": "c1",
         "type": "function",
