@@ -163,8 +163,9 @@ def open_engine(cfg: RegenerateConfig):
 
 
 def _open(cfg: RegenerateConfig) -> tuple[int, Iterator[SourceRow], Ledger]:
-    """(rows in the input, the rows, the output's ledger). Whatever stops the start-up is bad input, so it
-    is a DataError or a LedgerError naming --dataset or --out: one line and exit 2, never a traceback."""
+    """(rows in the input, the rows, the output's ledger). A dataset or an output that stops the start-up
+    is bad input, whatever the error's type: a DataError or a LedgerError naming --dataset or --out, so one
+    line and exit 2, never a traceback."""
     try:
         total, rows = read_rows(cfg.dataset, split=cfg.split, fmt=cfg.format, limit=cfg.limit)
     except DataError:
