@@ -1,6 +1,7 @@
 """A scripted OpenAI-compatible server for dflash-regenerate's tests: a real HTTP server on 127.0.0.1 (the
 standard library's, in a thread of the test process) whose answer to each prompt a test chooses, and which
-can fail chosen rows (HTTP 500, or no answer within the client's timeout), counting every request.
+can fail chosen rows (HTTP 500, no answer within the client's timeout, or a body cut short), counting every
+request.
 
 Why not a mock of the client: the retries, timeouts and error lines under test are the client's handling
 of real sockets and real HTTP statuses."""
@@ -15,8 +16,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-Script = Callable[[str], "str | int | float"]
-"""prompt -> the answer's text, an HTTP status to fail with, or seconds to stay silent (a timeout)."""
+
+class CutShort:
+    """A script's answer: the reply's headers promise the whole body, half of it comes, then the connection
+    closes (a proxy or server dying mid-reply; the client's read raises http.client.IncompleteRead)."""
+
+
+CUT_SHORT = CutShort()
+
+Script = Callable[[str], "str | int | float | CutShort"]
+"""prompt -> the answer's text, an HTTP status to fail with, seconds to stay silent (a timeout), or
+CUT_SHORT."""
 
 
 class ScriptedServer(ThreadingHTTPServer):
@@ -39,14 +49,14 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *_args) -> None:  # quiet
         pass
 
-    def _send(self, status: int, body: dict) -> None:
+    def _send(self, status: int, body: dict, *, cut_short: bool = False) -> None:
         data = json.dumps(body).encode()
         try:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
-            self.wfile.write(data)
+            self.wfile.write(data[: len(data) // 2] if cut_short else data)  # HTTP/1.0: then it closes
         except (BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout)
             pass
 
@@ -65,8 +75,13 @@ class _Handler(BaseHTTPRequestHandler):
         if isinstance(answer, int):
             self._send(answer, {"error": {"message": f"scripted failure {answer}"}})
             return
-        choice = {"index": 0, "text": answer, "finish_reason": "stop"}
-        self._send(200, {"object": "text_completion", "choices": [choice], "usage": {"completion_tokens": 3}})
+        cut_short = isinstance(answer, CutShort)
+        choice = {"index": 0, "text": "cut" if cut_short else answer, "finish_reason": "stop"}
+        self._send(
+            200,
+            {"object": "text_completion", "choices": [choice], "usage": {"completion_tokens": 3}},
+            cut_short=cut_short,
+        )
 
 
 @contextmanager

@@ -7,27 +7,34 @@ The local engine and ``transformers serve`` (a real target, greedy) are tests/te
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import re
 import shutil
 import socket
 import subprocess
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 from pipeline_helpers import cpu_env, produce_cmd
-from regenerate_helpers import scripted_server
+from regenerate_helpers import CUT_SHORT, CutShort, scripted_server
 from transformers import AutoTokenizer
 
-from dflash.common.target.chat import tokenize_slice
-from dflash.common.target.data import DataConfig, load_raw_dataset
+from dflash.common.target.chat import tokenize_conversations, tokenize_slice
+from dflash.common.target.data import RAW_JSON_COLUMN, DataConfig, load_raw_dataset
 from dflash.tools.demo.assets import tiny_target_dir
+from dflash.tools.regenerate import ledger as regenerate_ledger
+from dflash.tools.regenerate import run as regenerate_run
 from dflash.tools.regenerate.cli import main
+from dflash.tools.regenerate.config import SETTINGS, RegenerateConfig
 from dflash.tools.regenerate.dialogue import Dialogue
 from dflash.tools.regenerate.ledger import Ledger, LedgerError
-from dflash.tools.regenerate.reply import assistant_message
-from dflash.tools.regenerate.rows import read_rows
+from dflash.tools.regenerate.reply import Reply, Request, assistant_message
+from dflash.tools.regenerate.rows import SourceRow, read_rows
+from dflash.tools.regenerate.run import Tally, _details, _run_window
 
 TEMPLATE = (Path(__file__).parent / "data" / "qwen3_rules.jinja").read_text()
 WEATHER = {
@@ -41,7 +48,7 @@ WEATHER = {
 LONG = "The answer is explained with care and a short example, point by point, for the reader."
 
 
-def _jsonl(path: Path, rows: list[dict]) -> Path:
+def _jsonl(path: Path, rows: list[dict | list]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 
@@ -139,6 +146,44 @@ def test_each_turn_sees_the_targets_earlier_answers_and_tool_results_stay_where_
     assert prompt_only.next_request() is None
 
 
+def test_a_row_the_target_ends_on_a_tool_call_is_truncated_kept_and_counted(tmp_path):
+    """The source ends asking (a user or a tool turn) and the target calls a tool: no result exists for that
+    call, so the row ends on it, truncated as where the source answered, and is kept and counted as such."""
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    called = {"role": "assistant", "content": "", "tool_calls": [call]}
+    old_call = {**called, "tool_calls": [{**call, "id": "c1"}]}
+    ends_on_user = [{"role": "user", "content": "Weather in Oslo?"}]
+    ends_on_tool = [*ends_on_user, old_call, {"role": "tool", "tool_call_id": "c1", "content": "rain"}]
+    for source in (ends_on_user, ends_on_tool):
+        d = Dialogue(source, [WEATHER])
+        while (request := d.next_request()) is not None:
+            d.accept(json.loads(json.dumps(called)), "stop")
+            assert request.messages[-1]["role"] in ("user", "tool")
+        assert d.out[-1]["tool_calls"] and d.record()["truncated"] is True, [m["role"] for m in d.out]
+    answered = Dialogue(ends_on_user, [WEATHER])  # an answer, not a call: the row is whole
+    answered.next_request()
+    answered.accept({"role": "assistant", "content": "Rain."}, "stop")
+    assert answered.next_request() is None and not answered.truncated
+
+    class _CallsATool:
+        window = 4
+
+        def complete(self, requests: list[Request]) -> list[Reply]:
+            return [Reply(message=json.loads(json.dumps(called))) for _ in requests]
+
+    out = tmp_path / "out.jsonl"
+    cfg = RegenerateConfig(endpoint="http://unused", dataset="unused", out=str(out))
+    ledger = Ledger(out, cfg.settings(), SETTINGS)
+    tally = Tally(total=1, before=0, progress_s=60.0)
+    row = SourceRow(0, ends_on_user, [WEATHER], {"id": "r0"})
+    _run_window(cfg, _CallsATool(), [row], ledger, tally)
+    ledger.close()
+    written = _out_rows(out)[0]
+    assert written["dflash_regenerate"]["truncated"] is True and written["messages"][-1]["tool_calls"]
+    assert (tally.regenerated, tally.truncated) == (1, 1)
+    assert "1 ended early" in _details(tally, ledger)
+
+
 # ---- the output file ---------------------------------------------------------------------------------
 
 
@@ -157,6 +202,78 @@ def test_a_file_of_openai_and_sharegpt_rows_is_read_row_by_row_as_the_producer_r
     assert [r.messages[0]["content"] for r in got] == ["a?", "b?"]
 
 
+def _rules_tokenizer(tmp_path: Path) -> Path:
+    """The tiny target's tokenizer with a Qwen3-style template (thinking, tools): a folder in tmp_path."""
+    tok_dir = tmp_path / "qwen3-rules-tokenizer"
+    shutil.copytree(tiny_target_dir(), tok_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.jinja"))
+    (tok_dir / "chat_template.jinja").write_text(TEMPLATE)
+    return tok_dir
+
+
+def test_every_row_reads_as_the_producer_trains_it_bare_turn_lists_and_arrow_nulls_included(tmp_path):
+    """What regenerate reads of each row is what dflash-produce trains of it: the producer's own
+    tokenization of the file (tokenize_slice) equals the same tokenization of the messages and tools read
+    here. A raw-JSON file (a bare turn list beside an object: the producer trains the list as turns) and a
+    typed one (arrow pads each row with the other rows' fields as None: in turns, metadata and tools)."""
+    tok = AutoTokenizer.from_pretrained(_rules_tokenizer(tmp_path))
+
+    def qa(q: str, a: str) -> list[dict]:
+        return [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+
+    call = {
+        "id": "c1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": {"city": "Oslo"}},
+    }
+    called = {"role": "assistant", "content": "", "reasoning_content": "Look it up.", "tool_calls": [call]}
+    raw = _jsonl(
+        tmp_path / "raw.jsonl", [qa("A bare list?", "Read as turns."), {"messages": qa("And?", "Yes.")}]
+    )
+    typed = _jsonl(
+        tmp_path / "typed.jsonl",
+        [
+            {
+                "id": "a",
+                "meta": {"source": "x"},
+                "tools": [WEATHER],
+                "messages": [
+                    {"role": "user", "content": "Weather in Oslo?"},
+                    called,
+                    {"role": "tool", "tool_call_id": "c1", "content": "rain"},
+                    {"role": "assistant", "content": "Rain."},
+                ],
+            },
+            {"id": "b", "meta": {"lang": "en"}, "messages": qa("Hi?", "Hello.")},
+        ],
+    )
+    for path, raw_json in ((raw, True), (typed, False)):
+        cfg = DataConfig(dataset=str(path), min_loss_tokens=1)
+        ds = load_raw_dataset(cfg)
+        assert (RAW_JSON_COLUMN in ds.column_names) == raw_json, ds.column_names
+        samples = tokenize_slice(ds, tok, cfg, np.arange(len(ds)))
+        assert set(samples["status"]) == {"ok"}, samples["status"]
+        by_row: dict[int, list] = {}
+        for i, seg, ids, mask in zip(
+            samples["sample_index"],
+            samples["segment"],
+            samples["input_ids"],
+            samples["loss_mask"],
+            strict=True,
+        ):
+            by_row.setdefault(i, []).append((seg, ids, mask))
+        _, rows = read_rows(str(path), split="train", fmt="auto", limit=None)
+        for row in rows:
+            assert row.reason == "ok", (path.name, row.index, row.reason)
+            [ours] = tokenize_conversations(tok, [row.messages], [row.tools])
+            theirs = [(ids, mask) for _, ids, mask in sorted(by_row[row.index])]
+            assert ours == theirs, f"{path.name} row {row.index} reads unlike the producer trains it"
+            if not raw_json:
+                assert row.fields == {
+                    "id": "ab"[row.index],
+                    "meta": [{"source": "x"}, {"lang": "en"}][row.index],
+                }
+
+
 def test_a_torn_last_line_is_cut_and_settings_or_a_second_run_are_refused(tmp_path):
     out = tmp_path / "out.jsonl"
     settings = {"dataset": "d", "temperature": 0.0}
@@ -172,6 +289,23 @@ def test_a_torn_last_line_is_cut_and_settings_or_a_second_run_are_refused(tmp_pa
     ledger.close()
     with pytest.raises(LedgerError, match="temperature=0.0.*not temperature=0.7"):
         Ledger(out, {**settings, "temperature": 0.7}, ("dataset", "temperature"))
+    assert _lock_is_free(out), "a refused run let the output go"
+    Path(f"{out}.settings.json").write_text('{"dataset": "d", "temp')  # a hand edit, a full disk
+    with pytest.raises(LedgerError, match=r"out\.jsonl\.settings\.json.* not JSON"):
+        Ledger(out, settings, ("dataset", "temperature"))
+    assert _lock_is_free(out)
+
+
+def _lock_is_free(out: Path) -> bool:
+    """No open file of this process or another holds ``OUT.lock`` (flock: a second open file conflicts)."""
+    fd = os.open(f"{out}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
 
 
 # ---- the command, against a scripted server ----------------------------------------------------------
@@ -225,6 +359,32 @@ def test_failed_rows_are_counted_listed_and_only_they_are_retried(tmp_path, caps
         assert sum(server.requests.values()) == 3, "a finished output asks nothing"
 
 
+def test_a_reply_cut_short_is_retried_and_then_only_its_row_fails(tmp_path, capsys):
+    """A body shorter than its headers promise (http.client.IncompleteRead from the read) is a failure of
+    the connection, retried as one; once the retries are spent the row is a failed row, the run goes on."""
+    questions = ["q0", "q1 ONCE", "q2 ALWAYS"]
+    rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": q}]} for i, q in enumerate(questions)]
+    data, out = _jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    asked: Counter = Counter()
+
+    def cut(prompt: str) -> str | CutShort:
+        asked[prompt] += 1
+        return CUT_SHORT if "ALWAYS" in prompt or ("ONCE" in prompt and asked[prompt] == 1) else LONG
+
+    with scripted_server(cut) as server:
+        code = main(
+            ["--endpoint", server.url, "--dataset", str(data), "--out", str(out)]
+            + ["--tokenizer", str(tiny_target_dir()), "--retries", "1", "--retry-wait-s", "0.05"]
+        )
+    said = capsys.readouterr()
+    lines = said.out.strip().splitlines()
+    assert code == 1 and lines[-1:] == ["regenerated 2, failed 1, skipped 0 = input 3"], said.err[-500:]
+    errors = [json.loads(line) for line in Path(f"{out}.errors.jsonl").read_text().splitlines()]
+    assert [e["row"] for e in errors] == [2] and errors[0]["error"].startswith("IncompleteRead"), errors
+    assert "(2 tries)" in errors[0]["error"] and sorted(asked.values()) == [1, 2, 2]
+    assert set(_out_rows(out)) == {0, 1}
+
+
 def _target_answers(prompt: str) -> str:
     """What a thinking, tool-calling target writes at each point of the rows below."""
     last = prompt.rsplit("<|im_start|>", 2)[-2]
@@ -243,9 +403,7 @@ def _target_answers(prompt: str) -> str:
 def _regenerate_tool_and_thinking_rows(tmp_path: Path, capsys) -> tuple[Path, Path, dict]:
     """A multi-turn row with tool calls and a ``tools`` list, and a prompt, answered by a thinking,
     tool-calling target (scripted) through the endpoint engine: (output, tokenizer folder, requests)."""
-    tok_dir = tmp_path / "qwen3-rules-tokenizer"
-    shutil.copytree(tiny_target_dir(), tok_dir, ignore=shutil.ignore_patterns("*.safetensors", "*.jinja"))
-    (tok_dir / "chat_template.jinja").write_text(TEMPLATE)
+    tok_dir = _rules_tokenizer(tmp_path)
     call = {
         "id": "c1",
         "type": "function",
@@ -362,6 +520,49 @@ def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys, extra, message):
     err = capsys.readouterr().err.strip().splitlines()  # after the datasets library's progress lines
     assert exc.value.code == 2 and err[-1].startswith("dflash-regenerate: error: "), err
     assert message in err[-1] and not any("Traceback" in line for line in err)
+
+
+@pytest.mark.parametrize("case", ["under a file", "a folder", "settings not JSON"])
+def test_an_output_that_cannot_be_opened_is_one_line_exit_2_and_lets_the_lock_go(tmp_path, capsys, case):
+    data = _jsonl(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    out, named = tmp_path / "out.jsonl", str(tmp_path / "out.jsonl")
+    if case == "under a file":
+        (tmp_path / "file").write_text("")
+        out, named = tmp_path / "file" / "out.jsonl", str(tmp_path / "file")
+    elif case == "a folder":
+        out.mkdir()
+    else:
+        Path(f"{out}.settings.json").write_text("{not json")
+        named = f"{out}.settings.json"
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "/nonexistent/target", "--dataset", str(data), "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and err[-1].startswith("dflash-regenerate: error: "), err
+    assert named in err[-1] and not any("Traceback" in line for line in err), err[-1]
+    assert case == "under a file" or _lock_is_free(out), "the failed start-up still holds OUT.lock"
+
+
+@pytest.mark.parametrize("where", ["read_rows", "_repair"])
+def test_ctrl_c_while_starting_is_one_line_exit_130_and_lets_the_lock_go(
+    tmp_path, capsys, monkeypatch, where
+):
+    """Ctrl-C (or SIGTERM, which the command turns into one) while the dataset loads or the output opens."""
+    data = _jsonl(tmp_path / "in.jsonl", [{"messages": [{"role": "user", "content": "hi"}]}])
+    out = tmp_path / "out.jsonl"
+
+    def interrupted(*_args, **_kwargs):
+        raise KeyboardInterrupt
+
+    module = regenerate_run if where == "read_rows" else regenerate_ledger
+    monkeypatch.setattr(module, where, interrupted)
+    cfg = RegenerateConfig(model="/nonexistent/target", dataset=str(data), out=str(out))
+    try:
+        code = regenerate_run.run(cfg)
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C while starting escaped run() (a traceback)")
+    said = capsys.readouterr()
+    assert code == 130 and said.out.strip().startswith("stopped") and len(said.out.splitlines()) == 1
+    assert "Traceback" not in said.err and _lock_is_free(out)
 
 
 @pytest.mark.pipeline

@@ -20,7 +20,6 @@ minimum); "short" is too few supervised tokens. docs/producer.md says how each c
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 from typing import Any
@@ -28,19 +27,13 @@ from typing import Any
 import numpy as np
 from datasets import Features, Sequence, Value
 
-from dflash.common.target.conversation import (
-    BadRow,
-    normalize_conversation,
-    normalize_tools,
-    prune_nulls,
-)
+from dflash.common.target.conversation import BadRow
 from dflash.common.target.data import (
     FORMAT_COLUMN,
-    RAW_JSON_COLUMN,
     DataConfig,
     DataError,
     conversation_column,
-    row_turns,
+    read_row,
 )
 from dflash.common.target.renderings import empty_think_blocks, generation_renderings, render
 
@@ -187,41 +180,18 @@ class _Tokenize:
         self.indices = indices  # position in the slice -> global sample index
         self.train_reasoning, self.fmt = train_reasoning, fmt
 
-    def _row(self, batch: dict[str, list], i: int) -> tuple[Any, Any, str | None]:
-        """(turns, tools, the reason it cannot be read or None) of row i of the batch."""
-        if self.column == RAW_JSON_COLUMN:
-            row = _parse_raw(batch[RAW_JSON_COLUMN][i])
-            if row is _UNPARSEABLE:
-                return None, None, "unparseable"
-            if not isinstance(row, dict):
-                return row, None, None
-            turns, reason = row_turns(row, self.fmt)
-            return turns, row.get("tools"), reason
-        turns, reason = row_turns({c: batch[c][i] for c in FORMAT_COLUMN.values() if c in batch}, self.fmt)
-        return turns, batch["tools"][i] if "tools" in batch else None, reason
-
     def __call__(self, batch: dict[str, list], positions: list[int]) -> dict[str, list]:
-        normalized: list[tuple[Any, Any, str]] = []  # (messages or None, tools, reason)
-        for i in range(len(positions)):
-            turns, raw_tools, reason = self._row(batch, i)
-            if reason is not None:
-                normalized.append((None, None, reason))
-                continue
-            msgs, reason = normalize_conversation(
-                turns, train_reasoning=self.train_reasoning, null_fields=self.column != RAW_JSON_COLUMN
+        read = [  # each row as dflash-regenerate reads it too (one reading: data.read_row)
+            read_row(
+                {c: batch[c][i] for c in batch}, self.column, self.fmt, train_reasoning=self.train_reasoning
             )
-            try:
-                tools = normalize_tools(
-                    prune_nulls(raw_tools) if self.column != RAW_JSON_COLUMN else raw_tools
-                )
-            except BadRow as err:
-                msgs, reason = None, str(err)
-            normalized.append((msgs, tools, reason))
-        good = [i for i, (m, _, _) in enumerate(normalized) if m is not None]
+            for i in range(len(positions))
+        ]
+        good = [i for i, r in enumerate(read) if r.messages is not None]
         toks = tokenize_conversations(
             self.tokenizer,
-            [normalized[i][0] for i in good],
-            [normalized[i][1] for i in good],
+            [read[i].messages for i in good],
+            [read[i].tools for i in good],
             train_reasoning=self.train_reasoning,
         )
         by_row: dict[int, Any] = dict(zip(good, toks, strict=True))
@@ -237,7 +207,7 @@ class _Tokenize:
             out["status"].append(status)
 
         for i, p in enumerate(positions):
-            res = by_row.get(i, f"bad:{normalized[i][2]}")
+            res = by_row.get(i, f"bad:{read[i].reason}")
             if isinstance(res, str):
                 emit(p, 0, [], [], res)
                 continue
@@ -251,16 +221,6 @@ class _Tokenize:
                     status = "short"
                 emit(p, seg, ids, mask, status)
         return out
-
-
-_UNPARSEABLE = object()
-
-
-def _parse_raw(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except (TypeError, json.JSONDecodeError):
-        return _UNPARSEABLE
 
 
 def _fingerprint(*parts: Any) -> str:

@@ -1,5 +1,6 @@
 """Chat datasets for one producer: loading (hub, local json/jsonl/parquet/arrow, save_to_disk), validation,
-the dataset's fingerprint, and each producer's disjoint slice.
+the dataset's fingerprint, each producer's disjoint slice, and each row read as a conversation (read_row,
+the one reading dflash-regenerate shares).
 
 Why it looks like this: a producer must (1) see exactly its own disjoint slice of the dataset so that all
 producers together cover it once, (2) keep each row's global index as the data cursor that checkpoints
@@ -15,13 +16,19 @@ import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
 from dflash.common.cli.exits import error_line
 from dflash.common.cli.flags import check_choices, flag
-from dflash.common.target.conversation import FORMAT_NAME
+from dflash.common.target.conversation import (
+    FORMAT_NAME,
+    BadRow,
+    normalize_conversation,
+    normalize_tools,
+    prune_nulls,
+)
 
 log = logging.getLogger(__name__)
 
@@ -321,3 +328,58 @@ def slice_indices(
 
 
 # ---- conversations ---------------------------------------------------------------------------------
+
+
+_NO_ANSWER = ("no assistant turn", "only empty assistant turns")
+
+
+class RowRead(NamedTuple):
+    """One dataset row as a conversation (read_row)."""
+
+    messages: list[dict[str, Any]] | None
+    """HF chat-template messages, or None: the row is not read (``reason`` says why)."""
+    tools: list[dict] | None
+    reason: str
+    """"ok", or the reason the producer counts the row as dropped under (chat.py's module docstring)."""
+    record: Mapping[str, Any]
+    """The row as a mapping: its JSON object (empty for a bare turn list or an unparseable line), or the
+    columns given; its other fields are the caller's (dflash-regenerate writes them back)."""
+
+
+def read_row(
+    row: Mapping[str, Any], column: str, fmt: str, *, train_reasoning: bool = True, prompts: bool = False
+) -> RowRead:
+    """One row (its columns; under ``RAW_JSON_COLUMN`` its JSON text) as its messages and tools: the one
+    reading of a row that dflash-produce trains from and dflash-regenerate answers from, so the two can
+    never disagree on what a row is. A raw JSON row is an object holding the turns, or a bare list of turns
+    (no tools); an arrow row's None fields are arrow's padding (the union of all rows' fields), not the
+    row's, and are dropped from its turns and tools. ``prompts``: a row with no answer yet reads as the
+    prompt it is, its turns up to where the answer goes (dflash-regenerate answers it; the producer drops
+    it: nothing to train)."""
+    from_arrow = column != RAW_JSON_COLUMN
+    record: Any = row
+    if not from_arrow:
+        try:
+            record = json.loads(row[RAW_JSON_COLUMN])
+        except (TypeError, json.JSONDecodeError):
+            return RowRead(None, None, "unparseable", {})
+    if isinstance(record, Mapping):
+        turns, wrong_format = row_turns(record, fmt)
+        if wrong_format is not None:
+            return RowRead(None, None, wrong_format, record)
+        raw_tools = prune_nulls(record.get("tools")) if from_arrow else record.get("tools")
+    else:  # a raw JSON row that is a bare turn list (or no conversation at all: normalize says which)
+        turns, raw_tools, record = record, None, {}
+    msgs, reason = normalize_conversation(turns, train_reasoning=train_reasoning, null_fields=from_arrow)
+    if msgs is None and prompts and reason in _NO_ANSWER and isinstance(turns, list):
+        # read with a stand-in answer slot at its end (the parser refuses a row with nothing to train)
+        slotted = [*turns, {"role": "assistant", "content": "-"}]
+        msgs, reason = normalize_conversation(
+            slotted, train_reasoning=train_reasoning, null_fields=from_arrow
+        )
+        msgs = msgs[:-1] if msgs is not None else None
+    try:
+        tools = normalize_tools(raw_tools)
+    except BadRow as err:
+        return RowRead(None, None, str(err), record)
+    return RowRead(msgs, tools, reason, record) if msgs is not None else RowRead(None, None, reason, record)

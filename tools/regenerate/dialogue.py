@@ -7,6 +7,9 @@ a user (or tool) turn gets one more answer. Tool results cannot be made again: t
 which is right only while the target calls tools where the source did. Where it does not (it answers where
 the source called a tool, or calls one where the source answered), the row ends after that turn
 (``truncated``): no tool result exists for the new call, and the old result answers a call never made.
+Where the source has nothing after the target's call (the row ended asking and the target called a tool),
+the row ends on a call without its result: ``truncated`` too, so the record says so of every row that
+stops short of a whole exchange.
 """
 
 from __future__ import annotations
@@ -54,7 +57,10 @@ class Dialogue:
         self.finish.append(finish)
         self.tokens += tokens
         following = self.source[self.pos] if self.pos < len(self.source) else None
-        if following is not None and (following["role"] == "tool") != bool(message.get("tool_calls")):
+        called = bool(message.get("tool_calls"))
+        if following is None and called:  # the source ends here: nothing answers the call
+            self.truncated = True
+        elif following is not None and (following["role"] == "tool") != called:
             self.truncated = True
             self.pos = len(self.source)
 

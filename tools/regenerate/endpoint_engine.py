@@ -1,6 +1,8 @@
 """The endpoint engine: an OpenAI-compatible server (vLLM, SGLang, ``transformers serve``) writes the
-answers, ``--concurrency`` requests in flight, each retried with doubling waits after a connection error,
-a timeout, HTTP 429 or 5xx; another 4xx fails the row at once (the same request would fail again).
+answers, ``--concurrency`` requests in flight, each retried with doubling waits after a connection error
+(refused, reset, a reply cut short, TLS), a timeout, HTTP 429 or 5xx; another 4xx fails the row at once
+(the same request would fail again). A request still failing after its retries fails its row, not the
+run.
 
 Two routes (``--api``). ``completions`` (default): the prompt is rendered here by the target's own chat
 template (tools and the thinking switch included) and sent as text to /v1/completions; the answer's
@@ -14,6 +16,7 @@ earlier turns' reasoning from the context).
 
 from __future__ import annotations
 
+import http.client
 import json
 import logging
 import os
@@ -104,7 +107,8 @@ class EndpointEngine:
             if isinstance(reason, TimeoutError):
                 raise _Retry(f"no answer within {timeout:g} s (--timeout-s)") from None
             raise _Retry(f"cannot connect: {one_line(reason)}") from None
-        except (ConnectionError, json.JSONDecodeError) as err:
+        except (OSError, http.client.HTTPException, json.JSONDecodeError) as err:
+            # a connection dropped, reset or cut mid-body (IncompleteRead), a TLS error: the next try may pass
             raise _Retry(error_line(err)) from None
 
     def _body(self, req: Request) -> tuple[str, dict, bool]:

@@ -16,9 +16,11 @@ import json
 import logging
 import os
 import re
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from dflash.common.cli.exits import one_line
 from dflash.tools.regenerate.rows import OUT_KEY
 
 log = logging.getLogger(__name__)
@@ -110,21 +112,36 @@ class Ledger:
         except BlockingIOError:
             os.close(self._lock)
             raise LedgerError(f"{out} is being written by another dflash-regenerate run") from None
-        self._check_settings(out, settings, compared)
-        self.skipped_path, self.errors_path = Path(f"{out}.skipped.jsonl"), Path(f"{out}.errors.jsonl")
-        for path in (out, self.skipped_path):
-            _repair(path)
-        self.written = _written_rows(out)
-        self.skipped = {r["row"]: r.get("reason", "?") for r in _rows(self.skipped_path) if "row" in r}
-        self._rows = _Appender(out)
-        self._skips = _Appender(self.skipped_path)
-        self._errors = _Appender(self.errors_path, truncate=True)  # this run's failures only
+        # whatever fails from here on (other settings, an unreadable file, Ctrl-C) closes what it opened: a
+        # lock left held would refuse the next Ledger of this process as "another run"
+        with ExitStack() as undo:
+            undo.callback(os.close, self._lock)
+            self._check_settings(out, settings, compared)
+            self.skipped_path, self.errors_path = Path(f"{out}.skipped.jsonl"), Path(f"{out}.errors.jsonl")
+            for path in (out, self.skipped_path):
+                _repair(path)
+            self.written = _written_rows(out)
+            self.skipped = {r["row"]: r.get("reason", "?") for r in _rows(self.skipped_path) if "row" in r}
+            self._rows = _Appender(out)
+            undo.callback(self._rows.close)
+            self._skips = _Appender(self.skipped_path)
+            undo.callback(self._skips.close)
+            self._errors = _Appender(self.errors_path, truncate=True)  # this run's failures only
+            undo.pop_all()  # all open: close() closes them
 
     @staticmethod
     def _check_settings(out: Path, settings: dict[str, Any], compared: tuple[str, ...]) -> None:
         path = Path(f"{out}.settings.json")
         if path.exists():
-            before = json.loads(path.read_text())
+            try:
+                before = json.loads(path.read_text())
+                if not isinstance(before, dict):
+                    raise ValueError(f"a JSON {type(before).__name__}, not an object")
+            except ValueError as err:  # not JSON (JSONDecodeError), not text (UnicodeDecodeError)
+                raise LedgerError(
+                    f"{path} is not JSON of the settings this tool writes ({one_line(err)}): give another "
+                    f"--out, or remove it to continue {out} under this run's settings"
+                ) from None
             differ = [k for k in compared if before.get(k) != settings.get(k)]
             if differ:
                 was = ", ".join(f"{k}={before.get(k)!r}" for k in differ)

@@ -1,38 +1,32 @@
-"""The input side: each dataset row as the messages its assistant turns are regenerated from, read with the
-producer's own loading and row parsing (common/target/data.py, conversation.py), so whatever dflash-produce
-reads, this reads the same way; and the output row that dflash-produce reads back as it is.
+"""The input side: each dataset row as the messages its assistant turns are regenerated from, read by the
+producer's own loading and its one reading of a row (common/target/data.py ``read_row``), so whatever
+dflash-produce reads, this reads the same way; and the output row that dflash-produce reads back as it is.
 
 A row the producer would drop for its shape (unparseable, unknown role, tools not JSON, ...) is skipped here
-with the same reason. One difference: a row with no answer yet (a prompt, the usual input of a
-regeneration) is a row to answer, where the producer has nothing to train.
+with the same reason. Two differences, both where the producer has nothing to train: a row with no answer
+yet (a prompt, the usual input of a regeneration) is a row to answer, and a row with no user turn is skipped
+(nothing to answer).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from dflash.common.target.conversation import (
-    BadRow,
-    normalize_conversation,
-    normalize_tools,
-    prune_nulls,
-)
+from dflash.common.target.conversation import prune_nulls
 from dflash.common.target.data import (
     FORMAT_COLUMN,
     RAW_JSON_COLUMN,
     DataConfig,
     conversation_column,
     load_raw_dataset,
-    row_turns,
+    read_row,
 )
 
 OUT_KEY = "dflash_regenerate"
 """The key of each output row that says which input row it is and how its turns ended (its last key)."""
 _CONVERSATION_KEYS = frozenset({*FORMAT_COLUMN.values(), "tools", RAW_JSON_COLUMN, OUT_KEY})
-_NO_ANSWER = ("no assistant turn", "only empty assistant turns")
 
 
 @dataclass
@@ -48,46 +42,16 @@ class SourceRow:
     reason: str = "ok"
 
 
-def _messages(turns: Any, *, from_arrow: bool) -> tuple[list[dict[str, Any]] | None, str]:
-    """normalize_conversation, except that a row without an answer is a prompt to answer: it is read with
-    a stand-in answer slot at its end (the producer's parser refuses such rows: nothing to train), which
-    the conversation walk fills."""
-    msgs, reason = normalize_conversation(turns, null_fields=from_arrow)
-    if msgs is None and reason in _NO_ANSWER and isinstance(turns, list):
-        msgs, reason = normalize_conversation(
-            [*turns, {"role": "assistant", "content": "-"}], null_fields=from_arrow
-        )
-        if msgs is not None:
-            msgs = msgs[:-1]
-    return msgs, reason
-
-
 def _source_row(index: int, row: dict[str, Any], column: str, fmt: str) -> SourceRow:
-    if column == RAW_JSON_COLUMN:
-        try:
-            row = json.loads(row[RAW_JSON_COLUMN])
-        except (TypeError, json.JSONDecodeError):
-            return SourceRow(index, None, None, {}, "unparseable")
-        if not isinstance(row, dict):
-            return SourceRow(index, None, None, {}, "not an object")
-        from_arrow = False
-    else:
-        row = prune_nulls(row)  # arrow's union schema: None where this row had no such field
-        from_arrow = True
-    turns, wrong_format = row_turns(row, fmt)  # each row as the format it has, as the producer reads it
-    if wrong_format is not None:
-        return SourceRow(index, None, None, {}, wrong_format)
-    if turns is None:
-        return SourceRow(index, None, None, {}, f"no {FORMAT_COLUMN.get(fmt, 'messages')!r} in this row")
-    fields = {k: v for k, v in row.items() if k not in _CONVERSATION_KEYS}
-    msgs, reason = _messages(turns, from_arrow=from_arrow)
-    try:
-        tools = normalize_tools(row.get("tools"))
-    except BadRow as err:
-        msgs, tools, reason = None, None, str(err)
+    """The row as the producer reads it (data.read_row), a prompt included; its other fields without
+    arrow's None padding, since they are written back as the row's own."""
+    read = read_row(row, column, fmt, prompts=True)
+    record = read.record if column == RAW_JSON_COLUMN else prune_nulls(read.record)
+    fields = {k: v for k, v in record.items() if k not in _CONVERSATION_KEYS}
+    msgs, reason = read.messages, read.reason
     if msgs is not None and not any(m["role"] == "user" for m in msgs):
         msgs, reason = None, "no user turn"
-    return SourceRow(index, msgs, tools, fields, reason if msgs is None else "ok")
+    return SourceRow(index, msgs, read.tools if msgs is not None else None, fields, reason)
 
 
 def read_rows(dataset: str, *, split: str, fmt: str, limit: int | None) -> tuple[int, Iterator[SourceRow]]:

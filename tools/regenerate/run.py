@@ -43,7 +43,7 @@ class Tally:
     failed: int = 0
     skipped: Counter = field(default_factory=Counter)
     cut_kept: int = 0  # rows kept with a turn cut at --max-new-tokens
-    truncated: int = 0  # rows ended early where the source's tool results no longer fit
+    truncated: int = 0  # rows ended early, or on a call, where the source's tool results no longer fit
     tokens: int = 0
     start: float = field(default_factory=time.monotonic)
     last_line: float = field(default_factory=time.monotonic)
@@ -148,7 +148,8 @@ def _details(tally: Tally, ledger: Ledger) -> str:
         parts.append(f"{tally.cut_kept} kept with a turn cut at --max-new-tokens")
     if tally.truncated:
         parts.append(
-            f"{tally.truncated} ended early (the target's tool calls left the source's tool results)"
+            f"{tally.truncated} ended early or on a tool call without its result (the target's tool calls "
+            "left the source's tool results)"
         )
     if tally.skipped:
         parts.append("skipped: " + ", ".join(f"{why} {n}" for why, n in tally.skipped.most_common()))
@@ -161,23 +162,43 @@ def open_engine(cfg: RegenerateConfig):
     return LocalEngine(cfg) if cfg.model is not None else EndpointEngine(cfg)
 
 
+def _open(cfg: RegenerateConfig) -> tuple[int, Iterator[SourceRow], Ledger]:
+    """(rows in the input, the rows, the output's ledger). A dataset or an output that stops the start-up
+    is bad input, whatever the error's type: a DataError or a LedgerError naming --dataset or --out, so one
+    line and exit 2, never a traceback."""
+    try:
+        total, rows = read_rows(cfg.dataset, split=cfg.split, fmt=cfg.format, limit=cfg.limit)
+    except DataError:
+        raise
+    except (OSError, ValueError) as err:
+        raise DataError(f"cannot read --dataset {cfg.dataset}: {error_line(err)}") from err
+    try:
+        ledger = Ledger(Path(cfg.out), cfg.settings(), SETTINGS)
+    except LedgerError:
+        raise
+    except (OSError, ValueError) as err:  # a folder where the file goes, a read-only disk, ...
+        raise LedgerError(f"cannot write --out {cfg.out}: {error_line(err)}") from err
+    return total, rows, ledger
+
+
 def run(cfg: RegenerateConfig) -> int:
     log_to_console(PROG)
     try:
-        total, rows = read_rows(cfg.dataset, split=cfg.split, fmt=cfg.format, limit=cfg.limit)
-        ledger = Ledger(Path(cfg.out), cfg.settings(), SETTINGS)
+        total, rows, ledger = _open(cfg)
     except (DataError, LedgerError) as err:
         fail(PROG, err)
+    except KeyboardInterrupt:
+        print("stopped while starting, before any row was asked; the same command starts again", flush=True)
+        return EXIT_INTERRUPTED
+    todo = total - sum(1 for i in (*ledger.written, *ledger.skipped) if i < total)
+    tally = Tally(total=total, before=total - todo, progress_s=cfg.progress_s)
     try:
-        todo = total - sum(1 for i in (*ledger.written, *ledger.skipped) if i < total)
-        tally = Tally(total=total, before=total - todo, progress_s=cfg.progress_s)
         if todo:
             log.info("%d of %d rows to regenerate into %s", todo, total, cfg.out)
             engine = open_engine(cfg)
             for window in _windows(rows, ledger, tally, engine.window):
                 _run_window(cfg, engine, window, ledger, tally)
     except EngineError as err:
-        ledger.close()
         fail(PROG, err)
     except KeyboardInterrupt:
         print(f"stopped: {accounting(tally, ledger)}; the same command continues", flush=True)
@@ -186,7 +207,8 @@ def run(cfg: RegenerateConfig) -> int:
         log.debug("regeneration failed", exc_info=True)
         print_error(PROG, error_line(err))
         return EXIT_FAILURE
+    finally:  # every written line is fsynced already: closing lets the lock go (a caller may run again)
+        ledger.close()
     print(_details(tally, ledger), flush=True)
     print(accounting(tally, ledger), flush=True)
-    ledger.close()
     return EXIT_FAILURE if tally.failed else EXIT_OK
