@@ -666,9 +666,8 @@ class DraftMath:
         dtype = self.fc.weight.dtype
         masks = self.build_mask(batch) if mask is None else mask
         hidden = batch.hidden
-        if not torch.is_autocast_enabled(
-            hidden.device.type
-        ):  # under autocast fc casts; no fp32 copy of [S, K*H]
+        # under autocast fc casts; no fp32 copy of [S, K*H]
+        if not torch.is_autocast_enabled(hidden.device.type):
             hidden = hidden.to(dtype)
         context = self.hidden_norm(self.fc(hidden))  # [S, H]
         x = self.target_head.embed(batch.block_input_ids.reshape(-1)).to(dtype)  # [N*B, H]

@@ -87,9 +87,8 @@ def _prompt_messages(row: dict) -> list[dict[str, str]] | None:
     """The conversation up to its first assistant turn: OpenAI `messages`, ShareGPT `conversations`, the
     public DFlash benchmark's `turns` (first turn) or a plain `prompt`/`text` string."""
     roles = {"human": "user", "gpt": "assistant", "chatgpt": "assistant"}
-    turns = row.get("messages") or row.get(
-        "conversations"
-    )  # mixed-schema files fill absent columns with None
+    # mixed-schema files fill absent columns with None
+    turns = row.get("messages") or row.get("conversations")
     if isinstance(turns, list):
         msgs = []
         for t in turns:

@@ -41,9 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         code = run(cfg)
     finally:
-        signal.signal(
-            signal.SIGTERM, previous
-        )  # main() called from Python (a test) leaves its caller as it was
+        # main() called from Python (a test) leaves its caller as it was
+        signal.signal(signal.SIGTERM, previous)
     if code == EXIT_INTERRUPTED:  # requests still in flight would hold the exit up to --timeout-s
         sys.stdout.flush()
         sys.stderr.flush()

@@ -156,9 +156,8 @@ class EndpointEngine:
         pool = ThreadPoolExecutor(max_workers=self.cfg.concurrency, thread_name_prefix="request")
         try:
             return list(pool.map(self._one, requests))
-        except (
-            BaseException
-        ):  # Ctrl-C: no new request, no retry wait; requests in flight end by their timeout
+        # Ctrl-C: no new request, no retry wait; requests in flight end by their timeout
+        except BaseException:
             self._stop.set()
             raise
         finally:
