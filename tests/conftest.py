@@ -59,6 +59,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within a file is kept
 
 
+_FILE_SECONDS: dict[str, float] = {}
+"""Seconds per test file: its tests' set-up, call and tear-down, summed as the reports arrive (under xdist,
+on the controller, which receives every worker's reports)."""
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Where a run's time went, file by file (a file is xdist's unit of work, ops/test.sh): ``--durations``
+    names single tests, this says which files make the run long, module fixtures included."""
+    slow = sorted(((s, path) for path, s in _FILE_SECONDS.items() if s >= 5.0), reverse=True)
+    if not slow or hasattr(config, "workerinput"):
+        return
+    terminalreporter.write_sep(
+        "=",
+        f"seconds per test file (>= 5 s; all {len(_FILE_SECONDS)} files: "
+        f"{sum(_FILE_SECONDS.values()):.0f} s)",
+    )
+    for seconds, path in slow:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
+
+
 class ChildProcessStarted(BaseException):
     """Raised where a test without the ``pipeline`` mark starts a child process (a BaseException, so code
     under test that handles OSError or Exception cannot swallow it)."""
