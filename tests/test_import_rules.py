@@ -8,6 +8,7 @@ import hides an arrow, it does not remove it.
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -69,6 +70,7 @@ LOCAL_IMPORTS_OK = {
 }
 
 
+@functools.cache  # parsed once per test file: every rule reads the same, unchanged trees
 def _modules() -> dict[str, ast.Module]:
     out = {}
     for folder, package in PACKAGES.items():
