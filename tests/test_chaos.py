@@ -59,7 +59,9 @@ BAD_ROWS = {
     55: {"messages": [{"role": ["user"], "content": "hi"}, {"role": "assistant", "content": "y" * 80}]},
     66: {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]},
 }
-PRODUCER_ARGS = f"--max-length {MAX_LENGTH} --batch-tokens 2048"
+# --budget-gb: a spool of a few shards keeps the producer alive (blocked on backpressure) while the consumers
+# train, so a producer kill after a checkpoint finds it running.
+PRODUCER_ARGS = f"--max-length {MAX_LENGTH} --batch-tokens 2048 --budget-gb 0.002"
 # --heartbeat-timeout: dead consumers are found by pid at once; the timeout only catches hung ones, and a
 # live consumer starved of CPU for longer than it would have its claims re-delivered (a duplicate).
 CONSUMER_ARGS = (
@@ -70,14 +72,15 @@ KILL_KINDS = ["producer", "worker", "consumer-0", "consumer-1"]
 CTRL_C = "ctrl-c"  # SIGINT to run_all.sh's process group: a clean stop, run_all exits 130, the test re-runs
 # The plan CI runs, fixed so a verdict never depends on the plan a run drew: every kind of kill -9 once and
 # the Ctrl-C, at every kind of moment. With --restarts 1 per invocation it takes every way back: a restart
-# within the budget (kills 1 and 4), a plain re-run after a kill past the budget (kills 2 and 5) and after
-# the Ctrl-C (kill 3). Six lives. The soak (DFLASH_CHAOS_SEED, docs/testing.md) draws long random plans.
+# within the budget (kills 1 and 4), the same command run again after a consumer's and the producer's kill
+# past the budget (kills 2 and 5) and after the Ctrl-C (kill 3). Six lives. The soak (DFLASH_CHAOS_SEED,
+# docs/testing.md) draws long random plans.
 CI_PLAN = [
     ("worker", "startup"),
     ("consumer-0", "progress"),
     (CTRL_C, "progress"),
-    ("producer", "checkpoint"),
     ("consumer-1", "startup"),
+    ("producer", "checkpoint"),
 ]
 CI_RESTARTS = 1
 
@@ -97,6 +100,7 @@ def _random_plan(rng: random.Random, num_kills: int) -> list[tuple[str, str]]:
     return list(zip(kinds, whens, strict=True))
 
 
+INVOCATION = "=== the test runs run_all.sh, invocation "
 _STARTED = re.compile(r"^started (\S+) \(pid (\d+)\)", re.M)
 _FAILED = re.compile(r"run_all\.sh: (\S+) \(pid (\d+)\) failed with exit code (\d+)")
 
@@ -407,6 +411,20 @@ def _eligible(data: Path, target: Path, cache: Path) -> set[int]:
     return {int(i) for i, s in zip(out["sample_index"], out["status"], strict=True) if s == "ok"}
 
 
+def _check_clean_stop(i: int, launch: dict[str, int], tail: set[int], out_text: str, err_text: str) -> None:
+    """The launch a Ctrl-C stopped lost nothing (the consumers' stop checkpoint holds every step they
+    committed), and its stop is no failure: its invocation's stderr (run_all.sh's lines and the commands'
+    one-line reports it passes on, "dflash-produce: error: 1 worker(s) failed" among them) says nothing
+    failed."""
+    assert not tail, f"the Ctrl-C of launch {i} lost trained samples {sorted(tail)[:10]}"
+    started = out_text.index(f"started consumer-0 (pid {launch['consumer-0']})")
+    n = out_text[:started].count(INVOCATION)
+    earlier = out_text[out_text.rfind(INVOCATION, 0, started) : started].count("started consumer-0 ")
+    # this invocation's stderr from the restart that started this launch (if it was not its first)
+    section = err_text.split(INVOCATION)[n].split("run_all.sh: restart ")[earlier]
+    assert "failed" not in section, f"the Ctrl-C's invocation reported a failure:\n{section[-2000:]}"
+
+
 @pytest.mark.slow
 def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(tmp_path, tiny_target):
     # CI_PLAN by default, so a verdict never depends on which plan a run happened to draw; the soak sets
@@ -464,6 +482,9 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
     def invoke() -> subprocess.Popen:
         budgets.append(budget_rng.choice([0, 1, 2, 3]) if soak else CI_RESTARTS)
         with open(out_path, "a") as out_f, open(err_path, "a") as err_f:
+            for f in (out_f, err_f):  # where each invocation's lines start (the Ctrl-C's are checked)
+                f.write(f"{INVOCATION}{len(budgets)}\n")
+                f.flush()
             return subprocess.Popen(
                 as_from_a_terminal([*cmd, "--restarts", str(budgets[-1])]),
                 stdout=out_f,
@@ -599,6 +620,7 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
     trained_so_far: set[int] = set()
     durable_sizes = 0
     extra_trainings: Counter = Counter()
+    tails: dict[int, set[int]] = {}
     for i in active:
         r, d = resumed[i], durable_step[i]
         steps_by_rank = [sorted(x["step"] for x in lines_of[i] if x["rank"] == k) for k in (0, 1)]
@@ -622,7 +644,11 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
         trained_so_far |= durable
         durable_sizes += len(durable)
         extra_trainings.update(tail)
+        tails[i] = tail
     assert durable_sizes == len(trained_so_far), "durable sets of launches overlap"
+    for i, kill in enumerate(killer.kills):
+        if kill["kind"] == CTRL_C:
+            _check_clean_stop(i, launches[i], tails.get(i, set()), out_text, err_text)
     assert trained_so_far == eligible, (
         f"missing {sorted(eligible - trained_so_far)[:20]} unexpected {sorted(trained_so_far - eligible)[:20]}\n{diag()}"
     )
