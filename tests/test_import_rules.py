@@ -58,7 +58,7 @@ LOCAL_IMPORTS_OK = {
     "dflash.tools.spool.cli": "torch (the checkpoint's trained set) only for `audit --checkpoint`",
     "dflash.tools.spool.view": "zarr only for `inspect`",
     "dflash.tools.status.cli": "matplotlib only with --plots",
-    "dflash.common.contract.spool": "the spool never imports zarr; shard metadata only in discard_flow",
+    "dflash.common.contract.spool": "the spool never imports zarr or torch; eval shards' sample ids only in eval_sample_ids",
     "dflash.common.checkpoints.store": "s3.py imports boto3: only when an S3 store is opened",
     "dflash.common.compile": "the CLIs build CompileConfig before parsing: torch._dynamo only in the helper that imports it",
     "dflash.common.target.data": "DataConfig is imported by the producer's CLI before parsing",

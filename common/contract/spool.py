@@ -307,7 +307,7 @@ class Spool:
 
     def eval_sample_ids(self):
         """Sample ids in the eval shards (a numpy int64 array)."""
-        from dflash.common.contract.shard_reader import read_sample_index  # zarr: see discard_flow
+        from dflash.common.contract.shard_reader import read_sample_index  # zarr and torch only here
 
         parts = [read_sample_index(p) for p in self.eval_shards()]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
