@@ -62,6 +62,7 @@ LOCAL_IMPORTS_OK = {
     "dflash.common.checkpoints.store": "s3.py imports boto3: only when an S3 store is opened",
     "dflash.common.compile": "the CLIs build CompileConfig before parsing: torch._dynamo only in the helper that imports it",
     "dflash.common.target.data": "DataConfig is imported by the producer's CLI before parsing",
+    "dflash.common.target.head": "the drafter module (transformers' Qwen3 model, torch._dynamo) only where a head is built: dflash-produce's parent reads the fingerprint alone",
     "dflash.producer.config": "imported by the CLI before parsing: torch only in Worker.torch_dtype",
     "dflash.consumer.config": "imported by the CLI before parsing: torch only in OptimConfig.param_dtype",
     "dflash.producer.supervisor": "the worker entry runs in a spawned child: its imports are the child's",
