@@ -132,8 +132,10 @@ run_dir=${run_dir:-runs/$run}
 spool=${spool:-/dev/shm/dflash/$run}
 checkpoint=${checkpoint:-$run_dir/checkpoints}
 # One launch per spool at a time: an flock on $spool/lock-launch, held by this script and inherited by
-# every process it starts, so it stays held while any of them lives and the kernel drops it when the last
-# one dies (no stale lock after kill -9). Taken before anything is written.
+# every command it starts, so it stays held while any of them lives and the kernel drops it when the last
+# one dies (no stale lock after kill -9). Taken before anything is written. This script waits for its
+# commands before it exits; the log pipes (start) close it, so the lock is free once this script has
+# exited and the same command run again at once is not refused.
 mkdir -p "$spool" && chmod 700 "$spool" || die "cannot create spool $spool"
 exec 9>>"$spool/lock-launch" || die "cannot open $spool/lock-launch"
 if ! flock -n 9; then
@@ -161,9 +163,12 @@ start() {  # start NAME LOG CMD...: background process with its own log (appende
   # A command's own one-line reports ("dflash-produce: 237 trainable rows; dropped ...", "...: done",
   # "...: error: ...") also reach this terminal; everything else is in the log. The tee ignores Ctrl-C
   # and SIGTERM (it ends when the command closes its output): killed with the process group, it would
-  # take the log lines of a consumer's clean stop with it.
+  # take the log lines of a consumer's clean stop with it. It ends when every process holding the
+  # command's output has: the command, and also its children that are still going away after run_all.sh
+  # exits (a worker killed with its parent, multiprocessing's resource tracker). So it closes the launch
+  # lock (fd 9) first: holding it, it would refuse the user's re-run of the same command for that while.
   local name="$1" logf="$2"; shift 2
-  "$@" > >(trap '' INT TERM; tee -a "$logf" | grep --line-buffered -E '^dflash-(produce|consume): ' >&2) 2>&1 &
+  "$@" > >(exec 9>&-; trap '' INT TERM; tee -a "$logf" | grep --line-buffered -E '^dflash-(produce|consume): ' >&2) 2>&1 &
   local pid=$!
   name_of[$pid]=$name; pids+=("$pid")
   echo "$name $pid" >> "$run_dir/pids"

@@ -8,7 +8,9 @@ AWS_ENDPOINT_URL and reach the same server.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,7 +19,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -57,6 +59,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.pipeline)
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within a file is kept
+
+
+_FILE_SECONDS: dict[str, float] = {}
+"""Seconds per test file: its tests' set-up, call and tear-down, summed as the reports arrive (under xdist,
+on the controller, which receives every worker's reports)."""
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Where a run's time went, file by file (a file is xdist's unit of work, ops/test.sh): ``--durations``
+    names single tests, this says which files make the run long, module fixtures included."""
+    slow = sorted(((s, path) for path, s in _FILE_SECONDS.items() if s >= 5.0), reverse=True)
+    if not slow or hasattr(config, "workerinput"):
+        return
+    terminalreporter.write_sep(
+        "=",
+        f"seconds per test file (>= 5 s; all {len(_FILE_SECONDS)} files: "
+        f"{sum(_FILE_SECONDS.values()):.0f} s)",
+    )
+    for seconds, path in slow:
+        terminalreporter.write_line(f"{seconds:8.1f} s  {path}")
 
 
 class ChildProcessStarted(BaseException):
@@ -307,33 +334,57 @@ def s3_faults():
 
 
 # ------------------------------------------------------------------------------------ pipeline fixtures
+def built_once_per_run(
+    tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]
+) -> Path:
+    """``build(path)`` once per test run, its result shared by every pytest-xdist worker: the first worker
+    to ask builds it under an flock, the others wait for that build and reuse it. Why: a session fixture is
+    per worker, so each worker used to build its own (the demo spool is a producer run of 20-80 s on the
+    2-core box). A run without xdist builds it in its own temp folder; a build that failed half-way is
+    redone by the next worker to ask (and fails there too, reported by that worker's tests)."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        path = tmp_path_factory.mktemp(name) / name
+        build(path)
+        return path
+    root = tmp_path_factory.getbasetemp().parent / f"shared-{name}"  # this run's, shared by its workers
+    root.mkdir(exist_ok=True)
+    path, built = root / name, root / "built"
+    with open(root / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not built.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            build(path)
+            built.touch()
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The demo's tiny Qwen3 target saved once per session (config, tokenizer, safetensors)."""
+    """The demo's tiny Qwen3 target saved once per test run (config, tokenizer, safetensors)."""
     from dflash.tools.demo.assets import materialize_tiny_target
 
-    return materialize_tiny_target(tmp_path_factory.mktemp("tiny-target") / "target")
+    return built_once_per_run(tmp_path_factory, "tiny-target", materialize_tiny_target)
 
 
 @pytest.fixture(scope="session")
 def demo_spool(tmp_path_factory: pytest.TempPathFactory, tiny_target: Path) -> Path:
     """A finished spool of REAL shards: dflash-produce ran the tiny target over the bundled chat data.
 
-    Session-scoped (one producer run, ~20 s); tests copy it (``copy_spool``) before consuming from it.
-    """
+    Built once per test run (one producer run, 20-80 s) and read by every worker: tests copy it
+    (``copy_spool``) before consuming from it, and read its shards only."""
     from pipeline_helpers import produce_cmd, run
 
     from dflash.tools.demo.assets import demo_dataset_path
 
-    spool = tmp_path_factory.mktemp("demo-spool") / "spool"
-    proc = run(produce_cmd(spool, tiny_target, demo_dataset_path(), "--run", "fixture"), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return spool
+    def produce(spool: Path) -> None:
+        proc = run(produce_cmd(spool, tiny_target, demo_dataset_path(), "--run", "fixture"), timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    return built_once_per_run(tmp_path_factory, "demo-spool", produce)
 
 
 @pytest.fixture
 def copy_spool(tmp_path: Path):
-    import shutil
 
     def _copy(src: Path) -> Path:
         dst = tmp_path / "spool"

@@ -13,6 +13,7 @@ mixin. No module imports another's ``_private`` name.
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,6 +39,7 @@ PROCESSES = ("producer", "consumer")
 MUTATORS = {"update", "append", "extend", "add", "pop", "clear", "setdefault", "remove", "discard", "insert"}
 
 
+@functools.cache  # parsed once per test file: every rule reads the same, unchanged trees
 def _modules() -> dict[str, ast.Module]:
     return {
         path.relative_to(ROOT).as_posix(): ast.parse(path.read_text(encoding="utf-8"))

@@ -87,3 +87,26 @@ def test_architecture_doc_names_every_module():
         and f"`{p.relative_to(ROOT)}`" not in _row_of(p, rows)
     )
     assert not absent, f"docs/architecture.md's table does not name {absent}"
+
+
+CITED_TEST = re.compile(r"`(test_\w+\.py)?::(test_\w+)")
+
+
+def test_cited_tests_exist():
+    """Every test the docs cite by ``file::test_name`` (docs/reliability.md maps each fault case to the test
+    that proves it; ```::name``` continues the file named before it) is a test function of that file under
+    tests/, so a test renamed or merged away cannot leave a fault case silently unproven. docs/testing.md's
+    "What moved where" names tests that no longer exist on purpose (what they became), so it is not read."""
+    missing = []
+    for doc in [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md"]:
+        if doc.name == "testing.md":
+            continue
+        current = None
+        for match in CITED_TEST.finditer(doc.read_text(errors="replace")):
+            current = match.group(1) or current
+            path = ROOT / "tests" / (current or "")
+            if current is None or not path.is_file():
+                missing.append(f"{doc.name}: {match.group(0)[1:]} (no such test file)")
+            elif not re.search(rf"^def {match.group(2)}\(", path.read_text(), re.M):
+                missing.append(f"{doc.name}: {current}::{match.group(2)}")
+    assert not missing, "docs cite tests that do not exist:\n" + "\n".join(missing)

@@ -8,6 +8,7 @@ import hides an arrow, it does not remove it.
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -57,10 +58,11 @@ LOCAL_IMPORTS_OK = {
     "dflash.tools.spool.cli": "torch (the checkpoint's trained set) only for `audit --checkpoint`",
     "dflash.tools.spool.view": "zarr only for `inspect`",
     "dflash.tools.status.cli": "matplotlib only with --plots",
-    "dflash.common.contract.spool": "the spool never imports zarr; shard metadata only in discard_flow",
+    "dflash.common.contract.spool": "the spool never imports zarr or torch; eval shards' sample ids only in eval_sample_ids",
     "dflash.common.checkpoints.store": "s3.py imports boto3: only when an S3 store is opened",
     "dflash.common.compile": "the CLIs build CompileConfig before parsing: torch._dynamo only in the helper that imports it",
     "dflash.common.target.data": "DataConfig is imported by the producer's CLI before parsing",
+    "dflash.common.target.head": "the drafter module (transformers' Qwen3 model, torch._dynamo) only where a head is built: dflash-produce's parent reads the fingerprint alone",
     "dflash.producer.config": "imported by the CLI before parsing: torch only in Worker.torch_dtype",
     "dflash.consumer.config": "imported by the CLI before parsing: torch only in OptimConfig.param_dtype",
     "dflash.producer.supervisor": "the worker entry runs in a spawned child: its imports are the child's",
@@ -69,6 +71,7 @@ LOCAL_IMPORTS_OK = {
 }
 
 
+@functools.cache  # parsed once per test file: every rule reads the same, unchanged trees
 def _modules() -> dict[str, ast.Module]:
     out = {}
     for folder, package in PACKAGES.items():

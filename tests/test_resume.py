@@ -18,7 +18,8 @@ import time
 
 from pipeline_helpers import REPO, cpu_env
 
-from dflash.common.checkpoints.load import list_steps, load_checkpoint
+from dflash.common.checkpoints.layout import STEP_DIR, as_store, read_latest_name
+from dflash.common.checkpoints.load import load_checkpoint
 from dflash.common.contract.shard_reader import read_shard
 from dflash.consumer.schedule import WarmupCosine
 
@@ -92,12 +93,18 @@ def test_kill9_whole_pipeline_then_resume_from_latest(tmp_path, tiny_target, s3_
     run_dir, spool = tmp_path / "run", tmp_path / "spool"
     cmd = _pipeline_cmd(tiny_target, _subset(tmp_path / "data.jsonl", ROWS), run_dir, spool, s3_server)
 
+    store = as_store(s3_server)
+
     def ready_to_kill() -> bool:
-        steps = list_steps(s3_server, RUN)
-        if not steps or max(steps) < KILL_AFTER_STEP:
+        # the checkpoint `latest` names (written after every file of its step): the one the resume loads. A
+        # step directory alone can still be uploading (list_steps lists it), so a kill then left `latest` at
+        # the step before, on a loaded box
+        latest = read_latest_name(store, RUN)
+        step = int(STEP_DIR.match(latest).group(1)) if latest else 0
+        if step < KILL_AFTER_STEP:
             return False
         committed = [r["step"] for r in _ledger(run_dir)]
-        return bool(committed) and max(committed) >= max(steps) + 2  # steps past the checkpoint: redone later
+        return bool(committed) and max(committed) >= step + 2  # steps past the checkpoint: redone later
 
     first = subprocess.Popen(
         cmd, env=cpu_env(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL

@@ -20,6 +20,7 @@ dies is moved back to ready/ by any other consumer (``recover_dead_claims``).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -195,19 +196,10 @@ class Spool:
         trained set, so they are produced again). Keeps state/run.json (the run's identity), the
         quarantine/*.why reasons and the lock files. Only when no process of the run is live (the caller
         holds the launch lock and checked ``live_locks``). Returns {"shards": n, "samples": m}."""
-        # zarr only here: the spool itself never imports it (the spool CLI and the producers' checks stay fast)
-        from dflash.common.contract.shard import ShardFormatError
-        from dflash.common.contract.shard_reader import read_shard_meta
-
-        shards = samples = 0
-        for p in self.leftover_shards():
-            try:
-                samples += int(read_shard_meta(p).get("num_samples", 0))
-            except (ShardFormatError, OSError, ValueError):
-                pass
-            shards += 1
+        leftovers = self.leftover_shards()
+        samples = sum(_said_num_samples(p) for p in leftovers)
         forget_flow(self.root)
-        return {"shards": shards, "samples": samples}
+        return {"shards": len(leftovers), "samples": samples}
 
     # ---- producer side ----
 
@@ -331,7 +323,7 @@ class Spool:
 
     def eval_sample_ids(self):
         """Sample ids in the eval shards (a numpy int64 array)."""
-        from dflash.common.contract.shard_reader import read_sample_index  # zarr: see discard_flow
+        from dflash.common.contract.shard_reader import read_sample_index  # zarr and torch only here
 
         parts = [read_sample_index(p) for p in self.eval_shards()]
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
@@ -472,3 +464,15 @@ class Spool:
         finish_acks_of(self.acked_dir, consumer_id)
         self._adopted.discard(consumer_id)  # the next claim under this id adopts (and checks) again
         return n
+
+
+def _said_num_samples(shard: Path) -> int:
+    """A leftover shard's sample count, for the line that says what a launch discarded: its ``num_samples``
+    attribute read straight from the zarr v3 group's metadata file (``zarr.json``), 0 when it cannot be
+    read (a torn or foreign shard is discarded all the same). Not through shard_reader: that imports torch
+    and zarr, ~1.5 s of every ``dflash-spool prepare``, which every launch of run_all.sh runs."""
+    try:
+        attrs = json.loads((shard / "zarr.json").read_text())["attributes"]
+        return int(attrs.get("num_samples", 0))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return 0

@@ -10,7 +10,7 @@ import hashlib
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -19,7 +19,9 @@ from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig
 
-from dflash.common.drafter.dflash import TargetHead
+if TYPE_CHECKING:
+    from dflash.common.drafter.dflash import TargetHead
+
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,8 @@ def load_target_head(target: Any, *, dtype: torch.dtype = torch.bfloat16, device
     `target`: a local HF folder or hub id (safetensors, sharded or not; `tie_word_embeddings` targets reuse the
     embedding), or an in-memory HF model (tests, or a process that already holds the target).
     """
+    from dflash.common.drafter.dflash import TargetHead  # see target_fingerprint
+
     if isinstance(target, nn.Module):
         shared = TargetHead.of(target)  # the target's own tensors; copied below in `dtype`
         head = TargetHead(
@@ -152,8 +156,13 @@ def fingerprint_of(embed: torch.Tensor, lm_head: torch.Tensor | None) -> str:
 
 
 def target_fingerprint(target: Any) -> str:
-    """``fingerprint_of`` the target's head, reading only the sampled rows (safetensors slices)."""
+    """``fingerprint_of`` the target's head, reading only the sampled rows (safetensors slices).
+
+    The drafter module (it imports transformers' Qwen3 model and torch._dynamo, ~1 s) only for an
+    in-memory model: dflash-produce's parent fingerprints a folder at every launch and needs neither."""
     if isinstance(target, nn.Module):
+        from dflash.common.drafter.dflash import TargetHead
+
         shared = TargetHead.of(target)
         return fingerprint_of(shared.embed_weight, None if shared.tied else shared.lm_head_weight)
     files, embed_key, head_key = _head_keys(target)
