@@ -8,8 +8,9 @@ k+1 samples whenever k's next shard was late. So each producer, at the end of it
 until its writers have published everything, says so (``state/epoch-<id>.json``), and waits for the
 others to say the same. The wait at a boundary is the slowest producer's tail of the epoch; producers
 hold no spool bytes while they wait, so it cannot deadlock against the byte budget. A producer that is
-gone (its heartbeat stale, or DONE) is not waited for: its parent reports it, and one line says that the
-order across producers no longer holds for that epoch.
+gone (its heartbeat stale, or DONE; or no heartbeat at all for as long: killed before its first) is not
+waited for: its parent reports it, and one line says that the order across producers no longer holds for
+that epoch.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ class EpochBarrier:
         self.spool, self.producer_id, self.stop, self.on_wait = spool, producer_id, stop, on_wait
         self.waited_s = 0.0
         self._warned: set[str] = set()
+        self._unseen_since: dict[str, float] = {}
+        """When this barrier first found a registered producer without any heartbeat record."""
 
     def reached(self, epoch: int) -> bool:
         """Say that this producer published all of ``epoch``, then wait for the others; False when stopping."""
@@ -73,7 +76,7 @@ class EpochBarrier:
         for pid in self.spool.registered_producers():
             if pid == self.producer_id or pid in finished or done.get(pid, -1) >= epoch:
                 continue
-            if alive.get(pid) is False:
+            if self._gone(pid, alive.get(pid)):
                 if pid not in self._warned:
                     self._warned.add(pid)
                     log.warning(
@@ -89,3 +92,11 @@ class EpochBarrier:
                 continue
             behind.append(pid)
         return behind
+
+    def _gone(self, pid: str, alive: bool | None) -> bool:
+        """A stale heartbeat, or none at all for ``GONE_AFTER_S`` of this barrier's waits: a worker killed
+        before its first heartbeat never writes one, and waiting for it would hold every epoch forever."""
+        if alive is not None:
+            return not alive
+        since = self._unseen_since.setdefault(pid, time.monotonic())
+        return time.monotonic() - since >= GONE_AFTER_S
