@@ -158,7 +158,9 @@ def test_two_epochs_kill9_mid_epoch_2_then_the_same_command_trains_each_row_once
     evals = [r for r in read_jsonl(run_dir / "metrics" / "consumer-0.jsonl") if r.get("event") == "eval"]
     steps = [r["step"] for r in evals]
     assert steps[0] == 0 and steps[-1] == final.step and all(s % 4 == 0 for s in steps[1:-1]), steps
-    # every evaluation walks the whole held-out set: the first waits for every producer's part
-    # (consumer/held_out.py), however late the second producer starts on a loaded box
-    assert all(r["eval_docs"] == len(held) and r["decode_tau"] >= 1.0 for r in evals), evals
+    # an evaluation walks the held-out documents spooled so far (consumer/held_out.py re-reads eval/ as
+    # shards land): one run before the second producer has spooled its part sees fewer, on a loaded box;
+    # the last one sees them all
+    assert all(1 <= r["eval_docs"] <= len(held) and r["decode_tau"] >= 1.0 for r in evals), evals
+    assert evals[-1]["eval_docs"] == len(held), evals
     assert "decode-order τ" in log
