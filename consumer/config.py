@@ -311,17 +311,13 @@ class LogConfig:
     eval_budget: float = 0.03
     """largest share of the run's time periodic evaluations may take; one that would exceed it is
     skipped and said in the log (the first and the last always run)"""
-    held_out_wait_s: float = 600.0
-    """seconds the first evaluation waits for every registered producer to spool its held-out documents
-    (the "before" figure is over the whole held-out set, as every later one); past it, it runs on what has
-    landed and says so"""
     profile_steps: str | None = None
     """FIRST:COUNT, e.g. 40:5: record steps FIRST..FIRST+COUNT-1 with torch.profiler and write their kernel
     table to run-dir/profile-r<rank>.txt (default: no profile)"""
 
     def __post_init__(self) -> None:
         require_positive_ints(self, "log_every")
-        require_non_negative(self, "eval_every", "held_out_wait_s")
+        require_non_negative(self, "eval_every")
         if not 0.0 < self.eval_budget <= 1.0:
             raise ValueError(f"eval-budget must be in (0, 1], got {self.eval_budget}")
         if self.profile_steps is not None:

@@ -43,50 +43,14 @@ class EvalBudget:
 class HeldOutEval:
     """The held-out documents of a spool's eval/ shards and the evaluations of one training process."""
 
-    def __init__(
-        self,
-        spool: Spool,
-        *,
-        budget: float,
-        metrics: MetricsLog | None,
-        wandb=None,
-        wait_s: float = 600.0,
-        poll_s: float = 0.5,
-    ) -> None:
+    def __init__(self, spool: Spool, *, budget: float, metrics: MetricsLog | None, wandb=None) -> None:
         self.spool, self.metrics, self.wandb = spool, metrics, wandb
         self.budget = EvalBudget(budget)
-        self.wait_s, self.poll_s = wait_s, poll_s
-        """How long the first evaluation waits for every producer's held-out documents (``--held-out-wait-s``)."""
         self.last_step: int | None = None
         """The step last evaluated (a skipped evaluation does not count: the last step still runs)."""
         self._docs: list[HeldOutDoc] = []
         self._shards = 0
         self._t0 = time.monotonic()
-
-    def wait_for_every_producer(self) -> None:
-        """Block until every registered producer has spooled its held-out documents, at most ``wait_s``:
-        the first evaluation is the run's "before", over the same documents as every later one. Said in
-        one line when it waits, and in one warning when it gives up (the evaluation runs on what landed;
-        later ones pick up what lands after)."""
-        deadline = time.monotonic() + self.wait_s
-        pending = self.spool.held_out_pending()
-        if pending:
-            log.info(
-                "eval: waiting for the held-out documents of %d producer(s) (%s)",
-                len(pending),
-                ", ".join(pending),
-            )
-        while pending and time.monotonic() < deadline:
-            time.sleep(self.poll_s)
-            pending = self.spool.held_out_pending()
-        if pending:
-            log.warning(
-                "eval: %d producer(s) spooled no held-out documents within %.0f s (%s): the first "
-                "evaluation runs on the documents that landed (--held-out-wait-s)",
-                len(pending),
-                self.wait_s,
-                ", ".join(pending),
-            )
 
     def docs(self) -> list[HeldOutDoc]:
         """The held-out documents (re-read when more eval shards have landed)."""
@@ -100,10 +64,7 @@ class HeldOutEval:
         self, model: nn.Module, step: int, *, in_loop_tau: float | None, periodic: bool = False
     ) -> None:
         """Walk every held-out document (nothing when producers spool none: --eval-samples 0); a periodic
-        evaluation over the budget is skipped. Logs one line and writes an ``eval`` metrics event. The
-        first evaluation waits for every producer's held-out documents (``wait_for_every_producer``)."""
-        if self.last_step is None and not periodic:
-            self.wait_for_every_producer()
+        evaluation over the budget is skipped. Logs one line and writes an ``eval`` metrics event."""
         docs = self.docs()
         if not docs:
             return

@@ -171,11 +171,7 @@ class Trainer:
         self.checkpoints.report_to(self.metrics)
         self.wandb = self._open_wandb() if self.dist.is_main else None
         self.held_out = HeldOutEval(
-            self.spool,
-            budget=cfg.logs.eval_budget,
-            metrics=self.metrics,
-            wandb=self.wandb,
-            wait_s=cfg.logs.held_out_wait_s,
+            self.spool, budget=cfg.logs.eval_budget, metrics=self.metrics, wandb=self.wandb
         )
         self.watch = LoopWatch(
             self.device,

@@ -78,18 +78,6 @@ def _say_start(
     )
 
 
-def _spool_held_out(
-    cfg: ProducerConfig, worker: Worker, trunk, plan: SlicePlan, spool: Spool, pad_id: int
-) -> None:
-    """This slice's held-out documents into eval/ (those not there yet), then the marker that says so:
-    consumers' first evaluation waits for every producer's (consumer/held_out.py)."""
-    if len(plan.held_ids):
-        held = samples_at(plan.tok_ds, plan.held_pos, plan.held_ids)
-        n = write_held_out(cfg, worker, trunk, held, spool, pad_id)
-        log.info("producer %s: %d held-out samples spooled for evaluation (eval/)", worker.producer_id, n)
-    spool.mark_held_out_written(worker.producer_id)
-
-
 def run_producer(
     cfg: ProducerConfig,
     worker: Worker,
@@ -129,7 +117,10 @@ def run_producer(
     trunk = warm_trunk(cfg, worker, capture, info.kernels, lengths)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     try:
-        _spool_held_out(cfg, worker, trunk, plan, spool, pad_id)
+        if len(plan.held_ids):
+            held = samples_at(plan.tok_ds, plan.held_pos, plan.held_ids)
+            n = write_held_out(cfg, worker, trunk, held, spool, pad_id)
+            log.info("producer %s: %d held-out samples spooled for evaluation (eval/)", worker.producer_id, n)
         samples = samples_at(plan.tok_ds, plan.positions, plan.ids)
         return produce(
             cfg,

@@ -40,7 +40,6 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
         "--decode-threads": "zarr's chunk-decoding threads in the training process",
         "--profile-steps": "torch.profiler kernel table of a few steps, written to the run dir",
         "--spool-wait-s": "a consumer started before its producers waits for the spool (bounded), not exit 2 at once",
-        "--held-out-wait-s": "the first evaluation waits (bounded) for every producer's held-out documents",
         "--outage-saves": "a store outage is trained through for this many failed saves, then the state goes to local disk",
         "--outage-minutes": "the same bound in minutes since the first failed save",
         "--fallback-dir": "where the state goes when the store refuses it (the same command uploads it later)",

@@ -180,33 +180,6 @@ def test_periodic_evaluations_keep_to_their_share_of_the_run():
     assert not budget.allows(60.0) and budget.allows(70.0)  # 2 s again, priced at the last one
 
 
-def test_the_first_evaluation_waits_for_every_producers_held_out_documents(tmp_path, caplog):
-    """A producer that starts late (a loaded box, a slow model load) spools its held-out documents after
-    a consumer is up: the first evaluation (the run's "before") waits for them, so it is over the same
-    documents as every later one; a producer that never does is waited for at most --held-out-wait-s."""
-    import threading
-    import time
-
-    from dflash.common.contract.spool import Spool
-    from dflash.consumer.held_out import HeldOutEval
-
-    spool = Spool(tmp_path / "spool")
-    spool.register_producers(["p0", "p1", "p2"])
-    spool.mark_held_out_written("p0")
-    spool.mark_done("p2")  # a producer of a version without the marker: DONE comes after its held-out
-    assert spool.held_out_pending() == ["p1"]
-    late = threading.Timer(0.3, spool.mark_held_out_written, args=("p1",))
-    late.start()
-    t0 = time.monotonic()
-    HeldOutEval(spool, budget=0.03, metrics=None, wait_s=60.0, poll_s=0.05).wait_for_every_producer()
-    assert spool.held_out_pending() == [] and time.monotonic() - t0 >= 0.3
-
-    spool.register_producers(["p0", "p1", "p2", "p3"])  # p3 never spools its held-out documents
-    with caplog.at_level("WARNING"):
-        HeldOutEval(spool, budget=0.03, metrics=None, wait_s=0.2, poll_s=0.05).wait_for_every_producer()
-    assert "1 producer(s) spooled no held-out documents within 0 s (p3)" in caplog.text
-
-
 def test_the_batched_walk_equals_the_proposer_with_sliding_layers(setup):
     """The batched walk's key masks and the proposer's cache agree on sliding layers too (window 6 against
     documents of ~60 tokens): the same steps and tokens, and drafts were accepted."""

@@ -153,12 +153,6 @@ class Spool:
     def done_producers(self) -> list[str]:
         return self.records.done_producers()
 
-    def mark_held_out_written(self, producer_id: str) -> None:
-        self.records.mark_held_out_written(producer_id)
-
-    def held_out_pending(self) -> list[str]:
-        return self.records.held_out_pending()
-
     def producers_done(self) -> bool:
         return self.records.producers_done()
 

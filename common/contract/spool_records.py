@@ -302,20 +302,6 @@ class SpoolRecords:
                     out[name[len("epoch-") : -len(".json")]] = rec["epoch_done"]
         return out
 
-    def mark_held_out_written(self, producer_id: str) -> None:
-        """Write state/HELD-OUT-<id>: this producer's held-out documents are all in eval/ (none, when its
-        slice holds none), so a consumer's first evaluation is over the whole set."""
-        check_id("producer_id", producer_id)
-        atomic_write_text(self.state_dir / f"HELD-OUT-{producer_id}", f"{time.time():.3f}\n")
-
-    def held_out_pending(self) -> list[str]:
-        """Registered producers that have not spooled their held-out documents yet (nor finished: a
-        producer of a version without the marker says DONE after it)."""
-        names = os.listdir(self.state_dir)
-        written = {n[len("HELD-OUT-") :] for n in names if n.startswith("HELD-OUT-")}
-        done = {n[len("DONE-") :] for n in names if n.startswith("DONE-")}
-        return [p for p in self.registered_producers() if p not in written | done]
-
     def done_producers(self) -> list[str]:
         return sorted(n[len("DONE-") :] for n in os.listdir(self.state_dir) if n.startswith("DONE-"))
 
