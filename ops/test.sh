@@ -8,11 +8,12 @@
 #                             pipeline when it is slow or uses a process fixture (the moto server, a
 #                             producer run), and fails an unmarked test that starts a process, so the
 #                             tier cannot slowly fill with process start-ups.
-# The suite runs on every core (pytest-xdist): one test file per worker at a time, so a file's module
-# fixtures are built once, handed out in conftest's order (files with slow tests first; xdist's own
-# reorder would put the one-test chaos file last, a lone long pole). Most tests spawn CLI processes
-# that spend their time importing torch and waiting on files: two workers on the 2-core CI box take
-# ~0.75x the serial time (403 s vs 558 s measured).
+# The suite runs on one more worker than the box has cores (pytest-xdist, at most 4): one test file per
+# worker at a time, so a file's module fixtures are built once, handed out in conftest's order (files with
+# slow tests first; xdist's own reorder would put the one-test chaos file last, a lone long pole). Most
+# tests spawn CLI processes that spend their time importing torch and waiting on files and children: two
+# workers on the 2-core CI box used 1.16 cores (a profiled run: 1,528 CPU-s over 1,437 s), so a third
+# worker fills the waits.
 # DFLASH_TEST_WORKERS=0 runs it serially. The slowest tests are listed at the end (--durations), so a slow
 # run says where its time went.
 set -euo pipefail
@@ -26,5 +27,6 @@ fi
 echo "[test] ruff check . && ruff format --check ."
 ruff check .
 ruff format --check .
-echo "[test] pytest, $what, on ${DFLASH_TEST_WORKERS:-every core} worker(s): the slowest tests are listed at the end"
-exec python -m pytest -q -n "${DFLASH_TEST_WORKERS:-auto}" --maxprocesses 4 --dist loadfile --no-loadscope-reorder --durations=15 --durations-min=10 "${tier[@]}" "$@"
+workers=${DFLASH_TEST_WORKERS:-$(( $(nproc) + 1 ))}
+echo "[test] pytest, $what, on $workers worker(s): the slowest tests are listed at the end"
+exec python -m pytest -q -n "$workers" --maxprocesses 4 --dist loadfile --no-loadscope-reorder --durations=15 --durations-min=10 "${tier[@]}" "$@"
