@@ -30,7 +30,8 @@ FEED_STAGES = ("claim", "spool_empty", "decode", "handoff")
 PIPELINE_STAGES = ("wait_shards", "pack", "build", "copy", "handoff")
 CAUSES = ("spool_empty", "claim", "decode", "pack", "build", "copy", "other")
 """What a wait is charged to: the producers being behind (``spool_empty``), a stage of the data path, or
-``other`` (neither thread was in a stage that explains it, e.g. the step was handed over as the wait ended)."""
+``other`` (neither thread was in a stage that explains it, e.g. the step was handed over as the wait
+ended)."""
 
 
 class StageClock:

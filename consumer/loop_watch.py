@@ -8,8 +8,9 @@
   (``query()``): reading them never syncs; a step still running is counted in the next interval.
 - **Host**: the main thread's time blocked on the next step's inputs (``host_wait_ms`` per step: a slow
   data path; ``wait_ms_by_cause`` says which stage of the data path it waited on, and ``feed_ms`` /
-  ``pipeline_ms`` what each data thread spent per step: consumer/data_clock.py) and spent launching a step (``host_launch_ms`` per step: on a GPU the launches run ahead of
-  the kernels unless the host is slow or the launch queue is full).
+  ``pipeline_ms`` what each data thread spent per step: consumer/data_clock.py) and spent launching a
+  step (``host_launch_ms`` per step: on a GPU the launches run ahead of the kernels unless the host is
+  slow or the launch queue is full).
 - **Python's garbage collector**: every collection in the process, timed with ``gc.callbacks``
   (``gc_ms``, ``gc_max_ms``, ``gc_count`` over the interval, ``gc_full`` of them full ones); a collection holds the GIL for its whole
   length, so the launching thread waits on it wherever it runs.

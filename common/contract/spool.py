@@ -272,8 +272,8 @@ class Spool:
         """Block while the spool holds more than ``budget_bytes`` (tmp+ready+claimed). Nothing is dropped:
         the caller writes its next shard only after this returns, so the spool stays under budget plus
         one shard per producer. ``waiting`` is set once the spool is seen over the budget and cleared when
-        this returns after that (the producer's heartbeat and rates tell a budget wait from work by it). Returns
-        False if ``should_stop()`` ended the wait, else True."""
+        this returns after that (the producer's heartbeat and rates tell a budget wait from work by it).
+        Returns False if ``should_stop()`` ended the wait, else True."""
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be > 0, got {budget_bytes!r}")
         t0 = None
