@@ -243,24 +243,34 @@ def _hand_off(
 
 
 class _WriterWait:
-    """The main loop waiting on its writers outside a hand-off (an epoch's drain, the final close): called
-    as it waits, it counts the time into ``main_wait_s`` (and ``budget_blocked_s``) as it passes and keeps
+    """The main loop waiting on its writers (a hand-off, an epoch's drain, the final close): called as it
+    waits, it counts the time into ``main_wait_s`` (and ``budget_blocked_s``) as it passes and keeps
     the heartbeat going, its phase the budget wait while a writer waits on the spool budget. Why: the last
     shards of a slice (or an epoch) can wait on the budget for as long as the consumers take; uncounted
     and unsaid, a producer blocked most of a short run was rated at its throttled rate by dflash-plan and
     shown producing by dflash-status."""
 
-    def __init__(self, writer: ShardWriters, heartbeat: Heartbeat, counters: Counters) -> None:
+    def __init__(
+        self, writer: ShardWriters, heartbeat: Heartbeat, counters: Counters, *, main_wait: bool = True
+    ) -> None:
         self.writer, self.heartbeat, self.counters = writer, heartbeat, counters
+        self.main_wait = main_wait
+        """Count the wait into ``main_wait_s`` too (a hand-off's caller counts its own)."""
         self.since: float | None = None
         self.blocked = False
 
-    def through(self, wait: Callable[..., None]) -> None:
-        """``wait(on_wait=self)`` (``writer.close``, ``writer.drain``), its time counted."""
+    def start(self) -> None:
         self.since, self.blocked = time.monotonic(), self.writer.budget_blocked
-        wait(on_wait=self)
+
+    def end(self) -> None:
         self._count()
         self.since = None
+
+    def through(self, wait: Callable[..., None]) -> None:
+        """``wait(on_wait=self)`` (``writer.close``, ``writer.drain``), its time counted."""
+        self.start()
+        wait(on_wait=self)
+        self.end()
 
     def __call__(self) -> None:
         """A look during the wait: the stretch since the last one counted, the heartbeat."""
@@ -272,7 +282,8 @@ class _WriterWait:
             return
         start = self.since
         self.since, self.blocked = _budget_stretch(self.writer, start, self.blocked)
-        self.counters.add(main_wait_s=self.since - start)
+        if self.main_wait:
+            self.counters.add(main_wait_s=self.since - start)
 
 
 def _campaign_batches(
@@ -322,8 +333,10 @@ def _blocking(
 ):
     """Retry a queue op with a timeout (get a free buffer / put a job) while the writer is behind,
     keeping the heartbeat alive; None when stopping or the writer failed. The wait counts as
-    ``budget_blocked_s`` while a writer waits on the spool budget (``_budget_stretch``)."""
-    since, blocked = time.monotonic(), writer.budget_blocked
+    ``budget_blocked_s`` while a writer waits on the spool budget (``_WriterWait``; the caller counts
+    ``main_wait_s``)."""
+    waiting = _WriterWait(writer, heartbeat, writer.counters, main_wait=False)
+    waiting.start()
     try:
         while True:
             try:
@@ -331,10 +344,9 @@ def _blocking(
             except (queue.Empty, queue.Full):
                 if stop.is_set() or writer.error is not None or not writer.alive():
                     return None
-                since, blocked = _budget_stretch(writer, since, blocked)
-                heartbeat(phase=BUDGET_PHASE if blocked else "waiting for writer")
+                waiting()
     finally:
-        _budget_stretch(writer, since, blocked)
+        waiting.end()
 
 
 def _budget_stretch(writer: ShardWriters, since: float, was_blocked: bool) -> tuple[float, bool]:
