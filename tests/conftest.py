@@ -88,8 +88,10 @@ def file_order(items: list[pytest.Item], workers: int) -> list[Path]:
     for item in items:
         tests.setdefault(item.path, []).append(item)
     rank = {name: i for i, name in enumerate(LONGEST_FILES)}
-    longest = sorted((p for p in tests if p.name in rank), key=lambda p: rank[p.name])
-    slow = [p for p in tests if p.name not in rank and any(i.get_closest_marker("slow") for i in tests[p])]
+    longest = sorted(
+        (p for p in tests if os.path.basename(p) in rank), key=lambda p: rank[os.path.basename(p)]
+    )
+    slow = [p for p in tests if p not in longest and any(i.get_closest_marker("slow") for i in tests[p])]
     short = [p for p in tests if not any(i.get_closest_marker("pipeline") for i in tests[p])]
     order = longest[:workers]
     for path in longest[:workers]:
