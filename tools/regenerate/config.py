@@ -98,13 +98,13 @@ class RegenerateConfig:
     """with --endpoint: the wait before the first retry (doubling after each)"""
     timeout_s: float = 600.0
     """with --endpoint: seconds one request may take"""
-    max_connection_failures: int = 32
+    max_connection_failures: int = field(default=32, metadata=flag(metavar="N"))
     """with --endpoint: stop the run (exit 1, one line naming the endpoint; the same command continues)
     after this many tries in a row got no answer from the server: connection refused, reset or cut
     short, no answer within --timeout-s, HTTP 502 or 504. A dead server stops the run within seconds, a
     hanging one within about ceil(N / --concurrency) x --timeout-s"""
     progress_s: float = 10.0
-    """seconds between progress lines"""
+    """seconds between progress lines (kept while turns are out, however long they take)"""
 
     def __post_init__(self) -> None:
         check_choices(self)

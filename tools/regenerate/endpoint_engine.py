@@ -138,11 +138,11 @@ class EndpointEngine:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        log.info(
-            "endpoint %s, model %s, /v1/%s",
+        log.info(  # the URL asked, however --endpoint was written
+            "endpoint %s%s, model %s",
             self.url,
+            "/completions" if self.tokenizer else "/chat/completions",
             self.model,
-            "completions" if self.tokenizer else "chat/completions",
         )
 
     def _call(self, method: str, path: str, body: dict | None, *, timeout: float) -> dict:
