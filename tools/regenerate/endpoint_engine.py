@@ -17,8 +17,8 @@ A server that is gone stops the run, not row after row: every try is either answ
 but 502/504, which a gateway gives for a server behind it that is gone) or not (refused, reset, cut
 short, no answer within ``--timeout-s``, 502, 504), and after ``--max-connection-failures`` tries in a
 row without an answer (counted over all requests in flight) the engine is down: ``next_results`` raises
-EngineDown, which names the endpoint, and no try starts after it. A dead server trips it in about the
-first retry waits; a hanging one (it takes requests and never answers) once that many tries have timed
+EngineDown, which names the endpoint, and no try starts after it. A dead server trips it within its
+first few retry waits; a hanging one (it takes requests and never answers) once that many tries have timed
 out, ``ceil(N / --concurrency)`` timeouts of each request slot, instead of ``--timeout-s`` x tries for
 every row. Rows finished by then are in the output; the same command asks for the rest.
 
