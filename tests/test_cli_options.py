@@ -56,6 +56,9 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
         "--codec": "the shards' codec (fp8 or bf16): the demo's held-out τ compares them",
         "--seed": "the drafter's seed: the demo's τ over several seeds",
     },
+    "dflash-regenerate": {
+        "--max-connection-failures": "a server gone mid-run stops the run with one line naming it, not row after row",
+    },
     "dflash-export": {
         "--check": "validate any drafter folder against what vLLM, SGLang and transformers read",
         "--target": "where the tokenizer files come from when the recorded target is not here",
