@@ -243,6 +243,11 @@ def test_parse_gpus():
         ),
         ("missing_model", r"cannot load target"),
         ("writer_threads", r"ProducerConfig.writer_threads=0: must be >= 1"),
+        (
+            "max_length",
+            r"--max-length 10: below the 32 supervised tokens a sample needs \(2 x --block-size\): "
+            "every row would be dropped",
+        ),
     ],
 )
 def test_user_errors_are_one_line(tmp_path, target, demo_rows, capsys, case, pattern):
@@ -269,6 +274,8 @@ def test_user_errors_are_one_line(tmp_path, target, demo_rows, capsys, case, pat
         model = str(tmp_path / "no-model")
     elif case == "writer_threads":  # 0 is a bad value, not "the default"
         extra = ["--writer-threads", "0"]
+    elif case == "max_length":  # no row can keep 2 x --block-size supervised tokens: refused up front
+        extra = ["--max-length", "10"]
     gpus = "zero" if case == "bad_gpus" else "cpu:1"
     argv = [
         "--gpus",
@@ -289,3 +296,4 @@ def test_user_errors_are_one_line(tmp_path, target, demo_rows, capsys, case, pat
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflash-produce")]
     assert len(err) == 1 and re.search(pattern, err[0]), err
     assert err[0].startswith("dflash-produce: error: ")
+    assert not (tmp_path / "spool").exists()  # refused before any side effect: no spool folder left
