@@ -20,7 +20,8 @@ left out), ``ops/bench/producer_bench.py`` results (its shipped producer's rate,
 precision) and ``ops/bench/consumer_ab.py``'s ab.jsonl (the variant of dflash-consume's default flags); a
 later file overrides an earlier one's figure for the same shape. Every shape with both rates gets its own
 plan: the split of a node and the predicted node tok/s (``nodes`` = 1: the node); a shape that lacks one
-says which and which bench measures it.
+says which and which bench measures it. The plan names what it used: each file with the shapes and sides it
+gave, a file that gave none with why, a later file's figure over an earlier one's with both.
 """
 
 from __future__ import annotations
