@@ -233,7 +233,7 @@ def test_bench_without_a_rate_is_a_short_error_line_then_one_line_per_shape_exit
     with pytest.raises(SystemExit):
         plan.main(["--gpus", "8", "--bench", str(tmp_path / "junk.json")])
     err = capsys.readouterr().err
-    assert "no shape could be planned from 1 --bench file: no rate in them" in err
+    assert "no shape could be planned from 1 --bench file: no rate in it" in err
 
 
 def test_notes_on_ignored_files_survive_an_error_exit(tmp_path, capsys):

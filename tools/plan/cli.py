@@ -326,8 +326,9 @@ def _main_bench(args) -> None:
     except ValueError as e:
         _fail_with(notes, e)
     if not plans:
-        what = f"{len(paths)} --bench file{'s' if len(paths) != 1 else ''}"
-        why = "" if missing else ": no rate in them"
+        many = len(paths) != 1
+        what = f"{len(paths)} --bench file{'s' if many else ''}"
+        why = "" if missing else f": no rate in {'them' if many else 'it'}"
         _fail_with(missing + notes, f"no shape could be planned from {what}{why or ':'}")
     if args.json:
         print(
