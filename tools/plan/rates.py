@@ -189,7 +189,7 @@ def read_bench_figures(paths: list[str], notes: list[str] | None = None) -> dict
                 raise ValueError(
                     f"--bench {path}: cannot read a benchmark JSON (JSONDecodeError: {err})"
                 ) from None
-        found = _figures(res) if isinstance(res, dict) else _consumer_rates(res)
+        found = _figures(res) if isinstance(res, dict) else _consumer_rates(res, path, notes)
         for shape, rates in found.items():
             shapes.setdefault(shape, {}).update(rates)
         if not found and notes is not None:
@@ -229,12 +229,17 @@ def _figures(res: dict) -> dict[str, dict[str, float]]:
     return shapes
 
 
-def _consumer_rates(records: list) -> dict[str, dict[str, float]]:
+def _consumer_rates(
+    records: list, path: str = "", notes: list[str] | None = None
+) -> dict[str, dict[str, float]]:
     """One consumer GPU's real tokens/s per preset from consumer_bench's ``--json`` list (its trainer-mode
     runs: the real Trainer over a real spool) or consumer_ab's records (the variant of dflash-consume's
     default flags). Runs in another precision than the default one of their device (a bf16 sweep) are
-    left out when a default one is there; several runs of a preset (seeds) give their median."""
+    left out when a default one is there; several runs of a preset (seeds) give their median. A preset
+    whose A/B measured only other flags is a line in ``notes`` naming them (a rate of other flags is not
+    the rate dflash-consume runs at)."""
     runs: dict[str, list[dict]] = {}
+    others: dict[str, list[str]] = {}
     for r in records:
         if not isinstance(r, dict) or not r.get("preset") or r.get("error") or r.get("skipped"):
             continue
@@ -242,6 +247,14 @@ def _consumer_rates(records: list) -> dict[str, dict[str, float]]:
         is_default_variant = "variant" in r and (r["variant"] == "default" or r.get("flags") == "")
         if (is_trainer or is_default_variant) and _real_tok_s(r):
             runs.setdefault(str(r["preset"]), []).append(r)
+        elif "variant" in r and _real_tok_s(r):
+            others.setdefault(str(r["preset"]), []).append(str(r["variant"]))
+    for preset, names in others.items():
+        if preset not in runs and notes is not None:
+            notes.append(
+                f"--bench {path}: {preset}: consumer_ab measured {', '.join(names)}, none with dflash-consume's "
+                "default flags (a variant named default, or no flags): no consumer rate from it"
+            )
     out = {}
     for preset, rs in runs.items():
         default = [r for r in rs if r.get("precision") in (None, _default_precision(r))]
