@@ -304,3 +304,19 @@ def test_compiled_stochastic_adamw_on_cuda_is_adamw_within_one_ulp_and_never_rec
                 opt.state[p]["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"], rtol=1e-5, atol=1e-12
             )
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 1
+
+
+def test_bf16sr_is_a_precision_flag_with_its_moment_dtype_and_builds_stochastic_adamw():
+    """--precision bf16sr: bf16 parameters, StochasticAdamW with --moment-dtype (bf16 by default); the
+    moment dtype is refused with any other precision (they fix their own)."""
+    from dflash.consumer.config import OptimConfig
+    from dflash.consumer.optim import build_optimizer
+
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    for moments, want in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        cfg = OptimConfig(precision="bf16sr", moment_dtype=moments)
+        assert cfg.param_dtype("cuda") == torch.bfloat16
+        opt, _ = build_optimizer(model, cfg, device=torch.device("cpu"), schedule_steps=10)
+        assert isinstance(opt, StochasticAdamW) and opt.moment_dtype == want
+    with pytest.raises(ValueError, match="moment-dtype float32 needs --precision bf16sr"):
+        OptimConfig(precision="mixed", moment_dtype="float32")
