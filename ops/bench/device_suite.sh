@@ -14,13 +14,15 @@
 #   trainer32x3  the full-streams acceptance: the real Trainer, 32B-class, default flags, three runs (seeds 0-2:
 #              the same data, a fresh Trainer each, warm compile cache after the first), 150 measured steps
 #              each; the first run saves one background checkpoint (its last step's)
-#   learning   a learnable spool trained 500 steps with the default (mixed) and with amp (loss curves)
+#   learning   a learnable spool trained 500 steps with each of LEARN_PRECISIONS ("mixed amp") x LEARN_SEEDS ("0"),
+#              the loss curves in $OUT/learning.json
 #   ab         the 32B-class real loop, A/B (ops/bench/consumer_ab.py): the reference step (at the preset's
 #              shape: REF_SHAPE), one spool filled
 #              once, then each variant of dflash-consume flags in a fresh process on a hard-linked copy of
 #              it, sharing one inductor cache; 10 warm-up + 80 measured steps each, no saves. AB_VARIANTS
 #              ("NAME=FLAGS;NAME=FLAGS", default below), AB_BUDGET (s, default 470), AB_STEPS (80),
-#              AB_WARMUP (10) and AB_PRESET (32b; another preset writes $OUT/ab-<preset>/) set it; run it ALONE
+#              AB_WARMUP (10), AB_MIN_VARIANT (s, 45: start no variant with less left) and AB_PRESET (32b;
+#              another preset writes $OUT/ab-<preset>/) set it; run it ALONE
 #              in a call (~8 min: setup 20 s, reference ~60, prefill ~35, the first variant ~110 with a cold
 #              compile, each later one ~50-70; results in $OUT/ab/ab.jsonl as each finishes)
 #   optim      the optimizer step alone at the drafter's width (ops/bench/optim_bench.py; OPTIM_PRESET, 32b;
@@ -122,7 +124,7 @@ if [[ "$parts" == *" ab "* ]]; then  # never part of `all`: it takes a whole cal
   args=(); for v in "${ab[@]}"; do args+=(--variant "$v"); done
   timeout -k 10 "$(( ${AB_BUDGET:-470} + 20 ))" python3 ops/bench/consumer_ab.py --preset "$abp" --reference .bench/ref \
     --steps "${AB_STEPS:-80}" --warmup "${AB_WARMUP:-10}" --out "$OUT/$abdir" --workdir /tmp/bench-work \
-    --budget-s "${AB_BUDGET:-470}" "${args[@]}" > "$OUT/$abdir.log" 2>&1
+    --budget-s "${AB_BUDGET:-470}" --min-variant-s "${AB_MIN_VARIANT:-45}" "${args[@]}" > "$OUT/$abdir.log" 2>&1
   echo "exit $?"; grep -E '^\{|^\|' "$OUT/$abdir.log" | cut -c1-2500
 fi
 if [[ "$parts" == *" optim "* ]]; then  # not in `all`: the optimizer step alone per precision (~1 min)
@@ -133,7 +135,9 @@ if [[ "$parts" == *" optim "* ]]; then  # not in `all`: the optimizer step alone
 fi
 if want trainer8; then bench trainer8 --mode trainer --preset 8b --steps "${TRAINER8_STEPS:-200}"; fi
 if want learning; then
-  bench learning --mode learning --preset small --steps 500 --warmup 0 --context-tokens 2048 --num-anchors 128 --precision mixed --precision amp
+  lp=(); for x in ${LEARN_PRECISIONS:-mixed amp}; do lp+=(--precision "$x"); done
+  for x in ${LEARN_SEEDS:-0}; do lp+=(--seed "$x"); done
+  bench learning --mode learning --preset small --steps 500 --warmup 0 --context-tokens 2048 --num-anchors 128 "${lp[@]}"
 fi
 if want gpusel; then
   echo "== GPU tests of the loss, optimizer and attention kernels"
