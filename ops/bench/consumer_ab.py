@@ -1,5 +1,6 @@
 """A/B of the real training loop: one spool built once, several variants of ``dflash-consume``'s flags, each
-in a fresh process, and the reference step, in one device call.
+in a fresh process, and the reference step at the preset's own shape (its REF_SHAPE: 32b, hybrid27b; a
+preset the reference has no shape for gets no ratio), in one device call.
 
 Why: a ``consumer_bench.py --mode trainer`` run prefills its own spool (37-45 s at 32B-class width) and
 compiles cold (57-76 s to the first step) before ~20 s of steps; four variants did not fit a 10-minute call.
