@@ -361,7 +361,7 @@ def test_the_device_suite_plans_from_its_own_files_and_assumes_no_rate():
     suite = (Path(__file__).resolve().parents[1] / "ops" / "bench" / "device_suite.sh").read_text()
     part = suite[suite.index("if want plan; then") :]
     assert "assumed" not in part and "consumer_tok_s" not in part and "echo '{" not in part
-    for made in ("producer_bench_*.json", "pipeline_bench_*.json", "trainer*.json", "ab/ab.jsonl"):
+    for made in ("producer_bench_*.json", "pipeline_bench_*.json", "trainer*.json", "ab*/ab.jsonl"):
         assert made in part, made
 
 
@@ -457,3 +457,45 @@ def test_a_flag_over_a_measured_rate_is_said_with_both_values(tmp_path, capsys):
         "consumer rate 1.0K tok/s from --consumer-tok-s, not the 9.5K tok/s measured"
         in capsys.readouterr().out
     )
+
+
+AB_JSONL_HYBRID = [  # ops/bench/consumer_ab.py --preset hybrid27b: OUT/ab-hybrid27b/ab.jsonl
+    {"variant": "reference", "shape": "hybrid27b", "ms_per_step": 190.0, "context_tok_s": 21_558},
+    {"variant": "prefill", "prefill_s": 33.0, "prefill_tokens": 300_000},
+    {
+        "variant": "default",
+        "flags": "",
+        "ms_per_step_median": 120.0,
+        "vs_reference": 1.583,
+        "fill": 0.99,
+        "precision": "amp",
+        "rc": 0,
+        "preset": "hybrid27b",
+        "context_tokens": 4096,
+        "real_tok_s": 33_792,
+    },
+]
+
+
+def test_a_hybrid_ab_of_the_default_flags_gives_the_hybrid_its_consumer_rate_and_a_plan(tmp_path, capsys):
+    """The hybrid's producer rate (producer_bench) and its consumer rate (consumer_ab --preset hybrid27b,
+    the default flags' variant, in ab-hybrid27b/ab.jsonl): the hybrid node is planned. An A/B that measured
+    only other flags gives no rate, and the plan says which variants it had."""
+    (tmp_path / "ab-hybrid27b").mkdir()
+    ab = tmp_path / "ab-hybrid27b" / "ab.jsonl"
+    ab.write_text("".join(json.dumps(r) + "\n" for r in AB_JSONL_HYBRID))
+    prod = tmp_path / "producer_bench_hybrid27b.json"
+    prod.write_text(json.dumps(PRODUCER_BENCH_HYBRID))
+    shapes = plan.read_bench_figures([str(prod), str(ab)])
+    assert shapes == {"hybrid27b": {"producer_tok_s": 8_000.0, "consumer_tok_s": 33_792}}
+    plan.main(["--gpus", "8", "--bench", f"{prod},{ab}", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert [p["shape"] for p in got["plans"]] == ["hybrid27b"] and not got["not_planned"]
+
+    mixed_only = [
+        dict(r, variant="mixed", flags="--precision mixed") if r.get("preset") else r for r in AB_JSONL_HYBRID
+    ]
+    ab.write_text("".join(json.dumps(r) + "\n" for r in mixed_only))
+    notes: list[str] = []
+    assert plan.read_bench_figures([str(prod), str(ab)], notes) == {"hybrid27b": {"producer_tok_s": 8_000.0}}
+    assert any("a consumer_ab result without the default flags' variant (it has mixed;" in n for n in notes)

@@ -282,7 +282,8 @@ def _consumer_rates(records: list) -> dict[str, dict[str, float]]:
     """One consumer GPU's real tokens/s per preset from consumer_bench's ``--json`` list (its trainer-mode
     runs: the real Trainer over a real spool) or consumer_ab's records (the variant of dflash-consume's
     default flags). Runs in another precision than the default one of their device (a bf16 sweep) are
-    left out when a default one is there; several runs of a preset (seeds) give their median."""
+    left out when a default one is there; several runs of a preset (seeds) give their median (an A/B of
+    other flags only gives no rate: ``_why_no_rate`` says so)."""
     runs: dict[str, list[dict]] = {}
     for r in records:
         if not isinstance(r, dict) or not r.get("preset") or r.get("error") or r.get("skipped"):
