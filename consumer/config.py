@@ -32,7 +32,8 @@ PROG = "dflash-consume"
 """The program name every line of the consumer CLI and its launch starts with."""
 
 Resume = Literal["auto", "none"]
-Precision = Literal["auto", "mixed", "amp", "bf16", "fp32"]
+Precision = Literal["auto", "mixed", "bf16sr", "amp", "bf16", "fp32"]
+MomentDtype = Literal["auto", "bfloat16", "float32"]
 LossImpl = Literal["auto", "chunked", "liger"]
 GcMode = Literal["python", "freeze", "interval"]
 RESUME_CHANGES = ("block-size", "mask-token-id", "target-layer-ids", "target", "draft-layer-types")
@@ -271,11 +272,22 @@ class OptimConfig:
     """clip the gradient's global L2 norm to this"""
     precision: Precision = "auto"
     """parameters and Adam state: mixed (bf16 weights; fp32 master and moments in the optimizer, one fused
-    update pass), amp (fp32 + bf16 autocast), bf16 (bf16 weights and moments: measured to learn worse),
-    fp32; auto = amp on CUDA, fp32 on the CPU (docs/training.md, consumer/optim.py)"""
+    update pass), bf16sr (bf16 weights, no master: one fused update pass that writes weights and moments
+    back with stochastic rounding; --moment-dtype), amp (fp32 + bf16 autocast), bf16 (bf16 weights and
+    moments, round-to-nearest: measured to learn worse), fp32; auto = amp on CUDA, fp32 on the CPU (docs/training.md, consumer/optim.py)"""
+
+    moment_dtype: MomentDtype = "auto"
+    """AdamW's moments under --precision bf16sr (the only precision that takes a choice): bfloat16 (16 bytes
+    a parameter a step with the gradient norm, against 30-32 for mixed and amp) or float32 (24); auto =
+    bfloat16"""
 
     def __post_init__(self) -> None:
         check_choices(self)
+        if self.moment_dtype != "auto" and self.precision != "bf16sr":
+            raise ValueError(
+                f"moment-dtype {self.moment_dtype} needs --precision bf16sr (got {self.precision}): the other "
+                "precisions fix their moments' dtype"
+            )
         require_at_least_one_when_given(self, "total_steps")
         require_positive(self, "lr")
         if not 0.0 <= self.warmup_ratio < 1.0:
@@ -289,12 +301,20 @@ class OptimConfig:
             return self.precision
         return "amp" if device_type == "cuda" else "fp32"
 
+    def resolved_moment_dtype(self) -> str:
+        """``moment_dtype`` as a torch dtype name: auto = bfloat16."""
+        return "bfloat16" if self.moment_dtype == "auto" else self.moment_dtype
+
     def param_dtype(self, device_type: str):
         """The drafter's parameter dtype for ``precision`` on this device: bf16 for mixed and bf16 (mixed
-        keeps fp32 masters in its optimizer), fp32 for amp (bf16 autocast) and fp32."""
+        keeps fp32 masters in its optimizer) and bf16sr, fp32 for amp (bf16 autocast) and fp32."""
         import torch  # not at the top: the CLI imports this config before parsing its flags
 
-        return torch.bfloat16 if self.resolved_precision(device_type) in ("mixed", "bf16") else torch.float32
+        return (
+            torch.bfloat16
+            if self.resolved_precision(device_type) in ("mixed", "bf16sr", "bf16")
+            else torch.float32
+        )
 
 
 @dataclass(kw_only=True)

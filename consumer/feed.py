@@ -227,8 +227,10 @@ class ShardFeed:
                 n = int(read_shard_meta(path).get("num_samples", 0))
             except (ShardFormatError, OSError, ValueError, TypeError):
                 n = 0
+            if self.spool.quarantine(path, str(err), say=False) == path:
+                return None  # taken back meanwhile (we looked dead): the spool's warning said so
+            # one line per shard: what was lost and why (the spool's own line would repeat it)
             log.error("quarantining %s (%s samples lost to this launch): %s", path.name, n or "unknown", err)
-            self.spool.quarantine(path, str(err))
             self.counters.shards_quarantined += 1
             self.counters.samples_quarantined += n
             return None

@@ -1,7 +1,8 @@
 """A scripted OpenAI-compatible server for dflash-regenerate's tests: a real HTTP server on 127.0.0.1 (the
 standard library's, in a thread of the test process) whose answer to each prompt a test chooses, and which
-can fail chosen rows (HTTP 500, no answer within the client's timeout, or a body cut short), counting every
-request.
+can fail chosen rows (HTTP 500, no answer within the client's timeout, or a body cut short) or die mid-run
+(``die``: connections refused from then on), counting every request and the paths asked. Its API lives
+under ``prefix`` (``/v1``; any other path is a 404, as on a real server).
 
 Why not a mock of the client: the retries, timeouts and error lines under test are the client's handling
 of real sockets and real HTTP statuses."""
@@ -32,15 +33,24 @@ CUT_SHORT."""
 class ScriptedServer(ThreadingHTTPServer):
     daemon_threads = True
 
-    def __init__(self, script: Script):
+    def __init__(self, script: Script, prefix: str = "/v1"):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.script = script
+        self.prefix = prefix
         self.requests: Counter = Counter()  # prompt -> requests seen
+        self.paths: Counter = Counter()  # path -> requests seen (any method)
         self.lock = threading.Lock()
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/v1"
+        return f"http://127.0.0.1:{self.server_address[1]}{self.prefix}"
+
+    def die(self) -> None:
+        """The server is gone: its listening socket closes, so every later connection is refused (the
+        requests being answered still get their answers). From a request's thread (the accept loop runs in
+        another); it returns once nothing listens."""
+        self.shutdown()  # the accept loop ends ...
+        self.socket.close()  # ... and nothing listens on the port: connections queued on it are reset
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -60,11 +70,22 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):  # the client gave up (its timeout)
             pass
 
+    def _found(self, api_path: str) -> bool:
+        with self.server.lock:
+            self.server.paths[self.path] += 1
+        if self.path == self.server.prefix + api_path:
+            return True
+        self._send(404, {"error": {"message": f"no route {self.path}"}})
+        return False
+
     def do_GET(self) -> None:
-        self._send(200, {"object": "list", "data": [{"id": "scripted", "object": "model"}]})
+        if self._found("/models"):
+            self._send(200, {"object": "list", "data": [{"id": "scripted", "object": "model"}]})
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if not self._found("/completions"):
+            return
         prompt = body["prompt"]
         with self.server.lock:
             self.server.requests[prompt] += 1
@@ -85,8 +106,8 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 @contextmanager
-def scripted_server(script: Script) -> Iterator[ScriptedServer]:
-    server = ScriptedServer(script)
+def scripted_server(script: Script, prefix: str = "/v1") -> Iterator[ScriptedServer]:
+    server = ScriptedServer(script, prefix)
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:

@@ -1,8 +1,7 @@
 """Bad data is an error with reasons, and what is lost is said.
 
 - A dataset of malformed JSON lines, one whose rows have no assistant turn, and an empty file: dflash-produce
-  exits 2 with one line (no traceback, no datasets ERROR lines, no misleading "mixed types" message); under
-  run_all.sh --restarts, no restart.
+  exits 2 with one line (no traceback, no datasets ERROR lines, no misleading "mixed types" message).
 - A dataset with some rows of each kind of badness: the run goes on; the dropped rows are counted by reason
   with the first example of each.
 - Shards quarantined as corrupt: their samples are counted in the consumer's final line, the metrics and
@@ -72,7 +71,30 @@ def test_a_dataset_with_no_rows_is_one_line_and_exit_2(tmp_path, tiny_target, ca
     assert "Traceback" not in stderr and "mixed types" not in stderr, stderr[-3000:]
     errors = _error_lines(stderr)
     assert len(errors) == 1 and re.search(pattern, errors[0]), stderr[-3000:]
-    assert not list((tmp_path / "spool").glob("state/DONE-*"))
+    # no DONE marker, and no spool left: refused before the spool is made
+    assert not (tmp_path / "spool").exists(), sorted(p.name for p in (tmp_path / "spool").rglob("*"))
+
+
+@pytest.mark.pipeline
+def test_a_dataset_without_an_assistant_turn_is_one_line_and_exit_2(tmp_path, tiny_target):
+    """Rows that parse but hold nothing to train: the workers tokenize their slices and the parent decides
+    (producer/supervisor.py), so this one is a launch with its worker processes. The spool the launch made
+    (bound to the refused plan) is removed."""
+    data = tmp_path / "data.jsonl"
+    data.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}]}) + "\n" for i in range(4))
+    )
+    pattern = (
+        r"^dflash-produce: error: no trainable sample in dataset \S+: dropped 4 of 4 rows: "
+        r"no assistant turn 4 \(first: row 0: "
+    )
+    res = _produce(tmp_path, tiny_target, data)
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert "Traceback" not in res.stderr and "mixed types" not in res.stderr, res.stderr[-3000:]
+    errors = _error_lines(res.stderr)
+    assert len(errors) == 1 and re.search(pattern, errors[0]), res.stderr[-3000:]
+    # no DONE marker, and no spool left: the one this launch made, bound to the refused plan, is removed
+    assert not (tmp_path / "spool").exists(), sorted(p.name for p in (tmp_path / "spool").rglob("*"))
 
 
 @pytest.mark.pipeline
@@ -261,10 +283,8 @@ def test_quarantined_samples_are_said_and_the_next_launch_trains_them(tmp_path, 
 
 @pytest.mark.slow
 def test_run_all_does_not_restart_after_a_user_error(tmp_path, tiny_target):
-    """A dataset with nothing to train (no row has an assistant turn) under ``--restarts 3``: dflash-produce
-    exits 2 with one line (its workers tokenize their slices, the parent decides: producer/supervisor.py;
-    no traceback, no DONE marker), and run_all.sh exits 2 at once instead of restarting a launch that
-    cannot succeed."""
+    """A dataset with nothing to train under ``--restarts 3``: dflash-produce exits 2, and run_all.sh exits 2
+    at once instead of restarting a launch that cannot succeed."""
     data = tmp_path / "data.jsonl"
     data.write_text(
         "".join(json.dumps({"messages": [{"role": "user", "content": f"q {i}"}]}) + "\n" for i in range(4))
@@ -299,13 +319,3 @@ def test_run_all_does_not_restart_after_a_user_error(tmp_path, tiny_target):
     assert "producer (pid" in res.stderr and "failed with exit code 2" in res.stderr, res.stderr[-3000:]
     assert "no trainable sample in dataset" in res.stderr
     assert "not restarting" in res.stderr and "restart 1 of 3" not in res.stderr, res.stderr[-3000:]
-    # the producer's own output (run_all.sh's producer.log: its stdout and stderr) holds its one error line
-    produced = (tmp_path / "run" / "logs" / "producer.log").read_text()
-    assert "Traceback" not in produced + res.stderr and "mixed types" not in produced, produced[-3000:]
-    errors = _error_lines(produced)
-    pattern = (
-        r"^dflash-produce: error: no trainable sample in dataset \S+: dropped 4 of 4 rows: "
-        r"no assistant turn 4 \(first: row 0: "
-    )
-    assert len(errors) == 1 and re.search(pattern, errors[0]), produced[-3000:]
-    assert not list((tmp_path / "spool").glob("state/DONE-*"))

@@ -89,3 +89,56 @@ def test_a_check_where_fla_did_not_run_is_not_a_pass_and_tiny_errors_pass_by_the
     res = _result()
     res["results"]["kernel_check"] = {"layers": 8, **verdict([1, 5], _truth(), same, same, fast=False)}
     assert any(line.startswith("- n/a: fla as accurate as") for line in _lines(res))
+
+
+def _fake_reference(monkeypatch, *, prints_shape: bool = True) -> list[dict]:
+    """consumer_bench's subprocess.run answered in-process as ref_consumer_step.py prints: its line names
+    the REF_SHAPE it was given (the script from before REF_SHAPE names none and measures 32b)."""
+    import subprocess
+
+    import consumer_bench
+
+    seen: list[dict] = []
+
+    def run(cmd, **kw):
+        shape = kw["env"].get("REF_SHAPE", "32b")
+        seen.append({"cmd": cmd, "shape": shape})
+        ms = {"32b": 195.3, "hybrid27b": 170.0}[shape]
+        head = f"shape {shape} S={cmd[-2]} N={cmd[-1]} Q=4096: " if prints_shape else ""
+        out = f"first step s 9.5\n{head}{ms} ms/step, 400 TFLOP/s, MFU(781) 51%, peak 60.0 GB, ctx tok/s 20972\n"
+        return subprocess.CompletedProcess(cmd, 0, out, "")
+
+    monkeypatch.setattr(consumer_bench.subprocess, "run", run)
+    return seen
+
+
+def test_the_ab_reference_runs_at_the_presets_own_shape_and_only_that_shape_gets_a_ratio(monkeypatch):
+    """consumer_ab's reference for --preset hybrid27b is the reference step at REF_SHAPE=hybrid27b; a ratio
+    is computed only for a run of the reference's shape; a preset the reference has no shape for gets no
+    reference (and so no ratio)."""
+    from consumer_ab import reference_record
+    from consumer_bench import vs_reference
+
+    seen = _fake_reference(monkeypatch)
+    ref = reference_record("/nowhere", "hybrid27b", 4096, 256, 60)
+    assert seen[-1]["shape"] == "hybrid27b" and seen[-1]["cmd"][-2:] == ["4096", "256"]
+    assert ref["shape"] == "hybrid27b" and ref["ms_per_step"] == 170.0
+    assert vs_reference(ref, {"preset": "hybrid27b", "ms_per_step_median": 136.0}) == 1.25
+    assert vs_reference(ref, {"preset": "32b", "ms_per_step_median": 136.0}) is None  # another shape
+    ref32 = reference_record("/nowhere", "32b", 4096, 256, 60)
+    assert (
+        seen[-1]["shape"] == "32b"
+        and vs_reference(ref32, {"preset": "32b", "ms_per_step_median": 155.0}) == 1.26
+    )
+    skipped = reference_record("/nowhere", "8b", 4096, 256, 60)
+    assert len(seen) == 2 and "no 8b shape" in skipped["skipped"]
+    assert vs_reference(skipped, {"preset": "8b", "ms_per_step_median": 100.0}) is None
+
+
+def test_a_reference_script_that_ignores_ref_shape_is_an_error_not_a_32b_figure(monkeypatch):
+    from consumer_ab import reference_record
+
+    _fake_reference(monkeypatch, prints_shape=False)
+    rec = reference_record("/nowhere", "hybrid27b", 4096, 256, 60)
+    assert "measured shape 32b, asked for hybrid27b" in rec["error"] and "ms_per_step" not in rec
+    assert reference_record("/nowhere", "32b", 4096, 256, 60)["ms_per_step"] == 195.3

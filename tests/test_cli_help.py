@@ -152,3 +152,33 @@ def test_positional_arguments_go_anywhere():
     assert (args.checkpoint, args.run, args.step, args.out_dir) == ("s3://b/p", "r", 3, "out")
     with pytest.raises(SystemExit):  # main parses the same way: a missing store is its one-line error
         cli.main(["/nonexistent-store", "--run", "r", "--step", "3", "/nonexistent-out"])
+
+
+def test_a_no_switch_says_what_giving_it_does():
+    """A ``--no-X`` switch's help says what giving it does, not the field's docstring, which describes the
+    default (``--no-train-reasoning`` read "train the reasoning of assistant turns ..." first). In-process:
+    the two parsers that have such switches."""
+    import argparse
+
+    from dflash.common.cli.flags import field_docs
+    from dflash.common.compile import CompileConfig
+    from dflash.common.target.data import DataConfig
+    from dflash.consumer.cli import build_parser as consume_parser
+    from dflash.consumer.config import TrainConfig
+    from dflash.producer.cli import build_parser as produce_parser
+    from dflash.producer.config import BucketConfig, LaunchConfig, ProducerConfig
+
+    docs: dict[str, str] = {}
+    for cls in (CompileConfig, DataConfig, TrainConfig, BucketConfig, LaunchConfig, ProducerConfig):
+        docs |= field_docs(cls)
+    switches = [
+        a
+        for parser in (produce_parser(), consume_parser())
+        for a in parser._actions
+        if isinstance(a, argparse._StoreFalseAction)
+    ]
+    assert "--no-train-reasoning" in {o for a in switches for o in a.option_strings}
+    for a in switches:
+        assert a.help != docs.get(a.dest), f"{a.option_strings[0]}: its help describes the default"
+    reasoning = next(a for a in switches if "--no-train-reasoning" in a.option_strings)
+    assert reasoning.help.startswith("render each row as if the target had answered without thinking")

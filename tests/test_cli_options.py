@@ -37,6 +37,7 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
         "compiled whole-graph 'fused' choice was removed (0.73x the reference step on the H200, RESULTS.md)",
         "--gc-mode": "Python's collector frozen after warm-up and run at log lines only (interval)",
         "--no-expandable-segments": "the CUDA caching allocator's expandable segments (on by default)",
+        "--moment-dtype": "AdamW's moments under --precision bf16sr: bfloat16 (auto) or float32",
         "--decode-threads": "zarr's chunk-decoding threads in the training process",
         "--profile-steps": "torch.profiler kernel table of a few steps, written to the run dir",
         "--spool-wait-s": "a consumer started before its producers waits for the spool (bounded), not exit 2 at once",
@@ -55,6 +56,9 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
     "dflash-demo": {
         "--codec": "the shards' codec (fp8 or bf16): the demo's held-out τ compares them",
         "--seed": "the drafter's seed: the demo's τ over several seeds",
+    },
+    "dflash-regenerate": {
+        "--max-connection-failures": "a server gone mid-run stops the run with one line naming it, not row after row",
     },
     "dflash-export": {
         "--check": "validate any drafter folder against what vLLM, SGLang and transformers read",
@@ -102,11 +106,11 @@ CHANGED: dict[str, dict[str, tuple[dict, str]]] = {
         "--precision": (
             {
                 "default": "'auto'",
-                "choices": ["amp", "auto", "bf16", "fp32", "mixed"],
+                "choices": ["amp", "auto", "bf16", "bf16sr", "fp32", "mixed"],
                 "required": False,
                 "kind": "_StoreAction",
             },
-            "mixed (bf16 weights, fp32 master in the optimizer), the CUDA default",
+            "mixed (bf16 weights, fp32 master in the optimizer); bf16sr (bf16 weights, stochastic-rounding AdamW)",
         ),
     },
     "dflash-export": {

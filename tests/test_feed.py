@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -114,7 +115,9 @@ def test_skip_set_drops_trained_samples_and_acks_empty_shards(tmp_path):
     assert spool.stats()["states"]["claimed"]["shards"] == 0
 
 
-def test_corrupt_shard_is_quarantined_and_feed_continues(tmp_path):
+def test_corrupt_shard_is_quarantined_and_feed_continues(tmp_path, caplog):
+    """The corrupt shard goes to quarantine/ with its reason, the next one trains, and one log line says
+    so (the spool's "quarantined" warning repeated the feed's line)."""
     spool = Spool(tmp_path / "spool")
     publish(spool, make_shard([10], first_index=0), 0)
     publish(spool, make_shard([10], first_index=1), 1)
@@ -123,14 +126,17 @@ def test_corrupt_shard_is_quarantined_and_feed_continues(tmp_path):
     (bad / "zarr.json").write_text("{not json")
     finish(spool)
     feed = ShardFeed(spool, "c0", context_tokens=64, poll_s=0.01)
-    try:
-        steps = drain(feed)
-    finally:
-        feed.close()
+    with caplog.at_level(logging.INFO):
+        try:
+            steps = drain(feed)
+        finally:
+            feed.close()
     assert sorted(i for s in steps for i in s) == [1]
     assert feed.counters.shards_quarantined == 1
     whys = list(spool.quarantine_dir.glob("*.why"))
     assert len(whys) == 1 and whys[0].read_text().strip()
+    said = [r.getMessage() for r in caplog.records if bad.name in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"quarantining {bad.name} (unknown samples lost"), said
 
 
 def test_overlong_sample_is_truncated_and_counted(tmp_path):

@@ -8,7 +8,13 @@ import pytest
 import torch
 from draft_reference import one_thread  # noqa: F401  (autouse fixture)
 
-from dflash.consumer.optim import MasterAdamW, clipped_step, grad_norm
+from dflash.consumer.optim import (
+    MasterAdamW,
+    StochasticAdamW,
+    clipped_step,
+    grad_norm,
+    stochastic_round_bf16,
+)
 
 SHAPES = [(7, 5), (5,), (3, 4, 2)]
 
@@ -58,6 +64,7 @@ def test_a_non_finite_gradient_skips_the_step_instead_of_poisoning_the_weights()
     for dtype, make in (
         (torch.float32, lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True)),
         (torch.bfloat16, lambda ps: MasterAdamW(ps, lr=1e-2)),
+        (torch.bfloat16, lambda ps: StochasticAdamW(ps, lr=1e-2)),
     ):
         params = _params(dtype)
         opt = make(params)
@@ -154,3 +161,162 @@ def test_compiled_master_adamw_on_cuda_equals_eager_and_never_recompiles():
         torch.testing.assert_close(opt_c.master_of(pc), opt_e.master_of(pe), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(pc, pe, rtol=0, atol=1e-2)  # the same bf16 up to one rounding
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 1
+
+
+def _ulp_bf16(x: torch.Tensor) -> torch.Tensor:
+    """The spacing of bf16 values at |x| (8 significant bits)."""
+    exp = torch.floor(torch.log2(x.abs().clamp(min=2.0**-126)))
+    return 2.0 ** (exp - 7)
+
+
+def test_stochastic_rounding_is_unbiased_and_lands_on_a_bf16_neighbour():
+    """x = 1 + 2^-10 sits 1/8 of an ulp above 1: rounded to 1 + 2^-7 one time in eight, to 1 otherwise, so
+    the mean is x (round-to-nearest gives 1 always). Negative values mirror it."""
+    torch.manual_seed(0)
+    x = torch.full((200_000,), 1.0 + 2.0**-10)
+    for sign in (1.0, -1.0):
+        r = stochastic_round_bf16(sign * x).float()
+        assert set(r.unique().tolist()) == {sign * 1.0, sign * (1.0 + 2.0**-7)}
+        # the mean's standard error is ulp * sqrt(p(1-p) / n) = 5.8e-6: 6 of them
+        assert abs(float(r.mean()) - sign * (1.0 + 2.0**-10)) < 3.5e-5, float(r.mean())
+    exact = torch.tensor([1.5, -2.0, 0.0, float("inf"), float("-inf")])
+    assert torch.equal(stochastic_round_bf16(exact).float(), exact)  # representable values stay
+
+
+def test_stochastic_adamw_with_fp32_moments_is_adamw_within_one_bf16_ulp_per_step():
+    """Each step, from the same bf16 weights: torch's AdamW (clip_grad_norm_ first, fp32) lands within one
+    bf16 ulp of StochasticAdamW's weight; the fp32 moments are torch's to fp32 rounding."""
+    params = _params(torch.bfloat16)
+    opt = StochasticAdamW(params, lr=1e-2, weight_decay=0.1, moment_dtype=torch.float32)
+    ref = [torch.nn.Parameter(p.detach().float()) for p in params]
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, foreach=False)
+    torch.manual_seed(0)
+    for k in range(4):
+        grads = _grads(k, SCALES[k % 4])
+        for p, r, gr in zip(params, ref, grads, strict=True):
+            p.grad = gr.to(torch.bfloat16)
+            r.data.copy_(p.detach().float())
+            r.grad = gr.clone()
+        want = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+        ref_opt.step()
+        norm = clipped_step(opt, params, 1.0)
+        torch.testing.assert_close(norm, want, rtol=1e-5, atol=0)
+        for p, r in zip(params, ref, strict=True):
+            assert p.dtype == torch.bfloat16
+            assert bool(((p.float() - r.detach()).abs() <= _ulp_bf16(r.detach())).all()), k
+            for key in ("exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(opt.state[p][key], ref_opt.state[r][key], rtol=1e-5, atol=1e-12)
+
+
+def test_stochastic_adamw_with_bf16_moments_takes_adamw_first_step_within_one_ulp():
+    params = _params(torch.bfloat16)
+    opt = StochasticAdamW(params, lr=1e-2)
+    ref = [torch.nn.Parameter(p.detach().float()) for p in params]
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, foreach=False)
+    torch.manual_seed(0)
+    for p, r, gr in zip(params, ref, _grads(0, 3.0), strict=True):
+        p.grad, r.grad = gr.to(torch.bfloat16), gr.clone()
+    torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    ref_opt.step()
+    clipped_step(opt, params, 1.0)
+    for p, r in zip(params, ref, strict=True):
+        assert opt.state[p]["exp_avg"].dtype == torch.bfloat16
+        for got, want in (
+            (p, r.detach()),
+            *((opt.state[p][k], ref_opt.state[r][k]) for k in ("exp_avg", "exp_avg_sq")),
+        ):
+            assert bool(((got.float() - want).abs() <= _ulp_bf16(want)).all())
+
+
+def test_stochastic_adamw_moves_weights_by_updates_below_half_an_ulp_as_fp32_does():
+    """What pure bf16 gets wrong (docs/training.md): at lr 1e-4 each Adam update (~1e-4) is 1/78 of the
+    bf16 ulp at 1.0, so round-to-nearest bf16 (torch's AdamW on bf16 weights) never moves the weight;
+    stochastic rounding moves it by the fp32 amount on average (200 steps: -0.02)."""
+    n, steps, lr = 8192, 200, 1e-4
+    torch.manual_seed(0)
+    sr = torch.nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
+    rn = torch.nn.Parameter(torch.ones(n, dtype=torch.bfloat16))
+    ref = torch.nn.Parameter(torch.ones(n))
+    opts = (
+        StochasticAdamW([sr], lr=lr, weight_decay=0.0),
+        torch.optim.AdamW([rn], lr=lr, weight_decay=0.0, foreach=False),
+        torch.optim.AdamW([ref], lr=lr, weight_decay=0.0, foreach=False),
+    )
+    for _ in range(steps):
+        for p, opt in zip((sr, rn, ref), opts, strict=True):
+            p.grad = torch.ones_like(p)
+            clipped_step(opt, [p], 0.0)
+    moved = 1.0 - float(ref.detach().mean())
+    assert 0.019 < moved < 0.021, moved
+    assert torch.equal(rn.detach(), torch.ones_like(rn))  # round-to-nearest: stuck
+    assert abs((1.0 - float(sr.detach().float().mean())) - moved) < 0.05 * moved
+
+
+def test_stochastic_adamw_checkpoints_hold_fp32_moments_and_load_any_precisions():
+    params = _params(torch.bfloat16)
+    opt = StochasticAdamW(params, lr=1e-2)
+    for k in range(2):
+        for p, gr in zip(params, _grads(k, 1.0), strict=True):
+            p.grad = gr.to(torch.bfloat16)
+        clipped_step(opt, params, 1.0)
+    sd = opt.state_dict()
+    assert sd["state"][0]["exp_avg"].dtype == torch.float32
+    assert torch.equal(sd["state"][0]["exp_avg"], opt.state[params[0]]["exp_avg"].float())
+    master = MasterAdamW(_params(torch.bfloat16), lr=1e-2)
+    master.load_state_dict(sd)
+    back = StochasticAdamW(_params(torch.bfloat16), lr=1e-2)
+    back.load_state_dict(master.state_dict())
+    p0 = back.param_groups[0]["params"][0]
+    assert back.state[p0]["exp_avg"].dtype == torch.bfloat16
+    assert torch.equal(back.state[p0]["exp_avg_sq"], opt.state[params[0]]["exp_avg_sq"])
+    with pytest.raises(ValueError, match="bf16 weights"):
+        StochasticAdamW(_params(), lr=1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_compiled_stochastic_adamw_on_cuda_is_adamw_within_one_ulp_and_never_recompiles():
+    """The compiled update (inductor's in-kernel random bits) keeps the eager one's contract: each step
+    within one bf16 ulp of torch's fp32 AdamW from the same weights, fp32 moments equal to fp32 rounding,
+    and a new learning rate every step compiles nothing new."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    dev = torch.device("cuda")
+    params = [torch.nn.Parameter(p.detach().to(dev, torch.bfloat16)) for p in _params()]
+    opt = StochasticAdamW(params, lr=1e-2, moment_dtype=torch.float32, compile_backend="inductor")
+    ref = [torch.nn.Parameter(p.detach().float()) for p in params]
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=1e-2, foreach=False)
+    for k, scale in enumerate(SCALES):
+        for p, r, gr in zip(params, ref, _grads(k, scale), strict=True):
+            p.grad = gr.to(dev, torch.bfloat16)
+            r.data.copy_(p.detach().float())
+            r.grad = gr.to(dev)
+        for o in (opt, ref_opt):
+            o.param_groups[0]["lr"] = 1e-2 * (k + 1)
+        torch.nn.utils.clip_grad_norm_(ref, 1.0)
+        ref_opt.step()
+        clipped_step(opt, params, 1.0)
+        for p, r in zip(params, ref, strict=True):
+            assert bool(((p.float() - r.detach()).abs() <= _ulp_bf16(r.detach())).all()), k
+            torch.testing.assert_close(
+                opt.state[p]["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"], rtol=1e-5, atol=1e-12
+            )
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before == 1
+
+
+def test_bf16sr_is_a_precision_flag_with_its_moment_dtype_and_builds_stochastic_adamw():
+    """--precision bf16sr: bf16 parameters, StochasticAdamW with --moment-dtype (bf16 by default); the
+    moment dtype is refused with any other precision (they fix their own)."""
+    from dflash.consumer.config import OptimConfig
+    from dflash.consumer.optim import build_optimizer
+
+    model = torch.nn.Linear(4, 3).to(torch.bfloat16)
+    for moments, want in (("auto", torch.bfloat16), ("float32", torch.float32)):
+        cfg = OptimConfig(precision="bf16sr", moment_dtype=moments)
+        assert cfg.param_dtype("cuda") == torch.bfloat16
+        opt, _ = build_optimizer(model, cfg, device=torch.device("cpu"), schedule_steps=10)
+        assert isinstance(opt, StochasticAdamW) and opt.moment_dtype == want
+    with pytest.raises(ValueError, match="moment-dtype float32 needs --precision bf16sr"):
+        OptimConfig(precision="mixed", moment_dtype="float32")

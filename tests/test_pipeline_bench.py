@@ -78,3 +78,41 @@ def test_small_mode_runs_every_phase_and_checks_its_accounting(tmp_path):
     assert checks["trained together >= 0.9 x min(P, C)"]["threshold"] == 0.9
     assert res["figures"][0]["producer_tok_s"] == ph["producer"]["tok_s_per_gpu"]
     assert (out / "pipeline_bench_small.png").stat().st_size > 0
+
+
+def _series(producer, consumer, t0: float = 1000.0) -> list[dict]:
+    """A Sampler series (every 1 s) from two functions of the second: each process's GB."""
+    return [
+        {
+            "t": float(s),
+            "time": t0 + s,
+            "spool_gb": 1.0,
+            "producer_gb": producer(s),
+            "consumer0_gb": consumer(s),
+        }
+        for s in range(200)
+    ]
+
+
+def test_memory_is_judged_over_each_processs_steady_work_not_its_load_and_compile():
+    """The together phase as a shared GPU sees it: the producer loads its target (0.5 -> 16 GB over 30 s)
+    then produces from t=40; the consumer waits at its CUDA context's 0.6 GB, compiles, and logs its first
+    interval at t=90, then holds 40 GB. Both are flat from their own start (judged from t=0 both read as
+    growing); a consumer that still grows 0.1 GB/s after its start is not flat."""
+    from pipeline_bench import _flat, steady_memory
+
+    def producer(s):
+        return 0.5 + min(s, 30) / 30 * 15.5
+
+    def consumer(s):
+        return 0.6 if s < 60 else 40.0
+
+    series = _series(producer, consumer)
+    starts = {"producer": 1040.0, "consumer": 1090.0}
+    assert not _flat(series, "producer_gb")["flat"] and not _flat(series, "consumer0_gb")["flat"]
+    got = steady_memory(series, starts)
+    assert set(got) == {"producer_gb", "consumer0_gb"}
+    assert got["producer_gb"]["flat"] and got["consumer0_gb"]["flat"]
+    assert got["consumer0_gb"]["steady_from_s"] == 90.0 and got["consumer0_gb"]["before_gb"] < 40
+    growing = steady_memory(_series(producer, lambda s: 40.0 + 0.1 * max(0, s - 90)), starts)
+    assert not growing["consumer0_gb"]["flat"] and growing["producer_gb"]["flat"]

@@ -213,21 +213,41 @@ def test_bench_figures_plan_each_shape(tmp_path, capsys):
     assert {p["shape"] for p in json.loads(capsys.readouterr().out)["plans"]} == {"8b", "32b", "hybrid27b"}
 
 
-def test_bench_without_a_rate_is_one_line_exit_2(tmp_path, capsys):
+def test_bench_without_a_rate_is_a_short_error_line_then_one_line_per_shape_exit_2(tmp_path, capsys):
+    """No shape planned: a short error line, then each shape's lack and each ignored file on its own line
+    (it was one 400-character line, and the files' notes were lost)."""
     pb = tmp_path / "prod.json"
     pb.write_text(json.dumps({"preset": "32b", "results": {"producer_full": {"tok_s": 9000}}}))
-    with pytest.raises(SystemExit) as e:
-        plan.main(["--gpus", "8", "--bench", str(pb)])
-    assert e.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith(
-        "dflash-plan: error: no shape could be planned: shape 32b: no consumer rate (measured"
-    )
-    assert "consumer_bench.py --mode trainer" in err and "\n" not in err
+    ph = tmp_path / "prodh.json"
+    ph.write_text(json.dumps({"preset": "hybrid27b", "results": {"producer_full": {"tok_s": 8000}}}))
     (tmp_path / "junk.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--gpus", "8", "--bench", f"{pb},{ph},{tmp_path / 'junk.json'}"])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0] == "dflash-plan: error: no shape could be planned from 3 --bench files:"
+    assert [ln.split(":")[0].strip() for ln in lines[1:3]] == ["shape 32b", "shape hybrid27b"]
+    assert "no consumer rate (measured by ops/bench/consumer_bench.py --mode trainer" in lines[1]
+    assert lines[3].startswith(f"  --bench {tmp_path / 'junk.json'}: no producer or consumer rate in it")
+    assert len(lines) == 4
     with pytest.raises(SystemExit):
         plan.main(["--gpus", "8", "--bench", str(tmp_path / "junk.json")])
-    assert "no shape could be planned: no rate in the --bench files" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "no shape could be planned from 1 --bench file: no rate in it" in err
+
+
+def test_notes_on_ignored_files_survive_an_error_exit(tmp_path, capsys):
+    """A file that holds no rate, then one that cannot be read: the error, and the note on the first."""
+    (tmp_path / "junk.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        plan.main(["--gpus", "8", "--bench", f"{tmp_path / 'junk.json'},{tmp_path / 'missing.json'}"])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith(f"dflash-plan: error: --bench {tmp_path / 'missing.json'}: cannot read")
+    assert lines[1:] == [
+        f"  --bench {tmp_path / 'junk.json'}: no producer or consumer rate in it (not a pipeline_bench, "
+        "producer_bench, consumer_bench or consumer_ab result), ignored"
+    ]
 
 
 # The benches' files as they write them (fields the plan reads, and others beside them), fabricated small.
@@ -325,7 +345,7 @@ def test_bench_plans_every_shape_with_both_measured_rates_and_names_what_the_oth
     plan.main(["--gpus", "8", "--bench", ",".join(paths)])
     out = capsys.readouterr().out
     assert "32b" in out and "  8b " in out
-    lines = [line.strip() for line in out.splitlines() if "hybrid27b" in line]
+    lines = [line.strip() for line in out.splitlines() if "shape hybrid27b" in line]
     assert lines == [
         "shape hybrid27b: no consumer rate (measured by ops/bench/consumer_bench.py --mode trainer, "
         "consumer_ab.py or pipeline_bench.py), not planned"
@@ -341,7 +361,7 @@ def test_the_device_suite_plans_from_its_own_files_and_assumes_no_rate():
     suite = (Path(__file__).resolve().parents[1] / "ops" / "bench" / "device_suite.sh").read_text()
     part = suite[suite.index("if want plan; then") :]
     assert "assumed" not in part and "consumer_tok_s" not in part and "echo '{" not in part
-    for made in ("producer_bench_*.json", "pipeline_bench_*.json", "trainer*.json", "ab/ab.jsonl"):
+    for made in ("producer_bench_*.json", "pipeline_bench_*.json", "trainer*.json", "ab*/ab.jsonl"):
         assert made in part, made
 
 
@@ -374,3 +394,108 @@ def test_a_producer_throttled_by_the_spool_budget_is_planned_at_its_unthrottled_
     assert "producer 1.6K tok/s" in out
     # unthrottled, 1600 vs 3000 tok/s per GPU: 5 producers + 3 consumers, not the 7 + 1 the throttled rate gives
     assert "best: 5 producers + 3 consumers" in out, out
+
+
+def test_an_ab_file_without_the_default_variant_is_named_as_such(tmp_path, capsys):
+    """consumer_ab's ab.jsonl with only a non-default variant: ignored, and said to be a consumer_ab result
+    that lacks the default flags' variant (it was called "not a consumer_ab result")."""
+    ab = tmp_path / "ab.jsonl"
+    ab.write_text("".join(json.dumps(r) + "\n" for r in AB_JSONL if r["variant"] != "default"))
+    notes: list[str] = []
+    assert plan.read_bench_figures([str(ab)], notes) == {}
+    assert notes == [
+        f"--bench {ab}: a consumer_ab result without the default flags' variant (it has liger; the "
+        "consumer rate is the variant named default or with empty flags, e.g. --variant default=), ignored"
+    ]
+    failed = [
+        {**r, "error": "CUDA out of memory", "real_tok_s": None}
+        for r in AB_JSONL
+        if r["variant"] == "default"
+    ]
+    ab.write_text("".join(json.dumps(r) + "\n" for r in failed))
+    notes.clear()
+    plan.read_bench_figures([str(ab)], notes)
+    assert "default-flags variant 'default' measured no rate (CUDA out of memory)" in notes[0]
+    # an ab.jsonl of the default variant alone (one line: it parses as one JSON object) gives its rate
+    ab.write_text(json.dumps(AB_JSONL[2]) + "\n")
+    assert plan.read_bench_figures([str(ab)]) == {"8b": {"consumer_tok_s": 22_109}}
+
+
+def test_the_plan_says_which_files_gave_which_rates_and_which_shapes_a_flag_overrode(tmp_path, capsys):
+    """--bench with --consumer-tok-s: the flag's rate is used for every shape, and the plan says so per
+    shape (the measured rate it replaces, or that the shape had none); every file is named with what it
+    gave; a later file's figure over an earlier one's is said with both values."""
+    files = {
+        "p32.json": json.dumps(PRODUCER_BENCH_32B),
+        "ph.json": json.dumps(PRODUCER_BENCH_HYBRID),
+        "c32.json": json.dumps(CONSUMER_BENCH),
+        "p32_again.json": json.dumps({**PRODUCER_BENCH_32B, "results": {"producer_full": {"tok_s": 9_500}}}),
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    paths = [str(tmp_path / n) for n in files]
+    plan.main(["--gpus", "8", "--bench", ",".join(paths), "--consumer-tok-s", "20000"])
+    out = capsys.readouterr().out
+    assert f"  {paths[0]}: 32b producer\n" in out and f"  {paths[2]}: 32b consumer\n" in out
+    assert (
+        "--consumer-tok-s 20.0K tok/s used for every shape: replaces the measured consumer rate of 32b "
+        "(21.6K); gives hybrid27b one (none measured)" in out
+    )
+    assert (
+        f"--bench {paths[3]}: shape 32b producer rate 9.5K tok/s replaces 9.0K tok/s from {paths[0]}" in out
+    )
+    plan.main(["--gpus", "8", "--bench", ",".join(paths), "--consumer-tok-s", "20000", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert [p["consumer_tok_s"] for p in got["plans"]] == [20_000, 20_000]
+    assert len(got["rates_from"]) == 4 and got["given"][0].startswith("--consumer-tok-s 20.0K")
+
+
+def test_a_flag_over_a_measured_rate_is_said_with_both_values(tmp_path, capsys):
+    run = _run(tmp_path, [[9000, 9000]], [[9500, 9500]])
+    plan.main(["--gpus", "4", str(run), "--consumer-tok-s", "1000"])
+    assert (
+        "consumer rate 1.0K tok/s from --consumer-tok-s, not the 9.5K tok/s measured"
+        in capsys.readouterr().out
+    )
+
+
+AB_JSONL_HYBRID = [  # ops/bench/consumer_ab.py --preset hybrid27b: OUT/ab-hybrid27b/ab.jsonl
+    {"variant": "reference", "shape": "hybrid27b", "ms_per_step": 190.0, "context_tok_s": 21_558},
+    {"variant": "prefill", "prefill_s": 33.0, "prefill_tokens": 300_000},
+    {
+        "variant": "default",
+        "flags": "",
+        "ms_per_step_median": 120.0,
+        "vs_reference": 1.583,
+        "fill": 0.99,
+        "precision": "amp",
+        "rc": 0,
+        "preset": "hybrid27b",
+        "context_tokens": 4096,
+        "real_tok_s": 33_792,
+    },
+]
+
+
+def test_a_hybrid_ab_of_the_default_flags_gives_the_hybrid_its_consumer_rate_and_a_plan(tmp_path, capsys):
+    """The hybrid's producer rate (producer_bench) and its consumer rate (consumer_ab --preset hybrid27b,
+    the default flags' variant, in ab-hybrid27b/ab.jsonl): the hybrid node is planned. An A/B that measured
+    only other flags gives no rate, and the plan says which variants it had."""
+    (tmp_path / "ab-hybrid27b").mkdir()
+    ab = tmp_path / "ab-hybrid27b" / "ab.jsonl"
+    ab.write_text("".join(json.dumps(r) + "\n" for r in AB_JSONL_HYBRID))
+    prod = tmp_path / "producer_bench_hybrid27b.json"
+    prod.write_text(json.dumps(PRODUCER_BENCH_HYBRID))
+    shapes = plan.read_bench_figures([str(prod), str(ab)])
+    assert shapes == {"hybrid27b": {"producer_tok_s": 8_000.0, "consumer_tok_s": 33_792}}
+    plan.main(["--gpus", "8", "--bench", f"{prod},{ab}", "--json"])
+    got = json.loads(capsys.readouterr().out)
+    assert [p["shape"] for p in got["plans"]] == ["hybrid27b"] and not got["not_planned"]
+
+    mixed_only = [
+        dict(r, variant="mixed", flags="--precision mixed") if r.get("preset") else r for r in AB_JSONL_HYBRID
+    ]
+    ab.write_text("".join(json.dumps(r) + "\n" for r in mixed_only))
+    notes: list[str] = []
+    assert plan.read_bench_figures([str(prod), str(ab)], notes) == {"hybrid27b": {"producer_tok_s": 8_000.0}}
+    assert any("a consumer_ab result without the default flags' variant (it has mixed;" in n for n in notes)

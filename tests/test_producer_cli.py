@@ -243,6 +243,11 @@ def test_parse_gpus():
         ),
         ("missing_model", r"cannot load target"),
         ("writer_threads", r"ProducerConfig.writer_threads=0: must be >= 1"),
+        (
+            "max_length",
+            r"--max-length 10: below the 32 supervised tokens a sample needs \(2 x --block-size\): "
+            "every row would be dropped",
+        ),
     ],
 )
 def test_user_errors_are_one_line(tmp_path, target, demo_rows, capsys, case, pattern):
@@ -269,6 +274,8 @@ def test_user_errors_are_one_line(tmp_path, target, demo_rows, capsys, case, pat
         model = str(tmp_path / "no-model")
     elif case == "writer_threads":  # 0 is a bad value, not "the default"
         extra = ["--writer-threads", "0"]
+    elif case == "max_length":  # no row can keep 2 x --block-size supervised tokens: refused up front
+        extra = ["--max-length", "10"]
     gpus = "zero" if case == "bad_gpus" else "cpu:1"
     argv = [
         "--gpus",
@@ -289,3 +296,36 @@ def test_user_errors_are_one_line(tmp_path, target, demo_rows, capsys, case, pat
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("dflash-produce")]
     assert len(err) == 1 and re.search(pattern, err[0]), err
     assert err[0].startswith("dflash-produce: error: ")
+    assert not (tmp_path / "spool").exists()  # refused before any side effect: no spool folder left
+
+
+@pytest.mark.parametrize("before", ["none", "existing", "consumer"])
+def test_a_launch_refused_after_tokenizing_removes_only_the_spool_it_made(
+    tmp_path, target, demo_rows, capsys, monkeypatch, before
+):
+    """A launch refused as a user error once its workers tokenized (every row dropped: supervise's exit 2,
+    stood in for here, so no worker starts) removes the spool it made, which would keep the refused plan and
+    refuse the corrected command as another plan. A spool that was there before, or that a consumer
+    heartbeats in, is left alone."""
+    import dflash.producer.supervisor as supervisor
+
+    monkeypatch.setattr(supervisor, "supervise", lambda prepared, launch: 2)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": demo_rows[0]["messages"]}) + "\n")
+    spool = tmp_path / "spool"
+    if before != "none":
+        spool.mkdir()
+    if before == "consumer":
+        (spool / "state").mkdir()
+        (spool / "state" / "consumer-r0-1.json").write_text("{}")
+    argv = ["--gpus", "cpu:1", "--model", str(target), "--dataset", str(data), "--spool", str(spool)]
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--cache-dir", str(tmp_path / "hf")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    if before == "none":
+        assert (
+            not spool.exists() and f"removed the spool {spool} this launch made (nothing was produced)" in err
+        )
+    else:
+        assert (spool / "state" / "run.json").exists() and "removed the spool" not in err

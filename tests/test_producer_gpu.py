@@ -78,14 +78,38 @@ def test_produce_on_cuda_stores_each_samples_states(tmp_path, codec):
     assert seen == set(range(60))
 
 
+COMPILED_ERROR_RATIO = 1.5
+"""The compiled trunk's error against the fp32 truth may be this many times the eager bf16 trunk's own error,
+per captured layer: room for inductor's other (still bf16) fusion and summation order, none for a wrong
+result (a wrong layer, mask or position is off by O(1), tens of times more)."""
+ERROR_FLOOR = 2e-3
+"""Layers where both errors are below this pass whatever the ratio (bf16 costs almost nothing there)."""
+
+
+def _rel_l2_per_layer(got: torch.Tensor, truth: torch.Tensor, layers: int) -> list[float]:
+    got, truth = got.float().unflatten(-1, (layers, -1)), truth.float().unflatten(-1, (layers, -1))
+    return [float((got[:, i] - truth[:, i]).norm() / truth[:, i].norm()) for i in range(layers)]
+
+
 @pytest.mark.parametrize("scope,shapes", [("layers", "dynamic"), ("layers", "static"), ("trunk", "dynamic")])
 def test_compiled_trunk_on_cuda_matches_eager(scope, shapes):
-    """inductor on the GPU: captures within bf16 tolerance of the eager capture, 0 recompiles after warm-up."""
+    """inductor on the GPU: the compiled bf16 capture is as close to the fp32 truth as the eager bf16 capture
+    is, per captured layer, and nothing recompiles after warm-up.
+
+    Why against an fp32 forward and not eager against compiled elementwise: both bf16 paths round, and in
+    different orders, so their elementwise gap is the two roundings added (measured on one H100, 2026-12-07:
+    max abs 0.23-0.27 on 0.6-0.7 % of the elements of states of magnitude up to ~100, relative inf where one
+    path rounds to 0), which no fixed elementwise bound separates from a bug. Here the truth is the same
+    weights in fp32 (eager; matmuls without TF32, torch's default); eager bf16 gives the error bf16 itself costs, and the compiled trunk
+    passes when its relative L2 error per layer is at most COMPILED_ERROR_RATIO times that (the kernel
+    check's rule for fla, ops/bench/kernel_check.py). Measured ratios: docs/benchmarks.md ("GPU tests").
+    """
     from dflash.producer.compile_plan import CompileSpec
     from dflash.producer.trunk import Trunk
 
     torch._dynamo.reset()  # each parametrization compiles its own graphs
     layer_ids = [1, 2, 3, 4, 5]
+    truth_cap = LayerCapture(build_tiny_target(dtype=torch.float32).cuda(), layer_ids, free_unused=True)
     eager = LayerCapture(build_tiny_target(dtype=torch.bfloat16).cuda(), layer_ids, free_unused=True)
     trunk = Trunk(
         LayerCapture(build_tiny_target(dtype=torch.bfloat16).cuda(), layer_ids, free_unused=True),
@@ -99,5 +123,12 @@ def test_compiled_trunk_on_cuda_matches_eager(scope, shapes):
         with torch.inference_mode():
             ids = torch.randint(0, 4096, (rows, length), generator=g).cuda()
             valid = torch.rand(rows, length, generator=g) < 0.9
-            torch.testing.assert_close(trunk.run(ids, valid), eager.run(ids, valid), rtol=0.05, atol=0.05)
+            truth = truth_cap.run(ids, valid)
+            eager_err = _rel_l2_per_layer(eager.run(ids, valid), truth, len(layer_ids))
+            compiled_err = _rel_l2_per_layer(trunk.run(ids, valid), truth, len(layer_ids))
+        print(f"{scope}/{shapes} {rows}x{length}: eager {eager_err} compiled {compiled_err}")
+        for layer, e, c in zip(layer_ids, eager_err, compiled_err, strict=True):
+            assert c <= max(COMPILED_ERROR_RATIO * e, ERROR_FLOOR), (
+                f"layer {layer}, batch {rows}x{length}: compiled rel L2 {c:.4g} vs eager bf16 {e:.4g}"
+            )
     assert trunk.recompiles == 0

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
 import socket
 import subprocess
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -31,10 +33,12 @@ from dflash.tools.regenerate import run as regenerate_run
 from dflash.tools.regenerate.cli import main
 from dflash.tools.regenerate.config import SETTINGS, RegenerateConfig
 from dflash.tools.regenerate.dialogue import Dialogue
+from dflash.tools.regenerate.endpoint_engine import base_url
+from dflash.tools.regenerate.engine import BatchEngine
 from dflash.tools.regenerate.ledger import Ledger, LedgerError
 from dflash.tools.regenerate.reply import Reply, Request, assistant_message
 from dflash.tools.regenerate.rows import SourceRow, read_rows
-from dflash.tools.regenerate.run import Tally, _details, _run_window
+from dflash.tools.regenerate.run import Tally, _details, regenerate
 
 TEMPLATE = (Path(__file__).parent / "data" / "qwen3_rules.jinja").read_text()
 WEATHER = {
@@ -165,7 +169,7 @@ def test_a_row_the_target_ends_on_a_tool_call_is_truncated_kept_and_counted(tmp_
     answered.accept({"role": "assistant", "content": "Rain."}, "stop")
     assert answered.next_request() is None and not answered.truncated
 
-    class _CallsATool:
+    class _CallsATool(BatchEngine):
         window = 4
 
         def complete(self, requests: list[Request]) -> list[Reply]:
@@ -176,7 +180,7 @@ def test_a_row_the_target_ends_on_a_tool_call_is_truncated_kept_and_counted(tmp_
     ledger = Ledger(out, cfg.settings(), SETTINGS)
     tally = Tally(total=1, before=0, progress_s=60.0)
     row = SourceRow(0, ends_on_user, [WEATHER], {"id": "r0"})
-    _run_window(cfg, _CallsATool(), [row], ledger, tally)
+    regenerate(cfg, _CallsATool(), iter([row]), ledger, tally)
     ledger.close()
     written = _out_rows(out)[0]
     assert written["dflash_regenerate"]["truncated"] is True and written["messages"][-1]["tool_calls"]
@@ -383,6 +387,156 @@ def test_a_reply_cut_short_is_retried_and_then_only_its_row_fails(tmp_path, caps
     assert [e["row"] for e in errors] == [2] and errors[0]["error"].startswith("IncompleteRead"), errors
     assert "(2 tries)" in errors[0]["error"] and sorted(asked.values()) == [1, 2, 2]
     assert set(_out_rows(out)) == {0, 1}
+
+
+def _prompts(n: int, tmp_path: Path) -> tuple[Path, Path]:
+    rows = [{"id": f"r{i}", "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(n)]
+    return _jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+
+
+def _question(prompt: str) -> str:
+    return prompt.split("user\n")[-1].split("<|im_end|>")[0]
+
+
+@pytest.mark.parametrize("how", ["dead", "hanging"])
+def test_a_server_gone_mid_run_stops_it_naming_the_endpoint_and_the_same_command_finishes(
+    tmp_path, capsys, how
+):
+    """The server dies (connections refused) or hangs (takes requests, never answers) after 5 answers:
+    the run stops after --max-connection-failures tries in a row without an answer, with one line naming
+    the endpoint, exit 1, instead of failing the other rows one by one (each after its tries); the same
+    command against a live server asks only for the rows not written, each once."""
+    data, out = _prompts(40, tmp_path)
+    args = ["--dataset", str(data), "--out", str(out), "--tokenizer", str(tiny_target_dir())]
+    args += ["--concurrency", "2", "--retries", "3", "--retry-wait-s", "0.01", "--timeout-s", "0.5"]
+    args += ["--max-connection-failures", "4"]
+    answered: list[str] = []
+    lock, dead = threading.Lock(), threading.Event()
+
+    def dies(prompt: str) -> str | float:
+        with lock:
+            if len(answered) < 5:
+                answered.append(_question(prompt))
+                return LONG
+            if how == "dead" and not dead.is_set():
+                dead.set()
+                server.die()
+        return 5.0  # hanging: silent past --timeout-s (dead: only the requests accepted before it died)
+
+    with scripted_server(dies) as server:
+        url = server.url
+        code = main(["--endpoint", url, *args])
+    said = capsys.readouterr()
+    err = said.err.strip().splitlines()
+    assert code == 1, said.out[-2000:]
+    assert err[-1].startswith(f"dflash-regenerate: error: endpoint {url} stopped answering: 4 tries in a row")
+    assert "the same command continues" in err[-1] and not any("Traceback" in line for line in err)
+    assert how == "dead" or "no answer within 0.5 s" in err[-1], err[-1]
+    assert set(_out_rows(out)) == {int(q[1:]) for q in answered} and len(answered) == 5
+    failed = Path(f"{out}.errors.jsonl").read_text().splitlines()
+    assert len(failed) <= 2, f"rows failed one by one after the server went: {len(failed)}"
+
+    with scripted_server(lambda _p: LONG) as server:
+        assert main(["--endpoint", server.url, *args]) == 0
+        assert (
+            capsys.readouterr().out.strip().splitlines()[-1]
+            == "regenerated 40, failed 0, skipped 0 = input 40"
+        )
+        asked = Counter(_question(p) for p in server.requests.elements())
+    assert set(asked) == {f"q{i}" for i in range(40)} - set(answered) and set(asked.values()) == {1}
+    assert set(_out_rows(out)) == set(range(40))
+
+
+class _Lines(logging.Handler):
+    """Counts the progress lines of dflash.tools.regenerate.run, waking whoever waits for the next."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.count = 0
+        self.changed = threading.Condition()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if " rows (this run: " in record.getMessage():
+            with self.changed:
+                self.count += 1
+                self.changed.notify_all()
+
+
+def test_progress_lines_keep_their_clock_while_a_turn_is_out(tmp_path, capsys, caplog):
+    """Each answer is held by the server until two progress lines have come while it was out (a hang
+    guard ends the wait if they never come): with --progress-s 0.05 every answer sees its two lines, so
+    the lines come while turns are out, not only when a row or a round ends. The verdict is the order
+    (lines before answers), not the time taken."""
+    turns = [{"role": "user", "content": f"turn {i}"} for i in range(3)]
+    convo = [m for t in turns for m in (t, {"role": "assistant", "content": "old"})][:-1]
+    data, out = _jsonl(tmp_path / "in.jsonl", [{"messages": convo}]), tmp_path / "out.jsonl"
+    lines = _Lines()
+    logger = logging.getLogger(regenerate_run.__name__)
+    caplog.set_level(logging.INFO, logger=logger.name)
+    logger.addHandler(lines)
+    late: list[str] = []
+
+    def after_two_lines(prompt: str) -> str:
+        with lines.changed:
+            seen = lines.count
+            if not lines.changed.wait_for(lambda: lines.count >= seen + 2, timeout=5.0):  # hang guard
+                late.append(_question(prompt))
+        return LONG
+
+    try:
+        with scripted_server(after_two_lines) as server:
+            code = main(
+                ["--endpoint", server.url, "--dataset", str(data), "--out", str(out), "--progress-s", "0.05"]
+                + ["--tokenizer", str(tiny_target_dir()), "--concurrency", "1"]
+            )
+    finally:
+        logger.removeHandler(lines)
+    assert code == 0 and capsys.readouterr().out.strip().endswith("= input 1")
+    assert late == [], f"no progress line while these turns were out: {late}"
+    assert sum(server.requests.values()) == 3 and lines.count >= 6
+
+
+def test_a_row_is_written_when_its_last_turn_is_in_not_when_its_round_ends(tmp_path, capsys):
+    """Row 0 is answered at once, row 1's answer is held by the server until row 0 is a line of OUT (a
+    hang guard ends the wait): the finished row is in OUT while another row's turn is still out, so a
+    kill then keeps it."""
+    data, out = _prompts(2, tmp_path)
+    seen: list[bool] = []
+
+    def row_1_waits_for_row_0(prompt: str) -> str:
+        if _question(prompt) == "q1":
+            written = threading.Event()
+            for _ in range(500):  # hang guard: 5 s
+                if out.exists() and '"row": 0,' in out.read_text():
+                    written.set()
+                    break
+                written.wait(0.01)
+            seen.append(written.is_set())
+        return LONG
+
+    with scripted_server(row_1_waits_for_row_0) as server:
+        code = main(
+            ["--endpoint", server.url, "--dataset", str(data), "--out", str(out), "--concurrency", "2"]
+            + ["--tokenizer", str(tiny_target_dir())]
+        )
+    assert code == 0 and capsys.readouterr().out.strip().endswith("= input 2")
+    assert seen == [True], "row 0 was not in OUT while row 1's turn was out"
+    assert set(_out_rows(out)) == {0, 1}
+
+
+def test_an_endpoint_with_a_path_is_used_as_given_and_a_bare_address_gets_v1(tmp_path, capsys):
+    assert base_url("http://h:8000") == base_url("http://h:8000/") == "http://h:8000/v1"
+    assert base_url("http://h:8000/v1/") == "http://h:8000/v1"
+    assert base_url("https://gw/openai/v2") == "https://gw/openai/v2"
+    data, out = _prompts(2, tmp_path)
+    with scripted_server(lambda _p: LONG, prefix="/v2") as server:
+        code = main(
+            ["--endpoint", server.url, "--dataset", str(data), "--out", str(out)]
+            + ["--tokenizer", str(tiny_target_dir())]
+        )
+    said = capsys.readouterr()
+    assert code == 0, said.err[-1000:]
+    assert set(server.paths) == {"/v2/models", "/v2/completions"} and set(_out_rows(out)) == {0, 1}
 
 
 def _target_answers(prompt: str) -> str:

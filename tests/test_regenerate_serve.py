@@ -136,7 +136,7 @@ def test_a_run_killed_mid_way_and_run_again_holds_every_row_once(target, tmp_pat
     data, out = tmp_path / "chats.jsonl", tmp_path / "out.jsonl"
     data.write_text("".join(line + "\n" for line in rows))
     cmd = [str(BIN / "dflash-regenerate"), "--model", str(target), "--dataset", str(data), "--out", str(out)]
-    cmd += ["--max-new-tokens", "8", "--batch-size", "2"]  # windows of 8 rows: written 8 at a time
+    cmd += ["--max-new-tokens", "8", "--batch-size", "2"]  # 8 rows at once: the kill finds rows still out
     proc = subprocess.Popen(cmd, cwd=REPO, env=cpu_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 240
     while not (out.exists() and out.read_bytes().count(b"\n") >= 1):

@@ -518,3 +518,55 @@ def test_a_producer_waiting_on_the_budget_is_blocked_and_the_eta_is_the_training
     out = capsys.readouterr().out
     # production would say ~25 s (700 samples at 30/s): the run ends when training does
     assert "step 100/400  ETA 10m (training)" in out, out
+
+
+def test_a_finished_run_shows_each_side_at_its_run_average_and_blames_the_slower(tmp_path, capsys):
+    """A finished run: the consumer row and the rates line give the consumer's tokens/s over its last
+    launch (its intervals' tokens over their seconds: 913), not its last interval's (303), and the
+    bottleneck is read from the averages: the producers (700), not the consumers."""
+    run = _over_run(tmp_path, {"event": "end", "stopped": False}, "done")
+    now = time.time()
+    _jsonl(
+        run / "metrics" / "producer-n0p0.2.jsonl",
+        [
+            {
+                "time": now - 60,
+                "samples": 90,
+                "total": 90,
+                "phase": "done",
+                "tokens": 70_000,
+                "elapsed_s": 100.0,
+            }
+        ],
+    )
+
+    def step(s: int, t: float, tokens: int, secs: float) -> dict:
+        return {
+            "time": t,
+            "step": s,
+            "loss": 2.0,
+            "tok_s": tokens / secs,
+            "interval_tokens": tokens,
+            "interval_s": secs,
+        }
+
+    life1 = [step(10, now - 800, 1_000, 100.0), {"event": "end", "stopped": True, "time": now - 790}]
+    intervals = [(20, 9_000, 10.0), (30, 9_000, 10.0), (40, 10_000, 10.0), (41, 303, 1.0)]  # 28,303 in 31 s
+    life2 = [step(s, now - 40 + k, tok, secs) for k, (s, tok, secs) in enumerate(intervals)]
+    _jsonl(
+        run / "metrics" / "consumer-0.jsonl",
+        life1 + life2 + [{"event": "end", "stopped": False, "time": now - 20}],
+    )
+    status.main([str(run), "--json"])
+    snap = json.loads(capsys.readouterr().out)
+    assert snap["run_state"] == "finished"
+    cons = next(p for p in snap["processes"] if p["role"] == "consumer")
+    assert cons["tok_s"] == pytest.approx(28_303 / 31) and cons["last_tok_s"] == pytest.approx(303)
+    assert snap["rates"]["consumer_tok_s"] == pytest.approx(28_303 / 31)
+    assert (
+        snap["rates"]["producer_tok_s"] == pytest.approx(700) and snap["rates"]["bottleneck"] == "producers"
+    )
+    status.main([str(run)])
+    out = capsys.readouterr().out
+    assert "rates over the run: prod=700 tok/s (average)  cons=913 tok/s  (bottleneck: producers)" in out
+    assert "consumers' average over their last launch" in out

@@ -419,9 +419,10 @@ class Spool:
         except FileNotFoundError:
             log.warning("release: %s is gone (recovered as dead?)", claimed_path)
 
-    def quarantine(self, path: Path, why: str) -> Path:
-        """Move a shard that cannot be decoded into quarantine/ with a <name>.why (spool_files.py)."""
-        return quarantine_into(self.quarantine_dir, path, why)
+    def quarantine(self, path: Path, why: str, *, say: bool = True) -> Path:
+        """Move a shard that cannot be decoded into quarantine/ with a <name>.why (spool_files.py); a
+        warning line says so unless ``say=False`` (the caller's own line does)."""
+        return quarantine_into(self.quarantine_dir, path, why, say=say)
 
     def recover_dead_claims(self, *, heartbeat_timeout_s: float = 60.0) -> int:
         """Move shards claimed by dead consumers back to ready/; returns how many. Any consumer may call

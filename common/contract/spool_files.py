@@ -68,9 +68,10 @@ def claim_order(names: list[str], bucket: int | None | str) -> list[str]:
     return names
 
 
-def quarantine_into(quarantine_dir: Path, path: Path, why: str) -> Path:
+def quarantine_into(quarantine_dir: Path, path: Path, why: str, *, say: bool = True) -> Path:
     """Move a shard that cannot be decoded out of the flow; <name>.why says why (one line, with a
-    timestamp). Returns the new path (the old one, with a warning, if the shard vanished meanwhile)."""
+    timestamp). Returns the new path (the old one, with a warning, if the shard vanished meanwhile).
+    ``say=False``: the caller logs the one line itself (with what it knows: the samples lost)."""
     path = Path(path)
     dest = quarantine_dir / path.name
     if dest.exists():
@@ -87,7 +88,8 @@ def quarantine_into(quarantine_dir: Path, path: Path, why: str) -> Path:
         why_path.unlink(missing_ok=True)
         log.warning("quarantine: %s is gone (recovered as dead and re-delivered?)", path)
         return path
-    log.warning("quarantined %s: %s", path.name, reason)
+    if say:
+        log.warning("quarantined %s: %s", path.name, reason)
     return dest
 
 

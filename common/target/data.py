@@ -59,7 +59,17 @@ class DataConfig:
     and counted"""
     max_length: int = 4096
     """truncate samples to this many tokens"""
-    train_reasoning: bool = True
+    train_reasoning: bool = field(
+        default=True,
+        metadata=flag(
+            negate=True,
+            help="render each row as if the target had answered without thinking: reasoning_content / "
+            "reasoning fields and <think> blocks written in the content removed, and no <think> token trained "
+            "(not even the empty block a Qwen3-family template adds): fewer tokens, with such a template fewer "
+            "samples (docs/producer.md). Without it the reasoning of assistant turns is trained as the "
+            "target's template renders it",
+        ),
+    )
     """train the reasoning of assistant turns (``reasoning_content`` or ``reasoning``, rendered by the target's
     template as it generated it); off: rows are rendered as if the target had answered without thinking
     (those fields and the <think> blocks written in the content removed) and no <think> token is trained,
@@ -82,6 +92,11 @@ class DataConfig:
             raise ValueError(f"DataConfig.max_length={self.max_length}: must be >= 2")
         if self.min_loss_tokens < 1:
             raise ValueError(f"DataConfig.min_loss_tokens={self.min_loss_tokens}: must be >= 1")
+        if self.max_length < self.min_loss_tokens:  # no row could ever be kept: say so before any work
+            raise ValueError(
+                f"--max-length {self.max_length}: below the {self.min_loss_tokens} supervised tokens a sample "
+                "needs (2 x --block-size): every row would be dropped"
+            )
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"DataConfig.limit={self.limit}: must be >= 1")
         if self.num_proc is not None and self.num_proc < 1:

@@ -1,5 +1,6 @@
 """A/B of the real training loop: one spool built once, several variants of ``dflash-consume``'s flags, each
-in a fresh process, and the reference step, in one device call.
+in a fresh process, and the reference step at the preset's own shape (its REF_SHAPE: 32b, hybrid27b; a
+preset the reference has no shape for gets no ratio), in one device call.
 
 Why: a ``consumer_bench.py --mode trainer`` run prefills its own spool (37-45 s at 32B-class width) and
 compiles cold (57-76 s to the first step) before ~20 s of steps; four variants did not fit a 10-minute call.
@@ -41,7 +42,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_data import FillPlan, SpoolFiller, write_target_head  # noqa: E402
-from consumer_bench import LINEAR_ATTENTION, PRESETS, run_reference  # noqa: E402
+from consumer_bench import LINEAR_ATTENTION, PRESETS, REF_SHAPES, run_reference, vs_reference  # noqa: E402
 
 from dflash.common.drafter.layers import default_target_layer_ids
 from dflash.consumer.config import LogConfig, add_train_flags, train_config_from_args
@@ -159,6 +160,23 @@ def child(args: argparse.Namespace, flags: list[str]) -> None:
     Path(args.json).write_text(json.dumps(out))
 
 
+def reference_record(ref_dir: str, preset: str, context: int, anchors: int, timeout: float) -> dict:
+    """The reference step at the preset's own shape (REF_SHAPE), as ab.jsonl's "reference" record; a preset
+    the reference has no shape for, or a failed run, is a record saying so (then no variant gets a ratio)."""
+    if preset not in REF_SHAPES:
+        return {
+            "variant": "reference",
+            "skipped": f"the reference step has no {preset} shape ({', '.join(REF_SHAPES)}): no ratio",
+        }
+    try:
+        return {
+            "variant": "reference",
+            **run_reference(ref_dir, context, anchors, shape=preset, timeout=timeout),
+        }
+    except (RuntimeError, subprocess.TimeoutExpired) as err:
+        return {"variant": "reference", "shape": preset, "error": str(err)[-500:]}
+
+
 def fill_master(preset: str, *, root: Path, context: int, steps: int, producers: int) -> dict:
     """The master spool, written once by producer processes (every shard before any variant trains)."""
     from dflash.common.contract.spool import Spool
@@ -220,7 +238,11 @@ def main() -> None:
     p.add_argument("--anchors", type=int, default=256)
     p.add_argument("--device", default="cuda")
     p.add_argument("--producers", type=int, default=12)
-    p.add_argument("--reference", default=None, help="folder holding ref_consumer_step.py: run it first")
+    p.add_argument(
+        "--reference",
+        default=None,
+        help="folder holding ref_consumer_step.py: run it first, at the preset's shape (REF_SHAPE)",
+    )
     p.add_argument("--reference-timeout-s", type=int, default=120)
     p.add_argument("--variant-timeout-s", type=int, default=170)
     p.add_argument(
@@ -263,11 +285,9 @@ def main() -> None:
     os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
     ref = None
     if args.reference:
-        try:
-            got = run_reference(args.reference, args.context, args.anchors, timeout=args.reference_timeout_s)
-            ref = {"variant": "reference", **got}
-        except (RuntimeError, subprocess.TimeoutExpired) as err:
-            ref = {"variant": "reference", "error": str(err)[-500:]}
+        ref = reference_record(
+            args.reference, args.preset, args.context, args.anchors, args.reference_timeout_s
+        )
         record(ref)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="dflash-ab-"))
     target = workdir / f"target-{args.preset}"
@@ -350,8 +370,8 @@ def main() -> None:
             elif rc != 0:  # the variant's last words: its log holds the rest
                 tail = [line for line in (out / f"{name}.log").read_text().splitlines() if line.strip()]
                 rec["error"] = tail[-1][-300:] if tail else ""
-            if ref and ref.get("ms_per_step") and rec.get("ms_per_step_median"):
-                rec["vs_reference"] = round(ref["ms_per_step"] / rec["ms_per_step_median"], 3)
+            if (ratio := vs_reference(ref, rec)) is not None:
+                rec["vs_reference"] = ratio
             if rec.get("kernel_table"):
                 shutil.copy(rec["kernel_table"], out / f"{name}-kernels.txt")
             record(rec)

@@ -311,26 +311,56 @@ def visible_pairs(batch, block_size: int) -> float:
     return float(((batch.anchors - doc_start + block_size) * batch.anchor_valid).sum()) * block_size
 
 
-def run_reference(ref_dir: str, context: int, anchors: int, *, timeout: float = 600) -> dict:
-    """The reference step (../shared/bench/ref_consumer_step.py) in a subprocess on the same GPU."""
+REF_SHAPES = ("32b", "hybrid27b")
+"""The drafter shapes the reference step measures (its REF_SHAPE): a preset's ratio to the reference is a
+ratio only at the same shape."""
+
+
+def run_reference(
+    ref_dir: str, context: int, anchors: int, *, shape: str = "32b", timeout: float = 600
+) -> dict:
+    """The reference step (../shared/bench/ref_consumer_step.py) at ``shape`` (its REF_SHAPE) in a
+    subprocess on the same GPU. The shape it printed must be the one asked for: a copy of the script from
+    before REF_SHAPE measures 32b whatever it is told, and its figure is no reference for another shape."""
+    if shape not in REF_SHAPES:
+        raise ValueError(f"the reference step has no {shape} shape (it measures {', '.join(REF_SHAPES)})")
     script = Path(ref_dir) / "ref_consumer_step.py"
     proc = subprocess.run(
         [sys.executable, str(script), str(context), str(anchors)],
         capture_output=True,
         text=True,
         timeout=timeout,
+        env={**os.environ, "REF_SHAPE": shape},
     )
     out = proc.stdout + proc.stderr
     m = re.search(r"([\d.]+) ms/step, (\d+) TFLOP/s.*ctx tok/s (\d+)", out)
     first = re.search(r"first step s ([\d.]+)", out)
     if proc.returncode != 0 or m is None:
         raise RuntimeError(f"reference step failed (rc {proc.returncode}): {out[-2000:]}")
+    printed = re.search(r"shape (\S+) S=", out)
+    got = printed.group(1) if printed else "32b"  # the script before REF_SHAPE printed no shape
+    if got != shape:
+        raise RuntimeError(
+            f"reference step measured shape {got}, asked for {shape}: {script} predates REF_SHAPE "
+            "(copy ../shared/bench/ref_consumer_step.py again)"
+        )
     return {
+        "shape": shape,
         "ms_per_step": float(m.group(1)),
         "tflops": float(m.group(2)),
         "context_tok_s": int(m.group(3)),
         "first_step_s": float(first.group(1)) if first else None,
     }
+
+
+def vs_reference(ref: dict | None, run: dict, *, key: str = "ms_per_step_median") -> float | None:
+    """The run's speed-up over the reference step (reference ms / run ms), or None where there is no
+    reference figure or it was measured at another shape than the run's preset."""
+    if not ref or not ref.get("ms_per_step") or not run.get(key):
+        return None
+    if ref.get("shape", "32b") != run.get("preset"):
+        return None
+    return round(ref["ms_per_step"] / run[key], 3)
 
 
 def _steady_intervals(history: list[dict], *, from_step: int, save_steps: set[int]) -> tuple[list, list]:
@@ -690,6 +720,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=100, help="trainer mode: checkpoint period (0 = none)")
     p.add_argument("--reference", default=None, help="folder holding ref_consumer_step.py: run it first")
     p.add_argument(
+        "--reference-shape",
+        default="32b",
+        choices=REF_SHAPES,
+        help="the reference step's drafter shape (its REF_SHAPE); only a preset of this shape gets a ratio",
+    )
+    p.add_argument(
         "--workdir", default=None, help="trainer mode: target/checkpoint folder (default: a temp dir)"
     )
     p.add_argument("--producers", type=int, default=12, help="processes pre-filling the spool")
@@ -782,7 +818,9 @@ def main() -> None:
     args.workdir = args.workdir or tempfile.mkdtemp(prefix="dflash-bench-")
     results = []
     if args.reference:
-        ref = run_reference(args.reference, options["context_tokens"], options["num_anchors"])
+        ref = run_reference(
+            args.reference, options["context_tokens"], options["num_anchors"], shape=args.reference_shape
+        )
         ref = {"mode": "reference", **ref}
         print(json.dumps(ref), flush=True)
         results.append(ref)
@@ -790,8 +828,9 @@ def main() -> None:
     for preset in [] if args.mode == "reference" else args.preset or ["8b", "32b"]:
         for run_no, (precision, seed) in enumerate(runs):
             r = _run_one(args, options, preset, precision, seed, run_no)
-            if results and results[0]["mode"] == "reference" and "context_tok_s" in r:
-                r["vs_reference"] = round(r["context_tok_s"] / results[0]["context_tok_s"], 3)
+            ref = results[0] if results and results[0]["mode"] == "reference" else None
+            if ref and "context_tok_s" in r and ref.get("shape") == preset:  # a ratio at one shape only
+                r["vs_reference"] = round(r["context_tok_s"] / ref["context_tok_s"], 3)
             print(json.dumps({k: v for k, v in r.items() if k != "losses"}), flush=True)
             results.append(r)
             torch._dynamo.reset()

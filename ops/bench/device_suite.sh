@@ -14,13 +14,20 @@
 #   trainer32x3  the full-streams acceptance: the real Trainer, 32B-class, default flags, three runs (seeds 0-2:
 #              the same data, a fresh Trainer each, warm compile cache after the first), 150 measured steps
 #              each; the first run saves one background checkpoint (its last step's)
-#   learning   a learnable spool trained 500 steps with the default (mixed) and with amp (loss curves)
-#   ab         the 32B-class real loop, A/B (ops/bench/consumer_ab.py): the reference step, one spool filled
+#   learning   a learnable spool trained 500 steps with each of LEARN_PRECISIONS ("mixed amp") x LEARN_SEEDS ("0"),
+#              the loss curves in $OUT/learning.json
+#   ab         the 32B-class real loop, A/B (ops/bench/consumer_ab.py): the reference step (at the preset's
+#              shape: REF_SHAPE), one spool filled
 #              once, then each variant of dflash-consume flags in a fresh process on a hard-linked copy of
 #              it, sharing one inductor cache; 10 warm-up + 80 measured steps each, no saves. AB_VARIANTS
-#              ("NAME=FLAGS;NAME=FLAGS", default below) and AB_BUDGET (s, default 470) set it; run it ALONE
+#              ("NAME=FLAGS;NAME=FLAGS", default below), AB_BUDGET (s, default 470), AB_STEPS (80),
+#              AB_WARMUP (10), AB_MIN_VARIANT (s, 45: start no variant with less left) and AB_PRESET (32b;
+#              another preset writes $OUT/ab-<preset>/) set it; run it ALONE
 #              in a call (~8 min: setup 20 s, reference ~60, prefill ~35, the first variant ~110 with a cold
 #              compile, each later one ~50-70; results in $OUT/ab/ab.jsonl as each finishes)
+#   optim      the optimizer step alone at the drafter's width (ops/bench/optim_bench.py; OPTIM_PRESET, 32b;
+#              OPTIM_VARIANTS; OPTIM_LIMIT s, 120): ms per step, bytes per parameter, TB/s per precision;
+#              not in `all`; ao8bit needs torchao in .whl (wheels.sh torchao)
 #   gpusel     the GPU tests of the loss, optimizer and attention kernels only (liger loss kernel vs the torch row pass, compiled
 #              MasterAdamW, flex vs SDPA incl. sliding; liger-kernel in .whl)
 #   producer   the producer's runbook, in this order (~8 min on one H200 from cold compile caches; to
@@ -111,16 +118,26 @@ if want trainer32x3; then
     --seed 0 --seed 1 --seed 2
 fi
 if [[ "$parts" == *" ab "* ]]; then  # never part of `all`: it takes a whole call
-  echo "== consumer A/B: reference, one spool, a fresh process per variant"
+  abp=${AB_PRESET:-32b}; abdir=ab; [[ "$abp" != 32b ]] && abdir=ab-$abp
+  echo "== consumer A/B ($abp): reference at the same shape, one spool, a fresh process per variant"
   IFS=';' read -ra ab <<< "${AB_VARIANTS:-default=--profile-steps 1:5;old-defaults=--gc-mode python --no-expandable-segments;liger=--loss-impl liger;mixed=--precision mixed}"
   args=(); for v in "${ab[@]}"; do args+=(--variant "$v"); done
-  timeout -k 10 "$(( ${AB_BUDGET:-470} + 20 ))" python3 ops/bench/consumer_ab.py --preset 32b --reference .bench/ref \
-    --out "$OUT/ab" --workdir /tmp/bench-work --budget-s "${AB_BUDGET:-470}" "${args[@]}" > "$OUT/ab.log" 2>&1
-  echo "exit $?"; grep -E '^\{|^\|' "$OUT/ab.log" | cut -c1-2500
+  timeout -k 10 "$(( ${AB_BUDGET:-470} + 20 ))" python3 ops/bench/consumer_ab.py --preset "$abp" --reference .bench/ref \
+    --steps "${AB_STEPS:-80}" --warmup "${AB_WARMUP:-10}" --out "$OUT/$abdir" --workdir /tmp/bench-work \
+    --budget-s "${AB_BUDGET:-470}" --min-variant-s "${AB_MIN_VARIANT:-45}" "${args[@]}" > "$OUT/$abdir.log" 2>&1
+  echo "exit $?"; grep -E '^\{|^\|' "$OUT/$abdir.log" | cut -c1-2500
+fi
+if [[ "$parts" == *" optim "* ]]; then  # not in `all`: the optimizer step alone per precision (~1 min)
+  echo "== the optimizer step alone (${OPTIM_PRESET:-32b}): ms, bytes per parameter, TB/s"
+  timeout -k 10 "${OPTIM_LIMIT:-120}" python3 ops/bench/optim_bench.py --preset "${OPTIM_PRESET:-32b}" --out "$OUT" \
+    --variants "${OPTIM_VARIANTS:-amp,mixed,bf16sr,bf16sr-fp32m,bf16,ao8bit}" > "$OUT/optim.log" 2>&1
+  echo "exit $?"; grep '^{' "$OUT/optim.log" | cut -c1-400
 fi
 if want trainer8; then bench trainer8 --mode trainer --preset 8b --steps "${TRAINER8_STEPS:-200}"; fi
 if want learning; then
-  bench learning --mode learning --preset small --steps 500 --warmup 0 --context-tokens 2048 --num-anchors 128 --precision mixed --precision amp
+  lp=(); for x in ${LEARN_PRECISIONS:-mixed amp}; do lp+=(--precision "$x"); done
+  for x in ${LEARN_SEEDS:-0}; do lp+=(--seed "$x"); done
+  bench learning --mode learning --preset small --steps 500 --warmup 0 --context-tokens 2048 --num-anchors 128 "${lp[@]}"
 fi
 if want gpusel; then
   echo "== GPU tests of the loss, optimizer and attention kernels"
@@ -178,7 +195,7 @@ if want plan; then
   # pipeline_bench, consumer_bench (trainer8, trainer32, trainer32x3) and consumer_ab (ab/ab.jsonl); a shape
   # that lacks one is a line of the plan, not planned
   files=$(ls "$OUT"/pipeline/pipeline_bench_*.json "$OUT"/pipeline_bench_*.json "$OUT"/producer_bench_*.json \
-    "$OUT"/trainer*.json "$OUT"/ab/ab.jsonl 2>/dev/null | paste -sd, -)
+    "$OUT"/trainer*.json "$OUT"/ab*/ab.jsonl 2>/dev/null | paste -sd, -)
   dflash-plan --gpus 8 --bench "$files" --json > "$OUT/plan.json" 2> "$OUT/plan.err" || cat "$OUT/plan.err"
   dflash-plan --gpus 8 --bench "$files" 2>&1 | tail -8
 fi

@@ -253,22 +253,42 @@ def _consumer_rates(run_dir: Path) -> dict:
         "checkpoint_stall_s": end.get("last_save_stall_s"),
         "recompiles": end.get("recompiles_after_warmup"),
         "last_step_time": ledger[-1]["time"] if ledger else None,
+        "first_interval_time": steps[0]["time"] if steps else None,  # compiled, in steady work
         "gpu_max_mem_gb": max((r.get("mem_gb") or 0) * 2**30 / 1e9 for r in steps) if steps else None,
         "gpu_peak_mem": _flat([{"gb": r["mem_gb"] * 2**30 / 1e9} for r in steps if "mem_gb" in r], "gb"),
     }
 
 
-def _flat(series: list[dict], key: str) -> dict | None:
-    pts = [r[key] for r in series if r.get(key)]
+def _flat(series: list[dict], key: str, since: float | None = None) -> dict | None:
+    """Memory flat over the process's steady work: the mean of the last fifth of the samples from ``since``
+    (epoch seconds: a producer's first production, a consumer's first logged interval) within 5 % + 0.5 GB
+    of the first fifth's. Samples before ``since`` are the process loading its target and compiling, its
+    memory rising from the CUDA context's to the steady figure (a consumer waiting for its first shard sits
+    at the context's): judged with them, every process read as growing (``before_gb``: their mean)."""
+    pts = [r[key] for r in series if r.get(key) and (since is None or r.get("time", since) >= since)]
     if len(pts) < 5:
         return None
     k = max(1, len(pts) // 5)
     first, last = float(np.mean(pts[:k])), float(np.mean(pts[-k:]))
-    return {
+    out = {
         "max_gb": max(pts),
         "first_fifth_gb": round(first, 3),
         "last_fifth_gb": round(last, 3),
         "flat": last <= 1.05 * first + 0.5,
+    }
+    if since is not None:
+        before = [r[key] for r in series if r.get(key) and r.get("time", since) < since]
+        out["steady_from_s"] = round(since - series[0].get("time", since), 1) if series else None
+        out["before_gb"] = round(float(np.mean(before)), 3) if before else None
+    return out
+
+
+def steady_memory(series: list[dict], starts: dict[str, float | None]) -> dict[str, dict | None]:
+    """{"<process>_gb": _flat} for each process in the series, each from its own steady start (``starts``:
+    "producer" and "consumer", epoch seconds; every consumerN from the consumer's)."""
+    keys = [k for k in (series[0] if series else {}) if k.endswith("_gb") and k != "spool_gb"]
+    return {
+        k: _flat(series, k, starts.get("producer" if k.startswith("producer") else "consumer")) for k in keys
     }
 
 
@@ -287,7 +307,9 @@ def run_phases(args) -> dict:
             "series": series,
             **_producer_rates(args.run_root / "run-producer"),
         }
-        res["phases"]["producer"]["memory"] = _flat(series, "producer_gb")
+        res["phases"]["producer"]["memory"] = _flat(
+            series, "producer_gb", res["phases"]["producer"]["start_time"]
+        )
     # the producers' own tokenization (a datasets cache lookup, but seconds of imports): beside the next phase
     pending = ThreadPoolExecutor(1).submit(eligible_samples, args, args.target, args.dataset)
     if "consumer" in args.phases:
@@ -302,7 +324,7 @@ def run_phases(args) -> dict:
             **_consumer_rates(args.run_root / "run-consumer"),
         }
         ph["ledger"] = ledger_audit(args.run_root / "run-consumer" / "metrics", pending.result())
-        ph["memory"] = _flat(series, "consumer0_gb")
+        ph["memory"] = _flat(series, "consumer0_gb", ph["first_interval_time"])
     if "together" in args.phases:
         jobs = {"producer": (_produce_cmd(args, spool_b, args.run_root / "run-together"), {})}
         for r, j in enumerate(_consume_cmds(args, spool_b, args.run_root / "run-together", args.checkpoint)):
@@ -320,10 +342,8 @@ def run_phases(args) -> dict:
         }
         ph["trained_tok_s"] = cons["tokens"] / max(cons["last_step_time"] - prod["start_time"], 1e-9)
         ph["ledger"] = ledger_audit(args.run_root / "run-together" / "metrics", pending.result())
-        ph["memory"] = (
-            {k: _flat(series, k) for k in series[0] if k.endswith("_gb") and k != "spool_gb"}
-            if series
-            else {}
+        ph["memory"] = steady_memory(
+            series, {"producer": prod["start_time"], "consumer": cons["first_interval_time"]}
         )
     return res
 

@@ -65,7 +65,8 @@ class Sampler(threading.Thread):
 
     def run(self) -> None:
         while not self._halt.wait(self.every_s):
-            rec: dict = {"t": round(time.time() - self.t0, 2)}
+            now = time.time()  # "time" (epoch) lines the samples up with the processes' own metrics
+            rec: dict = {"t": round(now - self.t0, 2), "time": round(now, 2)}
             if self.spool.is_dir():
                 stats = Spool(self.spool, create=False).stats()["states"]
                 rec.update(

@@ -19,10 +19,12 @@ import argparse
 import json
 import logging
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
-from dflash.common.cli.exits import fail
+from dflash.common.cli.exits import EXIT_USAGE, fail, print_error
 from dflash.common.cli.flags import add_flags, flag, from_args
 from dflash.common.cli.help import DefaultsHelpFormatter
 from dflash.common.metrics import format_rate
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 
 PROG = "dflash-plan"
 THROTTLE_NOTE_RATIO = 0.85  # measured totals closer than this: one side was probably throttled
+RATE_FLAGS = {"producer_tok_s": "--producer-tok-s", "consumer_tok_s": "--consumer-tok-s"}
 
 
 @dataclass(kw_only=True)
@@ -148,7 +151,16 @@ def render_shapes(plans: list[dict], base: PlanConfig) -> str:
 # ---- CLI ---------------------------------------------------------------------------------------------
 
 
-def render(cfg: PlanConfig, splits: list[Split], best: Split, measured: MeasuredRates | None) -> str:
+def render(
+    cfg: PlanConfig,
+    splits: list[Split],
+    best: Split,
+    measured: MeasuredRates | None,
+    given: dict[str, float | None] | None = None,
+) -> str:
+    """The plan as text: what was measured, the inputs used (a flag that overrode a measured rate named
+    with both values), the best split and every alternative."""
+    given = given or {}
     lines = []
     if measured is not None:
         lines.append(
@@ -173,6 +185,13 @@ def render(cfg: PlanConfig, splits: list[Split], best: Split, measured: Measured
         f"inputs: {cfg.num_gpus} GPUs/node x {cfg.nodes} node(s); per GPU: producer {format_rate(cfg.producer_tok_s)} "
         f"tok/s, consumer {format_rate(cfg.consumer_tok_s)} tok/s; DDP efficiency {cfg.ddp_efficiency:g} per doubling"
     )
+    for key, flag_name in RATE_FLAGS.items():  # a flag over a measured rate: both said
+        was = getattr(measured, key) if measured is not None else None
+        if was is not None and given.get(key) is not None:
+            lines.append(
+                f"  {key.split('_')[0]} rate {format_rate(given[key])} tok/s from {flag_name}, "
+                f"not the {format_rate(was)} tok/s measured"
+            )
     lines.append(
         f"best: {best.producers} producers + {best.consumers} consumers per node -> "
         f"{format_rate(best.end_to_end_tok_s)} tok/s end-to-end (bottleneck: {best.bottleneck})"
@@ -255,34 +274,79 @@ def main(argv: list[str] | None = None) -> None:
             )
         )
     else:
-        print(render(cfg, splits, best, measured))
+        given = {k: getattr(args, k) for k in RATE_FLAGS}
+        print(render(cfg, splits, best, measured, given))
+
+
+def apply_given_rates(shapes: dict[str, dict[str, float]], given: dict[str, float]) -> list[str]:
+    """Set each given rate (a flag) on every shape, and say so per flag: which shapes' measured rate it
+    replaces (with the measured value) and which shapes had none. A flag that silently replaced a
+    measured figure would make a plan nobody measured."""
+    lines = []
+    for key, value in given.items():
+        replaced = [f"{s} ({format_rate(r[key])})" for s, r in sorted(shapes.items()) if key in r]
+        added = [s for s, r in sorted(shapes.items()) if key not in r]
+        parts = (
+            [f"replaces the measured {key.split('_')[0]} rate of {', '.join(replaced)}"] if replaced else []
+        )
+        parts += [f"gives {', '.join(added)} one (none measured)"] if added else []
+        lines.append(
+            f"{RATE_FLAGS[key]} {format_rate(value)} tok/s used for every shape"
+            + (f": {'; '.join(parts)}" if parts else "")
+        )
+        for rates in shapes.values():
+            rates[key] = value
+    return lines
+
+
+def _fail_with(lines: list[str], message: object) -> NoReturn:
+    """Exit 2: the one error line, then the lines said so far (the files ignored, the shapes not
+    planned), each on its own line, so what led to the error survives it."""
+    print_error(PROG, message)
+    for line in lines:
+        print(f"  {line}", file=sys.stderr)
+    sys.exit(EXIT_USAGE)
 
 
 def _main_bench(args) -> None:
     """``--bench``: a plan per shape from measured benchmark figures (flags --producer-tok-s /
-    --consumer-tok-s, when given, apply to every shape). A shape that lacks a rate, or a file that holds
-    none, is one line; exit 2 (one line) only when no shape could be planned."""
+    --consumer-tok-s, when given, apply to every shape, said per shape). What it used is said: the files
+    and what each gave, the flags and which shapes they overrode. A shape that lacks a rate, or a file that
+    holds none, is one line; exit 2 only when no shape could be planned (the error line, then those
+    lines)."""
     notes: list[str] = []
+    used: list[str] = []
+    paths = [p for p in args.bench.split(",") if p.strip()]
     try:
-        shapes = read_bench_figures([p for p in args.bench.split(",") if p.strip()], notes)
-        given = {k: v for k in ("producer_tok_s", "consumer_tok_s") if (v := getattr(args, k)) is not None}
-        for rates in shapes.values():
-            rates.update(given)
+        shapes = read_bench_figures(paths, notes, used)
+        given = {k: v for k in RATE_FLAGS if (v := getattr(args, k)) is not None}
+        overrides = apply_given_rates(shapes, given)
         base = from_args(PlanConfig, args, producer_tok_s=1.0, consumer_tok_s=1.0)
         plans, missing = plan_shapes(shapes, base)
-        if not plans:
-            why = "; ".join(missing) if missing else "no rate in the --bench files"
-            raise ValueError(f"no shape could be planned: {why}")
     except ValueError as e:
-        fail(PROG, e)
+        _fail_with(notes, e)
+    if not plans:
+        many = len(paths) != 1
+        what = f"{len(paths)} --bench file{'s' if many else ''}"
+        why = "" if missing else f": no rate in {'them' if many else 'it'}"
+        _fail_with(missing + notes, f"no shape could be planned from {what}{why or ':'}")
     if args.json:
         print(
             json.dumps(
-                {"config": asdict(base), "plans": plans, "not_planned": missing, "notes": notes}, indent=2
+                {
+                    "config": asdict(base),
+                    "plans": plans,
+                    "not_planned": missing,
+                    "rates_from": used,
+                    "given": overrides,
+                    "notes": notes,
+                },
+                indent=2,
             )
         )
         return
-    print("\n".join([render_shapes(plans, base), *(f"  {line}" for line in missing + notes)]))
+    said = ["rates from:", *(f"  {line}" for line in used + overrides)]
+    print("\n".join([*said, render_shapes(plans, base), *(f"  {line}" for line in missing + notes)]))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ left out), ``ops/bench/producer_bench.py`` results (its shipped producer's rate,
 precision) and ``ops/bench/consumer_ab.py``'s ab.jsonl (the variant of dflash-consume's default flags); a
 later file overrides an earlier one's figure for the same shape. Every shape with both rates gets its own
 plan: the split of a node and the predicted node tok/s (``nodes`` = 1: the node); a shape that lacks one
-says which and which bench measures it.
+says which and which bench measures it. The plan names what it used: each file with the shapes and sides it
+gave, a file that gave none with why, a later file's figure over an earlier one's with both.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dflash.common.metrics import read_run_metrics
+from dflash.common.cli.exits import one_line
+from dflash.common.metrics import format_rate, read_run_metrics
 from dflash.consumer.config import OptimConfig
 
 DEFAULT_DDP_EFFICIENCY = 0.95
@@ -173,11 +175,16 @@ BENCH_OF = {
 """Which benchmark measures each rate (a shape that lacks one says so)."""
 
 
-def read_bench_figures(paths: list[str], notes: list[str] | None = None) -> dict[str, dict[str, float]]:
+def read_bench_figures(
+    paths: list[str], notes: list[str] | None = None, used: list[str] | None = None
+) -> dict[str, dict[str, float]]:
     """{shape: {"producer_tok_s", "consumer_tok_s"}} per GPU from the benchmarks' files (module docstring):
     pipeline_bench and producer_bench JSON, consumer_bench ``--json`` output, consumer_ab's ab.jsonl. A
-    file that cannot be read raises ValueError naming it; one that holds no rate is a line in ``notes``."""
+    file that cannot be read raises ValueError naming it (``notes`` keeps what the earlier files said).
+    ``used`` gets a line per file that gave rates (which shapes, which sides); ``notes`` a line per file
+    that gave none (why) and per figure a later file replaced (both values, both files)."""
     shapes: dict[str, dict[str, float]] = {}
+    origin: dict[tuple[str, str], str] = {}
     for path in paths:
         text = _read(path)
         try:
@@ -189,15 +196,57 @@ def read_bench_figures(paths: list[str], notes: list[str] | None = None) -> dict
                 raise ValueError(
                     f"--bench {path}: cannot read a benchmark JSON (JSONDecodeError: {err})"
                 ) from None
+        if isinstance(res, dict) and ("variant" in res or "mode" in res):
+            res = [res]  # an ab.jsonl / consumer_bench list of one record reads as one JSON object
         found = _figures(res) if isinstance(res, dict) else _consumer_rates(res)
-        for shape, rates in found.items():
-            shapes.setdefault(shape, {}).update(rates)
-        if not found and notes is not None:
-            notes.append(
-                f"--bench {path}: no producer or consumer rate in it (not a pipeline_bench, producer_bench, "
-                "consumer_bench or consumer_ab result), ignored"
+        for shape, rates in sorted(found.items()):
+            have = shapes.setdefault(shape, {})
+            for k, v in rates.items():
+                if k in have and have[k] != v and notes is not None:
+                    notes.append(
+                        f"--bench {path}: shape {shape} {_side(k)} rate {format_rate(v)} tok/s replaces "
+                        f"{format_rate(have[k])} tok/s from {origin[shape, k]}"
+                    )
+                have[k], origin[shape, k] = v, path
+        if found and used is not None:
+            gave = ", ".join(
+                f"{shape} {' + '.join(_side(k) for k in sorted(rates, reverse=True))}"
+                for shape, rates in sorted(found.items())
             )
+            used.append(f"{path}: {gave}")
+        if not found and notes is not None:
+            notes.append(f"--bench {path}: {_why_no_rate(res)}, ignored")
     return shapes
+
+
+def _side(key: str) -> str:
+    """ "producer_tok_s" -> "producer"."""
+    return key.split("_")[0]
+
+
+def _why_no_rate(res: Any) -> str:
+    """Why a benchmark file gave no rate, in the words of the bench that wrote it: a consumer_ab result
+    without a measured default variant, a consumer_bench result without a trainer-mode run, or a file of
+    none of the benches."""
+    recs = [r for r in res if isinstance(r, dict)] if isinstance(res, list) else []
+    variants = [r for r in recs if "variant" in r and r["variant"] not in ("reference", "prefill")]
+    if variants:
+        default = [r for r in variants if r["variant"] == "default" or r.get("flags") == ""]
+        if default:
+            r = default[-1]
+            why = r.get("error") or ("skipped" if r.get("skipped") else "no tokens/s in its record")
+            return (
+                f"a consumer_ab result whose default-flags variant {r['variant']!r} measured no rate "
+                f"({one_line(why)})"
+            )
+        names = ", ".join(dict.fromkeys(str(r["variant"]) for r in variants))
+        return (
+            f"a consumer_ab result without the default flags' variant (it has {names}; the consumer rate "
+            "is the variant named default or with empty flags, e.g. --variant default=)"
+        )
+    if any("mode" in r for r in recs):
+        return "a consumer_bench result without a trainer-mode run (the rate is --mode trainer's)"
+    return "no producer or consumer rate in it (not a pipeline_bench, producer_bench, consumer_bench or consumer_ab result)"
 
 
 def _read(path: str) -> str:
@@ -233,7 +282,8 @@ def _consumer_rates(records: list) -> dict[str, dict[str, float]]:
     """One consumer GPU's real tokens/s per preset from consumer_bench's ``--json`` list (its trainer-mode
     runs: the real Trainer over a real spool) or consumer_ab's records (the variant of dflash-consume's
     default flags). Runs in another precision than the default one of their device (a bf16 sweep) are
-    left out when a default one is there; several runs of a preset (seeds) give their median."""
+    left out when a default one is there; several runs of a preset (seeds) give their median (an A/B of
+    other flags only gives no rate: ``_why_no_rate`` says so)."""
     runs: dict[str, list[dict]] = {}
     for r in records:
         if not isinstance(r, dict) or not r.get("preset") or r.get("error") or r.get("skipped"):

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         # main() called from Python (a test) leaves its caller as it was
         signal.signal(signal.SIGTERM, previous)
-    if code == EXIT_INTERRUPTED:  # requests still in flight would hold the exit up to --timeout-s
+    if code == EXIT_INTERRUPTED:  # a batch being generated here (its pool's threads) would hold the exit
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

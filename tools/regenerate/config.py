@@ -43,8 +43,10 @@ class RegenerateConfig:
     model: str | None = field(default=None, metadata=flag(metavar="PATH"))
     """the target (folder or hub id), run here with transformers generate (or --endpoint)"""
     endpoint: str | None = field(default=None, metadata=flag(metavar="URL"))
-    """an OpenAI-compatible server running the target (vLLM, SGLang, transformers serve), e.g.
-    http://127.0.0.1:8000/v1 (or --model)"""
+    """an OpenAI-compatible server running the target (vLLM, SGLang, transformers serve): the base URL
+    the API paths (/models, /completions) go under, used as given, e.g. http://127.0.0.1:8000/v1 or a
+    gateway's https://host/openai/v2; a bare server address (http://127.0.0.1:8000) gets /v1 (or
+    --model)"""
     dataset: str
     """chat rows in any format dflash-produce reads: hub name, .json/.jsonl/.parquet/.arrow file or folder,
     or save_to_disk folder"""
@@ -96,8 +98,13 @@ class RegenerateConfig:
     """with --endpoint: the wait before the first retry (doubling after each)"""
     timeout_s: float = 600.0
     """with --endpoint: seconds one request may take"""
+    max_connection_failures: int = field(default=32, metadata=flag(metavar="N"))
+    """with --endpoint: stop the run (exit 1, one line naming the endpoint; the same command continues)
+    after this many tries in a row got no answer from the server: connection refused, reset or cut
+    short, no answer within --timeout-s, HTTP 502 or 504. A dead server stops the run within seconds, a
+    hanging one within about ceil(N / --concurrency) x --timeout-s"""
     progress_s: float = 10.0
-    """seconds between progress lines"""
+    """seconds between progress lines (kept while turns are out, however long they take)"""
 
     def __post_init__(self) -> None:
         check_choices(self)
@@ -105,7 +112,7 @@ class RegenerateConfig:
             raise ValueError("give exactly one of --model PATH or --endpoint URL")
         if not self.out:
             raise ValueError("--out must not be empty")
-        for name in ("max_new_tokens", "batch_size", "concurrency"):
+        for name in ("max_new_tokens", "batch_size", "concurrency", "max_connection_failures"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.limit is not None and self.limit < 1:

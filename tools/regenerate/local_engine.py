@@ -21,13 +21,10 @@ from dflash.common.target.checks import check_target
 from dflash.common.target.loading import load_target
 from dflash.producer.launch import parse_gpus
 from dflash.tools.regenerate.config import RegenerateConfig
+from dflash.tools.regenerate.engine import BatchEngine, EngineError
 from dflash.tools.regenerate.reply import Reply, Request, TemplateError, opens_think, render_prompt
 
 log = logging.getLogger(__name__)
-
-
-class EngineError(ValueError):
-    """The engine cannot start (a user error: a missing model, a GPU not there, no chat template)."""
 
 
 def devices_of(spec: str) -> list[str]:
@@ -49,8 +46,9 @@ def devices_of(spec: str) -> list[str]:
     return [f"cuda:{i}" for _, i in devices]
 
 
-class LocalEngine:
-    """``complete(requests) -> replies`` on the target loaded here (module docstring)."""
+class LocalEngine(BatchEngine):
+    """``complete(requests) -> replies`` on the target loaded here (module docstring), on a thread of its
+    own (BatchEngine): the turns due while a batch generates make the next one."""
 
     def __init__(self, cfg: RegenerateConfig):
         self.cfg = cfg

@@ -1,7 +1,9 @@
-"""``dflash-regenerate``: every row's assistant turns written again by the target, windows of rows at a
-time, turn by turn within a window (the first answer of every row, then the second, ...), so an engine
-always has a window's worth of independent requests to batch or keep in flight, and each row is written as
-soon as its last turn is in.
+"""``dflash-regenerate``: every row's assistant turns written again by the target, turn by turn, with up
+to the engine's ``window`` rows worked on at once (engine.py): each row's next turn is asked as soon as its
+last answer is in, each row is written the moment its last turn is in (not when the turns of the other
+rows are), and a new row takes a finished one's place, so an engine always has a window's worth of
+independent requests to batch or keep in flight. The answers are waited for with the progress line's
+clock: a line every ``--progress-s``, however long a turn takes.
 
 Accounting: every input row ends in exactly one of the output (regenerated), the skipped file (a shape the
 producer cannot read, a template that raises, or with ``--on-length drop`` a cut turn) or this run's
@@ -24,9 +26,10 @@ from dflash.common.target.data import DataError
 from dflash.tools.regenerate.config import PROG, SETTINGS, RegenerateConfig
 from dflash.tools.regenerate.dialogue import Dialogue
 from dflash.tools.regenerate.endpoint_engine import EndpointEngine
+from dflash.tools.regenerate.engine import EngineDown, EngineError
 from dflash.tools.regenerate.ledger import Ledger, LedgerError
-from dflash.tools.regenerate.local_engine import EngineError, LocalEngine
-from dflash.tools.regenerate.reply import assistant_message
+from dflash.tools.regenerate.local_engine import LocalEngine
+from dflash.tools.regenerate.reply import Reply, Request, assistant_message
 from dflash.tools.regenerate.rows import SourceRow, output_row, read_rows
 
 log = logging.getLogger(__name__)
@@ -51,6 +54,10 @@ class Tally:
     def done(self) -> int:
         return self.regenerated + self.failed + sum(self.skipped.values())
 
+    def until_line(self) -> float:
+        """Seconds until the next progress line is due (the longest wait for an answer)."""
+        return max(0.0, self.last_line + self.progress_s - time.monotonic())
+
     def maybe_log(self) -> None:
         now = time.monotonic()
         if now - self.last_line < self.progress_s:
@@ -73,9 +80,8 @@ class Tally:
         )
 
 
-def _windows(rows: Iterator[SourceRow], ledger: Ledger, tally: Tally, size: int) -> Iterator[list[SourceRow]]:
-    """The rows still to do, ``size`` at a time; rows that cannot be asked are written as skipped here."""
-    window: list[SourceRow] = []
+def _to_ask(rows: Iterator[SourceRow], ledger: Ledger, tally: Tally) -> Iterator[SourceRow]:
+    """The rows still to do; rows that cannot be asked are written as skipped here."""
     for row in rows:
         if ledger.settled(row.index):
             continue
@@ -83,49 +89,74 @@ def _windows(rows: Iterator[SourceRow], ledger: Ledger, tally: Tally, size: int)
             ledger.write_skip(row.index, row.reason)
             tally.skipped[row.reason] += 1
             continue
-        window.append(row)
-        if len(window) == size:
-            yield window
-            window = []
-    if window:
-        yield window
+        yield row
 
 
-def _run_window(cfg: RegenerateConfig, engine, window: list[SourceRow], ledger: Ledger, tally: Tally) -> None:
-    """Turn by turn over the window's rows until each is written, skipped or failed."""
-    live = {row.index: (row, Dialogue(row.messages or [], row.tools)) for row in window}
-    while live:
-        asks = []
-        for index, (row, dialogue) in list(live.items()):
-            request = dialogue.next_request()
-            if request is None:  # every turn answered: the row is finished
-                ledger.write_row(output_row(row, dialogue.out, dialogue.record()))
-                tally.regenerated += 1
-                tally.cut_kept += "length" in dialogue.finish
-                tally.truncated += dialogue.truncated
-                del live[index]
+class _Rows:
+    """The rows being worked on (key: row index): each with its dialogue and its turn out at the engine."""
+
+    def __init__(self, cfg: RegenerateConfig, ledger: Ledger, tally: Tally):
+        self.cfg, self.ledger, self.tally = cfg, ledger, tally
+        self.live: dict[int, tuple[SourceRow, Dialogue, Request]] = {}
+
+    def start(self, row: SourceRow, due: list) -> None:
+        self._next(row, Dialogue(row.messages or [], row.tools), due)
+
+    def _next(self, row: SourceRow, dialogue: Dialogue, due: list) -> None:
+        """Its next turn goes to ``due``; with every turn answered, the row is written now."""
+        request = dialogue.next_request()
+        if request is None:
+            self.ledger.write_row(output_row(row, dialogue.out, dialogue.record()))
+            self.tally.regenerated += 1
+            self.tally.cut_kept += "length" in dialogue.finish
+            self.tally.truncated += dialogue.truncated
+            self.live.pop(row.index, None)
+            return
+        self.live[row.index] = (row, dialogue, request)
+        due.append((row.index, request))
+
+    def answered(self, index: int, reply: Reply, due: list) -> None:
+        row, dialogue, request = self.live.pop(index)
+        cfg, tally = self.cfg, self.tally
+        tally.tokens += reply.tokens
+        if reply.error is not None:
+            self.ledger.write_error(index, reply.error, row.fields)
+            tally.failed += 1
+        elif reply.skip is not None or (reply.finish == "length" and cfg.on_length == "drop"):
+            reason = reply.skip or f"a turn hit --max-new-tokens {cfg.max_new_tokens}"
+            self.ledger.write_skip(index, reason)
+            tally.skipped[reason] += 1
+        else:
+            message = reply.message or assistant_message(
+                reply.text or "", opened_think=reply.opened_think, tools=bool(request.tools)
+            )
+            dialogue.accept(message, reply.finish, reply.tokens)
+            self._next(row, dialogue, due)
+
+
+def regenerate(
+    cfg: RegenerateConfig, engine, rows: Iterator[SourceRow], ledger: Ledger, tally: Tally
+) -> None:
+    """Every row of ``rows`` written, skipped or failed (module docstring); ``engine`` as engine.py has
+    it. Raises EngineDown when the engine cannot go on, KeyboardInterrupt on Ctrl-C: the rows written by
+    then are whole lines of the output."""
+    todo = _to_ask(rows, ledger, tally)
+    work = _Rows(cfg, ledger, tally)
+    more, due = True, []
+    while True:
+        while more and len(work.live) < engine.window:  # new rows take the finished ones' places
+            row = next(todo, None)
+            if row is None:
+                more = False
             else:
-                asks.append((index, request))
-        if not asks:
+                work.start(row, due)
+        if due:  # one submit of all that is due: a batching engine batches it together
+            engine.submit(due)
+            due = []
+        if not work.live:
             break
-        replies = engine.complete([request for _, request in asks])
-        for (index, request), reply in zip(asks, replies, strict=True):
-            row, dialogue = live[index]
-            tally.tokens += reply.tokens
-            if reply.error is not None:
-                ledger.write_error(index, reply.error, row.fields)
-                tally.failed += 1
-                del live[index]
-            elif reply.skip is not None or (reply.finish == "length" and cfg.on_length == "drop"):
-                reason = reply.skip or f"a turn hit --max-new-tokens {cfg.max_new_tokens}"
-                ledger.write_skip(index, reason)
-                tally.skipped[reason] += 1
-                del live[index]
-            else:
-                message = reply.message or assistant_message(
-                    reply.text or "", opened_think=reply.opened_think, tools=bool(request.tools)
-                )
-                dialogue.accept(message, reply.finish, reply.tokens)
+        for index, reply in engine.next_results(timeout=tally.until_line()):
+            work.answered(index, reply, due)
         tally.maybe_log()
 
 
@@ -196,10 +227,15 @@ def run(cfg: RegenerateConfig) -> int:
         if todo:
             log.info("%d of %d rows to regenerate into %s", todo, total, cfg.out)
             engine = open_engine(cfg)
-            for window in _windows(rows, ledger, tally, engine.window):
-                _run_window(cfg, engine, window, ledger, tally)
+            try:
+                regenerate(cfg, engine, rows, ledger, tally)
+            finally:
+                engine.close()
     except EngineError as err:
         fail(PROG, err)
+    except EngineDown as err:
+        print_error(PROG, f"{err}; stopped: {accounting(tally, ledger)}; the same command continues")
+        return EXIT_FAILURE
     except KeyboardInterrupt:
         print(f"stopped: {accounting(tally, ledger)}; the same command continues", flush=True)
         return EXIT_INTERRUPTED

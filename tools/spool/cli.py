@@ -3,7 +3,8 @@
     dflash-spool stats DIR [--json]     shards and bytes per state x bucket, claims per consumer,
                                         process heartbeats with their counters and rates, DONE producers
     dflash-spool inspect SHARD [--json] a shard's metadata, sample/token counts, codec, bytes on disk
-                                        and compression ratio (raw array bytes / bytes on disk)
+                                        and compression ratio (raw bytes with the hidden states as bf16
+                                        / bytes on disk; an FP8 shard's ratio as stored beside it)
 
     dflash-spool prepare DIR --run NAME [--fresh]
                                         before a launch (ops/run_all.sh, holding the spool's launch lock):

@@ -112,7 +112,8 @@ def shard_info(path: str) -> dict[str, Any]:
     if not p.exists():
         raise UserError(f"{path}: no such shard")
     # zarr only for `inspect`: `stats` and `prepare` answer without it
-    from dflash.common.contract.shard import ShardFormatError
+    from dflash.common.contract.hidden_fp8 import FP8_NAME
+    from dflash.common.contract.shard import SCALES_ARRAY, ShardFormatError
     from dflash.common.contract.shard_reader import read_shard_meta
 
     try:
@@ -129,6 +130,13 @@ def shard_info(path: str) -> dict[str, Any]:
         a["disk_bytes"] = tree_bytes(p / name)
         raw_total += raw
     disk = int(meta["nbytes"])
+    # An FP8 shard stores its hidden states as e4m3 bytes plus scales: the ratio a user compares across
+    # codecs is against the bf16 the target computed them in (what a bf16 shard's raw bytes are).
+    fp8 = meta.get("hidden_dtype") == FP8_NAME and "hidden" in arrays
+    bf16_total = raw_total
+    if fp8:
+        scales = arrays.get(SCALES_ARRAY, {}).get("raw_bytes", 0)
+        bf16_total += math.prod(arrays["hidden"]["shape"]) * 2 - arrays["hidden"]["raw_bytes"] - scales
     return {
         "path": str(p.absolute()),
         "meta": {k: v for k, v in meta.items() if k not in ("arrays", "nbytes")},
@@ -138,7 +146,10 @@ def shard_info(path: str) -> dict[str, Any]:
         "codec": meta.get("codec"),
         "raw_bytes": raw_total,
         "disk_bytes": disk,
-        "compression_ratio": raw_total / disk if disk else None,
+        "bf16_bytes": bf16_total,
+        "compression_ratio": bf16_total / disk if disk else None,
+        "stored_ratio": raw_total / disk if disk else None,
+        "fp8": fp8,
     }
 
 
@@ -156,10 +167,17 @@ def format_inspect(info: dict[str, Any]) -> str:
         f"shard {info['path']}",
         *(f"  {k}: {json.dumps(v) if isinstance(v, list | dict) else v}" for k, v in meta.items()),
         f"samples {info['num_samples']}, tokens {info['num_tokens']}, codec {info['codec']}",
-        f"bytes on disk {format_bytes(info['disk_bytes'])}, raw {format_bytes(info['raw_bytes'])}, "
-        f"compression ratio {f'{ratio:.2f}x' if ratio else '?'}",
-        "",
+        f"bytes on disk {format_bytes(info['disk_bytes'])}, raw {format_bytes(info['bf16_bytes'])}"
+        + (" with the hidden states as bf16" if info["fp8"] else "")
+        + f", compression ratio {f'{ratio:.2f}x' if ratio else '?'}"
+        + (" against bf16" if info["fp8"] else ""),
     ]
+    if info["fp8"] and info["stored_ratio"]:
+        out.append(
+            f"  against the stored arrays (FP8 hidden states + scales, {format_bytes(info['raw_bytes'])} raw): "
+            f"{info['stored_ratio']:.2f}x, as the table below counts"
+        )
+    out.append("")
     rows = [["array", "shape", "dtype", "chunks", "raw", "on disk", "ratio"]]
     for name, a in info["arrays"].items():
         r = a["raw_bytes"] / a["disk_bytes"] if a["disk_bytes"] else None

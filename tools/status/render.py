@@ -27,7 +27,11 @@ def _processes(snap: dict[str, Any]) -> list[str]:
     if not snap["processes"]:
         out.append("(no processes seen yet)")
     else:
-        out.append("tok/s: producers' average since they started, consumers' last logging interval")
+        over = snap.get("run_state") in ("finished", "stopped", "failed")
+        out.append(
+            "tok/s: producers' average since they started, consumers' "
+            + ("average over their last launch" if over else "last logging interval")
+        )
     if snap.get("older_producers"):
         old = snap["older_producers"]
         out.append(f"earlier launches: {len(old)} producer(s) not shown ({', '.join(old)})")
