@@ -9,8 +9,8 @@
 #                             producer run), and fails an unmarked test that starts a process, so the
 #                             tier cannot slowly fill with process start-ups.
 # The suite runs on one more worker than the box has cores (pytest-xdist, at most 4): one test file per
-# worker at a time, so a file's module fixtures are built once, handed out in conftest's order (files with
-# slow tests first; xdist's own reorder would put the one-test chaos file last, a lone long pole). Most
+# worker at a time, so a file's module fixtures are built once, handed out in conftest's order (file_order:
+# the longest files first; xdist's own reorder would put the one-test chaos file last, a lone long pole). Most
 # tests spawn CLI processes that spend their time importing torch and waiting on files and children: two
 # workers on the 2-core CI box used 1.16 cores (a profiled run: 1,528 CPU-s over 1,437 s), so a third
 # worker fills the waits.

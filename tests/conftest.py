@@ -45,10 +45,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Marks pipeline tests (see ``pytest_configure``), then orders: files with slow (multi-process) tests
-    first, each file's tests in their own order: pytest-xdist hands whole files to its workers in this
-    order (ops/test.sh), and starting the long ones first keeps one worker from running the chaos test
-    alone at the end.
+    """Marks pipeline tests (see ``pytest_configure``), then orders the files (``file_order``), each file's
+    tests in their own order: pytest-xdist hands whole files to its workers in this order (ops/test.sh),
+    and starting the long ones first keeps one worker from running a long file alone at the end.
 
     A GPU test is a pipeline test too: on CUDA, inductor and Triton start compiler processes (compile
     workers, ptxas) whenever a test compiles, and a GPU test never belongs to the CPU unit tier (it skips
@@ -57,8 +56,49 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         uses_process_fixture = PIPELINE_FIXTURES & set(getattr(item, "fixturenames", ()))
         if item.get_closest_marker("slow") or item.get_closest_marker("gpu") or uses_process_fixture:
             item.add_marker(pytest.mark.pipeline)
-    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)  # stable: the order within a file is kept
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    position = {path: i for i, path in enumerate(file_order(items, workers))}
+    items.sort(key=lambda item: position[item.path])  # stable: the order within a file is kept
+
+
+LONGEST_FILES = (
+    "test_chaos.py",
+    "test_consumer_train.py",
+    "test_demo.py",
+    "test_bad_data.py",
+    "test_faults.py",
+    "test_epochs_pipeline.py",
+    "test_precision.py",
+    "test_producer_compile.py",
+)
+"""The test files of most worker time, longest first (seconds per test file of the last fresh-clone run,
+docs/benchmarks.md): handed out first, so that no long file starts late and runs alone at the end."""
+
+
+def file_order(items: list[pytest.Item], workers: int) -> list[Path]:
+    """The order pytest-xdist hands whole files to its workers in (``--dist loadfile
+    --no-loadscope-reorder``, ops/test.sh): the longest files, then the other files with slow tests, then
+    the rest, each group in collection order.
+
+    xdist gives a worker its next file as soon as two or fewer of its tests are pending, so a file of one
+    or two tests among the first ``workers`` (chaos's one test) gets the next file of the queue behind it
+    at once, to run after it: that file is a short one (no pipeline test), not the next long one, which
+    would otherwise wait for the whole chaos run while another worker idles at the end."""
+    tests: dict[Path, list[pytest.Item]] = {}
+    for item in items:
+        tests.setdefault(item.path, []).append(item)
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    longest = sorted(
+        (p for p in tests if os.path.basename(p) in rank), key=lambda p: rank[os.path.basename(p)]
+    )
+    slow = [p for p in tests if p not in longest and any(i.get_closest_marker("slow") for i in tests[p])]
+    short = [p for p in tests if not any(i.get_closest_marker("pipeline") for i in tests[p])]
+    order = longest[:workers]
+    for path in longest[:workers]:
+        if len(tests[path]) <= 2 and short:
+            order.append(short.pop(0))
+    order += [p for p in longest[workers:] + slow + list(tests) if p not in order]
+    return list(dict.fromkeys(order))
 
 
 _FILE_SECONDS: dict[str, float] = {}

@@ -50,26 +50,44 @@ def _error_lines(stderr: str) -> list[str]:
             r"^dflash-produce: error: dataset \S+: no line is valid JSON \(3 lines; first: \S+:1: ",
         ),
         ("empty", r"^dflash-produce: error: dataset \S+: file is empty \(no rows\)$"),
-        (
-            "no_assistant",
-            r"^dflash-produce: error: no trainable sample in dataset \S+: dropped 4 of 4 rows: "
-            r"no assistant turn 4 \(first: row 0: ",
-        ),
     ],
 )
-@pytest.mark.pipeline
-def test_a_dataset_with_nothing_to_train_is_one_line_and_exit_2(tmp_path, tiny_target, case, pattern):
+def test_a_dataset_with_no_rows_is_one_line_and_exit_2(tmp_path, tiny_target, capfd, case, pattern):
+    """dflash-produce's main() in this process: the dataset is read before any worker starts, so the
+    error comes before a child process would (the unit tier's guard fails the test if one starts). The
+    datasets library's own ERROR lines go to the real stderr (its handler's), so capfd reads fd 2."""
+    from dflash.producer import cli as produce_cli
+
     data = tmp_path / "data.jsonl"
     if case == "malformed":
         data.write_text('{"messages": [oops\nnot json at all\n{"messages": \n')
-    elif case == "empty":
-        data.write_text("\n\n")
     else:
-        data.write_text(
-            "".join(
-                json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}]}) + "\n" for i in range(4)
-            )
-        )
+        data.write_text("\n\n")
+    argv = produce_cmd(tmp_path / "spool", tiny_target, data, "--cache-dir", str(tmp_path / "hf"))[1:]
+    with pytest.raises(SystemExit) as exit_info:
+        produce_cli.main(argv)
+    assert exit_info.value.code == 2
+    stderr = capfd.readouterr().err
+    assert "Traceback" not in stderr and "mixed types" not in stderr, stderr[-3000:]
+    errors = _error_lines(stderr)
+    assert len(errors) == 1 and re.search(pattern, errors[0]), stderr[-3000:]
+    # no DONE marker, and no spool left: refused before the spool is made
+    assert not (tmp_path / "spool").exists(), sorted(p.name for p in (tmp_path / "spool").rglob("*"))
+
+
+@pytest.mark.pipeline
+def test_a_dataset_without_an_assistant_turn_is_one_line_and_exit_2(tmp_path, tiny_target):
+    """Rows that parse but hold nothing to train: the workers tokenize their slices and the parent decides
+    (producer/supervisor.py), so this one is a launch with its worker processes. The spool the launch made
+    (bound to the refused plan) is removed."""
+    data = tmp_path / "data.jsonl"
+    data.write_text(
+        "".join(json.dumps({"messages": [{"role": "user", "content": f"hi {i}"}]}) + "\n" for i in range(4))
+    )
+    pattern = (
+        r"^dflash-produce: error: no trainable sample in dataset \S+: dropped 4 of 4 rows: "
+        r"no assistant turn 4 \(first: row 0: "
+    )
     res = _produce(tmp_path, tiny_target, data)
     assert res.returncode == 2, res.stderr[-3000:]
     assert "Traceback" not in res.stderr and "mixed types" not in res.stderr, res.stderr[-3000:]

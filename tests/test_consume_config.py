@@ -43,6 +43,7 @@ BAD_FLAGS = {
     "--num-layers 2 --draft-layer-types sliding,full,full": (
         "draft-layer-types names 3 layers, num-layers is 2"
     ),
+    "--context-tokens 0": "context-tokens must be a positive integer, got 0",
     "--profile-steps 40": "profile-steps must be FIRST:COUNT",
     "--max-steps 0": "max-steps must be >= 1, got 0",
     "--gpu seven": "--gpu must be a GPU index or 'cpu', got 'seven'",

@@ -19,8 +19,8 @@ class _Item:
 class _Collected:
     """What the collection hook reads of a pytest item: its marks, fixtures and file."""
 
-    def __init__(self, *marks: str, fixtures: tuple[str, ...] = ()):
-        self.marks, self.fixturenames, self.path = set(marks), fixtures, "tests/test_x.py"
+    def __init__(self, *marks: str, fixtures: tuple[str, ...] = (), path: str = "tests/test_x.py"):
+        self.marks, self.fixturenames, self.path = set(marks), fixtures, path
 
     def get_closest_marker(self, name: str):
         return name if name in self.marks else None
@@ -79,3 +79,39 @@ def test_gpu_slow_and_process_fixture_tests_are_pipeline_tests_and_unit_tests_ar
 @pytest.mark.pipeline
 def test_a_pipeline_test_may_start_processes():
     assert subprocess.run([sys.executable, "-c", "pass"], check=False).returncode == 0
+
+
+def test_the_longest_files_go_first_and_a_one_test_file_gets_a_short_one_queued_behind_it():
+    """xdist (loadfile) hands files out in this order and queues a worker's next file once two or fewer of
+    its tests are pending: chaos's one test gets a short file (no pipeline test) behind it, not the next
+    long one; the long files keep their order, then the other slow files, then the rest."""
+    from conftest import file_order
+
+    def tests(name: str, n: int, *marks: str) -> list[_Collected]:
+        return [_Collected(*marks, path=f"tests/{name}") for _ in range(n)]
+
+    items = [
+        *tests("test_a_unit.py", 3),
+        *tests("test_b_slow.py", 2, "slow", "pipeline"),
+        *tests("test_chaos.py", 1, "slow", "pipeline"),
+        *tests("test_consumer_train.py", 6, "pipeline"),
+        *tests("test_demo.py", 2, "slow", "pipeline"),
+        *tests("test_faults.py", 8, "slow", "pipeline"),
+        *tests("test_y_unit.py", 4),
+        *tests("test_z_pipeline.py", 3, "pipeline"),
+    ]
+    assert file_order(items, workers=3) == [
+        "tests/test_chaos.py",
+        "tests/test_consumer_train.py",
+        "tests/test_demo.py",
+        "tests/test_a_unit.py",  # behind chaos (its one test)
+        "tests/test_y_unit.py",  # behind the demo (two tests)
+        "tests/test_faults.py",
+        "tests/test_b_slow.py",
+        "tests/test_z_pipeline.py",
+    ]
+    assert file_order(items, workers=1)[:3] == [
+        "tests/test_chaos.py",
+        "tests/test_a_unit.py",
+        "tests/test_consumer_train.py",
+    ]
