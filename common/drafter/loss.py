@@ -173,10 +173,91 @@ class DraftLossOutput:
     valid: torch.Tensor  # [B] int64: labels with weight > 0 at block position k (0 at k=0)
     tau_sum: torch.Tensor  # scalar fp32: sum over valid blocks of τ
     num_blocks: torch.Tensor  # scalar int64: valid blocks
+    selector: SelectorOutput | None = None  # DFlash2: the selector term (already weighed into loss_sum)
 
     def loss(self) -> torch.Tensor:
         """Local weighted mean (single process / logging); training divides by the global weight sum."""
         return self.loss_sum / self.weight_sum.clamp_min(1e-6)
+
+
+@dataclass(kw_only=True)
+class SelectorOutput:
+    """DFlash2's selector term over one rank's step (sums; ``loss_sum`` is unweighted by alpha)."""
+
+    loss_sum: torch.Tensor  # scalar fp32: sum of label_weight * selector CE over covered rows
+    correct: torch.Tensor  # scalar int64: covered valid rows whose best score is the label
+    covered: torch.Tensor  # scalar int64: valid rows whose label is among the top-k candidates
+    valid: torch.Tensor  # scalar int64: valid rows
+
+
+@dataclass(kw_only=True)
+class SelectorTerm:
+    """What the loss needs of a DFlash2 drafter: its ``CandidateSelector`` and the step's weight alpha
+    (``selector_weight``: 0 through the warm-up, then ramped)."""
+
+    selector: torch.nn.Module
+    alpha: float
+
+
+def selector_weight(
+    step: int, total_steps: int, alpha: float, warmup_ratio: float, ramp_ratio: float
+) -> float:
+    """The selector loss's weight at optimizer step ``step`` of ``total_steps``: 0 for the first
+    warmup_ratio of the steps, then linear up to ``alpha`` over the next ramp_ratio, then ``alpha``
+    (SpecForge's DFlash2 schedule: fractions of the optimizer-step horizon)."""
+    warm = warmup_ratio * total_steps
+    ramp = ramp_ratio * total_steps
+    if step < warm:
+        return 0.0
+    if ramp <= 0 or step >= warm + ramp:
+        return float(alpha)
+    return float(alpha) * (step - warm) / ramp
+
+
+def top_k_ids(hidden: torch.Tensor, weight: torch.Tensor, k: int, chunk_tokens: int) -> torch.Tensor:
+    """The k best lm_head tokens [M, k] of hidden rows [M, H], ``chunk_tokens`` rows of logits at a time
+    (no gradient: only the ids; the scores are recomputed for them with a gradient)."""
+    out = torch.empty(hidden.shape[0], k, dtype=torch.int64, device=hidden.device)
+    with torch.no_grad():
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            logits = hidden[start : start + chunk_tokens].to(weight.dtype) @ weight.t()
+            out[start : start + chunk_tokens] = logits.topk(k, dim=-1).indices
+    return out
+
+
+def selector_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    predecessors: torch.Tensor,
+    weights: torch.Tensor,
+    selector: torch.nn.Module,
+    *,
+    chunk_tokens: int = 2048,
+) -> SelectorOutput:
+    """DFlash2's selector objective on rows hidden [M, H] (teacher-forced: each row's predecessor is the
+    true previous token): cross-entropy over the STRICT top-k of the draft logits, re-scored by the
+    selector; a row whose label is not among its k candidates contributes nothing (SpecForge DFlash2,
+    "strict top-k"; ``covered`` counts the others). The unary scores of the candidates are recomputed with a
+    gradient from their lm_head rows, so the term also trains the draft (no stop-gradient, SpecForge's
+    default). Rows are weighted like the draft loss (``weights``: position decay, 0 off the loss mask)."""
+    k = selector.top_k
+    candidates = top_k_ids(hidden, weight, k, chunk_tokens)  # [M, k]
+    unary = torch.einsum("mh,mkh->mk", hidden.to(weight.dtype), weight[candidates]).float()  # [M, k]
+    scores = selector.scores(hidden, unary, candidates, predecessors).float()
+    hit = candidates == labels[:, None]
+    covered = hit.any(-1) & (weights > 0)
+    ce = torch.logsumexp(scores, dim=-1) - (scores * hit).sum(-1)
+    ce = torch.where(covered, ce, torch.zeros_like(ce))
+    with torch.no_grad():
+        best = candidates.gather(1, scores.argmax(-1, keepdim=True)).squeeze(1)
+        correct = (covered & (best == labels)).sum()
+    return SelectorOutput(
+        loss_sum=(ce * weights.float()).sum(),
+        correct=correct,
+        covered=covered.sum(),
+        valid=(weights > 0).sum(),
+    )
 
 
 def draft_loss(
@@ -186,6 +267,7 @@ def draft_loss(
     *,
     chunk_tokens: int = 2048,
     lce: LinearCrossEntropy | None = None,
+    selector: SelectorTerm | None = None,
 ) -> DraftLossOutput:
     """Loss and metrics of draft blocks: hidden [N, B, H] (final-normed drafter output) and the step's batch
     (a `DraftBatch`, or anything with `labels`, `label_weights` [N, B] and `anchor_valid` [N]).
@@ -197,6 +279,8 @@ def draft_loss(
     known to be accepted). τ is averaged over valid blocks: tau = tau_sum / num_blocks.
     ``lce`` computes the lm_head and cross-entropy (``linear_cross_entropy``); default the chunked one, whose
     ``chunk_tokens`` query tokens go through the lm_head at a time (peak extra memory ~ chunk_tokens x V x 4 bytes x 2).
+    ``selector`` (DFlash2): adds alpha x the selector term (``selector_loss``; predecessors: the anchor for
+    position 1, the label of position k-1 for position k) to ``loss_sum``, over the same weight sum.
     """
     labels, label_weights, anchor_valid = batch.labels, batch.label_weights, batch.anchor_valid
     n, b, h = hidden.shape
@@ -204,6 +288,19 @@ def draft_loss(
     w = label_weights[:, 1:].reshape(-1)
     lce = lce or linear_cross_entropy("chunked", chunk_tokens=chunk_tokens)
     loss_sum, preds = lce(hidden[:, 1:].reshape(-1, h), lm_head_weight, lab, w)
+    selector_out = None
+    if selector is not None:
+        predecessors = torch.cat([batch.block_input_ids[:, :1], labels[:, 1:-1]], dim=1).reshape(-1)
+        selector_out = selector_loss(
+            hidden[:, 1:].reshape(-1, h),
+            lm_head_weight,
+            lab,
+            predecessors,
+            w,
+            selector.selector,
+            chunk_tokens=chunk_tokens,
+        )
+        loss_sum = loss_sum + selector.alpha * selector_out.loss_sum
     with torch.no_grad():
         valid = (w > 0).view(n, b - 1)
         correct = (preds == lab).view(n, b - 1) & valid
@@ -219,4 +316,5 @@ def draft_loss(
             valid=valid_per_pos,
             tau_sum=tau.sum(),
             num_blocks=anchor_valid.sum().to(torch.int64),
+            selector=selector_out,
         )
