@@ -108,7 +108,7 @@ PUBLIC_CONFIG = {  # the fixture config.json's fields that define the drafter
 }
 
 
-def _config(arch: str, **kw) -> DrafterConfig:
+def _config(arch: str, top_k: int = 5, **kw) -> DrafterConfig:
     cfg = DrafterConfig.from_target_config(
         tiny_target_config(**kw),
         num_layers=2,
@@ -118,7 +118,7 @@ def _config(arch: str, **kw) -> DrafterConfig:
         arch=arch,
     )
     if arch == "dflash2":
-        cfg.selector_rank, cfg.selector_top_k = 8, 5
+        cfg.selector_rank, cfg.selector_top_k = 8, top_k
     return cfg
 
 
@@ -159,11 +159,11 @@ def _trained_like(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model
 
 
-def _pair(seed: int = 0) -> tuple[DFlashDrafter, DFlashDrafter]:
+def _pair(seed: int = 0, top_k: int = 5) -> tuple[DFlashDrafter, DFlashDrafter]:
     """A DFlash drafter with trained-like weights and a new DFlash2 drafter holding the same weights."""
     torch.manual_seed(seed)
     v1 = _trained_like(DFlashDrafter(_config("dflash"), _head(), attention_backend="sdpa"), seed)
-    v2 = DFlashDrafter(_config("dflash2"), _head(), attention_backend="sdpa")
+    v2 = DFlashDrafter(_config("dflash2", top_k), _head(), attention_backend="sdpa")
     missing, unexpected = v2.load_state_dict(v1.state_dict(), strict=False)
     assert not unexpected and missing and all("conv" in k or "candidate_selector" in k for k in missing)
     return v1, v2
@@ -352,7 +352,8 @@ def test_the_selector_weight_waits_then_ramps():
 
 
 def test_a_dflash2_selector_loss_trains_the_selector_and_the_draft():
-    v1, v2 = _pair(4)
+    v1, v2 = _pair(4, top_k=97)  # every label a candidate: every row's predecessor counts
+    _trained_like(v2.candidate_selector, 9)  # the predecessor now matters; the draft is still v1's
     batch = _batch(4)
     r = draft_loss(
         v2(batch), batch, v2.lm_head_weight, selector=SelectorTerm(selector=v2.candidate_selector, alpha=1.0)
@@ -360,6 +361,27 @@ def test_a_dflash2_selector_loss_trains_the_selector_and_the_draft():
     base = draft_loss(v1(batch), batch, v1.lm_head_weight)
     assert r.selector is not None and 0 < int(r.selector.covered) <= int(r.selector.valid)
     torch.testing.assert_close(r.loss_sum, base.loss_sum + r.selector.loss_sum, atol=1e-5, rtol=1e-6)
+    # teacher forcing: block position 1 follows the anchor, position k the label of position k - 1
+    from dflash.common.drafter.loss import selector_loss
+
+    n, b = batch.labels.shape
+    preds = torch.tensor(
+        [
+            [int(batch.block_input_ids[i, 0]) if k == 1 else int(batch.labels[i, k - 1]) for k in range(1, b)]
+            for i in range(n)
+        ]
+    )
+    with torch.no_grad():
+        out = v2(batch)[:, 1:].reshape(-1, 32)
+        want = selector_loss(
+            out,
+            v2.lm_head_weight,
+            batch.labels[:, 1:].reshape(-1),
+            preds.reshape(-1),
+            batch.label_weights[:, 1:].reshape(-1),
+            v2.candidate_selector,
+        )
+    torch.testing.assert_close(r.selector.loss_sum.detach(), want.loss_sum, atol=1e-5, rtol=1e-6)
     r.loss_sum.backward()
     assert v2.candidate_selector.successor_codebook.grad.abs().sum() > 0
     assert v2.layers[0].attention_conv.kernel_projection.weight.grad.abs().sum() > 0
@@ -413,8 +435,9 @@ def test_dflash2_export_writes_the_public_format_and_loads_back(tmp_path):
     batch = _batch(2)
     with torch.no_grad():
         assert torch.equal(served(batch), v2(batch))
-        logits = served.logits(torch.randn(3, 32))
-    assert logits.abs().max() <= 20.0
+        hidden = torch.randn(3, 32)
+        raw = hidden @ v2.lm_head_weight.t()
+        torch.testing.assert_close(served.logits(hidden), 20.0 * torch.tanh(0.5 * raw / 20.0))
 
 
 def test_a_wrong_dflash2_weight_name_is_refused(tmp_path):
