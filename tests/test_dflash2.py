@@ -34,6 +34,7 @@ from dflash.common.drafter.hf_format import (
 )
 from dflash.common.drafter.loss import SelectorTerm, draft_loss, selector_weight
 from dflash.common.drafter.model import DFlashDrafter, TargetHead
+from dflash.common.drafter.serving_check import check_folder
 from dflash.consumer.config import TrainConfig
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -108,9 +109,10 @@ PUBLIC_CONFIG = {  # the fixture config.json's fields that define the drafter
 }
 
 
-def _config(arch: str, top_k: int = 5, **kw) -> DrafterConfig:
+def _config(arch: str, top_k: int = 5, layout: dict | None = None) -> DrafterConfig:
     cfg = DrafterConfig.from_target_config(
-        tiny_target_config(**kw),
+        tiny_target_config(),
+        **(layout or {}),
         num_layers=2,
         block_size=BLOCK,
         mask_token_id=96,
@@ -159,11 +161,13 @@ def _trained_like(model: torch.nn.Module, seed: int) -> torch.nn.Module:
     return model
 
 
-def _pair(seed: int = 0, top_k: int = 5) -> tuple[DFlashDrafter, DFlashDrafter]:
+def _pair(seed: int = 0, top_k: int = 5, layout: dict | None = None) -> tuple[DFlashDrafter, DFlashDrafter]:
     """A DFlash drafter with trained-like weights and a new DFlash2 drafter holding the same weights."""
     torch.manual_seed(seed)
-    v1 = _trained_like(DFlashDrafter(_config("dflash"), _head(), attention_backend="sdpa"), seed)
-    v2 = DFlashDrafter(_config("dflash2", top_k), _head(), attention_backend="sdpa")
+    v1 = _trained_like(
+        DFlashDrafter(_config("dflash", layout=layout), _head(), attention_backend="sdpa"), seed
+    )
+    v2 = DFlashDrafter(_config("dflash2", top_k, layout), _head(), attention_backend="sdpa")
     missing, unexpected = v2.load_state_dict(v1.state_dict(), strict=False)
     assert not unexpected and missing and all("conv" in k or "candidate_selector" in k for k in missing)
     return v1, v2
@@ -252,12 +256,18 @@ def test_the_convolution_equals_its_definition_within_each_block():
         torch.testing.assert_close(after, _conv_reference(conv, y, dyn, 1), atol=1e-6, rtol=1e-6)
 
 
-def test_the_packed_training_forward_never_reads_across_a_block_boundary():
-    """A trained-like DFlash2 drafter: each block of the packed training step (N blocks laid end to end)
-    equals the same block run alone in the inference form over its own context. A convolution that read
-    the previous block's last position into a block's first position would differ here."""
-    _, v2 = _pair(1)
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+@pytest.mark.parametrize(
+    "layout", [None, {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3}]
+)
+def test_the_packed_training_forward_never_reads_across_a_block_boundary(backend, layout):
+    """A trained-like DFlash2 drafter (all full layers, or a sliding one first): each block of the packed
+    training step (N blocks laid end to end) equals the same block run alone in the inference form over
+    its own context. A convolution that read the previous block's last position into a block's first
+    position would differ here."""
+    _, v2 = _pair(1, layout=layout)
     _trained_like(v2, 2)
+    v2.attention_backend = backend
     batch = _batch(1)
     with torch.no_grad():
         out = v2(batch)
@@ -423,7 +433,9 @@ def test_dflash2_export_writes_the_public_format_and_loads_back(tmp_path):
     assert raw["architectures"] == ["DFlash2DraftModel"]
     assert raw["auto_map"] == {"AutoModel": "dflash.DFlash2DraftModel"}
     assert set(raw["dflash_config"]) == PUBLIC_DFLASH_CONFIG_KEYS
-    assert raw["is_causal"] is False  # no sliding layer: the public config's value
+    assert "is_causal" not in raw  # it would override the per-layer rule (sliding causal in the block)
+    report = check_folder(out)
+    assert report.ok, report.render()
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         names = {re.sub(r"^layers\.\d+\.", "layers.N.", k) for k in f.keys()}
     assert names == set(PUBLIC_SHAPES)

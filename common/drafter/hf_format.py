@@ -85,7 +85,8 @@ def export_config(config: DrafterConfig, dtype: torch.dtype) -> dict:
     readers (transformers 5 takes ``rope_parameters``). ``layer_types`` is always explicit, and
     ``use_sliding_window`` true exactly when a layer slides (Qwen3Config drops ``sliding_window``
     otherwise). No ``is_causal``: vLLM would apply it to every layer, overriding "sliding causal, full not"
-    (a DFlash2 drafter with no sliding layer writes the public DFlash2 config's ``is_causal: false``).
+    (for DFlash2 too: the public DFlash2 config's ``is_causal: false`` makes its sliding layers non-causal
+    in the block, where ours are causal, as DFlash's).
     DFlash2 (``architectures: ["DFlash2DraftModel"]``) adds its ``dflash_config`` fields (``DFLASH2_FIELDS``).
     """
     out = config.to_qwen3_config().to_diff_dict()
@@ -102,8 +103,6 @@ def export_config(config: DrafterConfig, dtype: torch.dtype) -> dict:
         dflash_config |= {name: getattr(config, name) for name in DFLASH2_FIELDS}
         if config.final_logit_softcapping is not None:
             dflash_config["final_logit_softcapping"] = config.final_logit_softcapping
-        if not sliding:  # the public DFlash2 config's is_causal false; our sliding layers are causal in-block
-            out["is_causal"] = False
     out.update(
         architectures=[arch],
         auto_map={"AutoModel": f"dflash.{arch}"},
