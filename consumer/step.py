@@ -39,6 +39,8 @@ class StepStats:
     samples: int = 0
     steps: int = 0
     grad_norm: torch.Tensor | float = 0.0
+    selector: list | None = None
+    """DFlash2: [selector loss sum, correct, covered, valid rows] over the interval (None for DFlash)."""
     t0: float = field(default_factory=time.monotonic)
 
     def add(
@@ -54,6 +56,12 @@ class StepStats:
         self.samples += samples
         self.steps += 1
         self.grad_norm = grad_norm
+        if r.selector is not None:
+            sel = r.selector
+            now = [sel.loss_sum.detach(), sel.correct, sel.covered, sel.valid]
+            self.selector = (
+                now if self.selector is None else [a + b for a, b in zip(self.selector, now, strict=True)]
+            )
 
 
 def forward_backward(
