@@ -506,6 +506,31 @@ def test_dflash2_sampling_decodes_with_the_selectors_distribution():
         runner.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_dflash2_drafter_trains_alike_on_compiled_flex_and_sdpa_on_cuda():
+    """The DFlash2 training step on CUDA (a sliding + a full layer): compiled layers with flex_attention
+    (what dflash-consume runs) equal eager SDPA in fp32, outputs and every gradient (selector loss on)."""
+    from dflash.consumer.step import compile_drafter
+
+    layout = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6}
+    results = {}
+    for backend in ("sdpa", "flex"):
+        _, drafter = _pair(5, layout=layout)
+        _trained_like(drafter, 6)
+        drafter.attention_backend = backend
+        drafter = drafter.cuda()
+        if backend == "flex":
+            compile_drafter(drafter, "inductor")
+        batch = _batch(5).to("cuda")
+        out = drafter(batch, drafter.build_mask(batch))
+        term = SelectorTerm(selector=drafter.candidate_selector, alpha=1.0)
+        draft_loss(out, batch, drafter.lm_head_weight, selector=term).loss_sum.backward()
+        results[backend] = [out.detach()] + [p.grad.detach() for p in drafter.parameters()]
+    for got, want in zip(results["flex"], results["sdpa"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
 # ------------------------------------------------------------------------------- the whole path, CLIs
 
 
