@@ -12,9 +12,8 @@ import torch
 from draft_reference import one_thread  # noqa: F401  (autouse fixture)
 from safetensors import safe_open
 from test_drafter import tiny_target_config
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModel, Qwen3ForCausalLM
 
-from dflash.common.drafter import dflash as remote_code
 from dflash.common.drafter.batch import build_draft_batch, pack_samples
 from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.dflash import (
@@ -424,7 +423,7 @@ def test_the_public_dflash2_config_builds_its_tensors_names_and_shapes():
     assert shapes == PUBLIC_SHAPES
 
 
-def test_dflash2_export_writes_the_public_format_and_loads_back(tmp_path):
+def test_dflash2_export_writes_the_public_format_and_loads_back(tmp_path, monkeypatch):
     _, v2 = _pair(6)
     _trained_like(v2, 7)
     v2.config.output_multiplier, v2.config.final_logit_softcapping = 0.5, 20.0
@@ -440,9 +439,22 @@ def test_dflash2_export_writes_the_public_format_and_loads_back(tmp_path):
         names = {re.sub(r"^layers\.\d+\.", "layers.N.", k) for k in f.keys()}
     assert names == set(PUBLIC_SHAPES)
     assert read_export_config(out) == v2.config
-    # the remote code's class builds it from that config.json and holds the same weights
-    served = remote_code.DFlash2DraftModel(Qwen3Config(**raw))
-    served.load_state_dict(v2.state_dict())
+    # AutoModel(trust_remote_code) builds the export's own DFlash2DraftModel with the same weights, whose
+    # spec_generate (the public call) decodes the target's greedy tokens
+    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf-modules"))
+    served = AutoModel.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    assert type(served).__name__ == "DFlash2DraftModel"
+    state = served.state_dict()
+    assert set(state) == set(v2.state_dict()) and all(
+        torch.equal(state[k], t) for k, t in v2.state_dict().items()
+    )
+    target = _tiny_target()
+    prompt = torch.tensor([[5, 17, 33, 60]])
+    ids = served.spec_generate(
+        target=target, input_ids=prompt, max_new_tokens=12, stop_token_ids=None, temperature=0.0
+    )
+    want = target.generate(prompt, max_new_tokens=12, do_sample=False, min_new_tokens=12)
+    assert ids.tolist() == want.tolist()
     served.set_target_head(v2.target_head)
     batch = _batch(2)
     with torch.no_grad():
