@@ -339,6 +339,27 @@ def test_selector_scores_walk_and_loss_equal_a_dense_reference():
     assert int(got.covered) == 11 and int(got.valid) == 12
 
 
+def test_the_draft_losss_lm_head_pass_gives_the_candidates():
+    """One chunked lm_head pass: with top_k the same loss, gradient and argmax as without, plus each row's
+    top-k ids (what the selector would otherwise recompute in a second pass)."""
+    from dflash.common.drafter.loss import chunked_linear_cross_entropy, top_k_ids
+
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(13, 32, generator=g, requires_grad=True)
+    head, labels, weights = (
+        _head().lm_head_weight,
+        torch.randint(0, 97, (13,), generator=g),
+        torch.rand(13, generator=g),
+    )
+    loss, preds, top = chunked_linear_cross_entropy(hidden, head, labels, weights, chunk_tokens=4, top_k=5)
+    (grad,) = torch.autograd.grad(loss, hidden)
+    loss0, preds0 = chunked_linear_cross_entropy(hidden, head, labels, weights, chunk_tokens=4)
+    (grad0,) = torch.autograd.grad(loss0, hidden)
+    assert torch.equal(loss, loss0) and torch.equal(preds, preds0) and torch.equal(grad, grad0)
+    assert torch.equal(top, (hidden @ head.t()).topk(5, dim=-1).indices)
+    assert torch.equal(top, top_k_ids(hidden.detach(), head, 5, chunk_tokens=3))
+
+
 def test_a_sampled_walk_returns_the_distribution_it_drew_from():
     sel = _selector(2)
     head = _head().lm_head_weight

@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 LOSS_IMPLS = ("chunked", "liger")
-LinearCrossEntropy = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-"""(hidden [M, H], lm_head weight [V, H], labels [M], weights [M]) -> (sum of weighted CE, argmax [M])."""
+LinearCrossEntropy = Callable[..., tuple[torch.Tensor, ...]]
+"""(hidden [M, H], lm_head weight [V, H], labels [M], weights [M]) -> (sum of weighted CE, argmax [M]); with
+``top_k=k`` also each row's top-k ids [M, k] from the same logits (DFlash2's selector candidates)."""
 RowPass = Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 """(logits [c, V] in the lm_head's dtype, labels [c], need gradient) -> (each row's cross-entropy, fp32 [c];
 its argmax [c]; d CE / d logits [c, V], unweighted, or None): the row pass over one chunk's logits."""
@@ -99,11 +100,13 @@ ROW_PASSES: dict[str, RowPass] = {"chunked": torch_rows, "liger": liger_rows}
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum_i w_i * CE(hidden_i @ weight.T, label_i), and the argmax of each row, in chunks of rows."""
+    """sum_i w_i * CE(hidden_i @ weight.T, label_i), the argmax of each row and (``top_k`` > 0, DFlash2's
+    selector) the ids of each row's top_k logits, in chunks of rows: one lm_head pass for all three."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, chunk_tokens: int, row_pass: RowPass):
+    def forward(ctx, hidden, weight, labels, weights, chunk_tokens: int, row_pass: RowPass, top_k: int = 0):
         num_rows = hidden.shape[0]
+        top = torch.empty(num_rows, top_k, dtype=torch.int64, device=hidden.device)
         need_hidden_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         preds = torch.empty(num_rows, dtype=torch.int64, device=hidden.device)
@@ -114,6 +117,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             h = hidden[start:end]
             w = weights[start:end].float()
             logits = h.to(weight.dtype) @ weight.t()  # [chunk, V] in the lm_head's dtype
+            if top_k:  # before the row pass: liger's turns the logits into the gradient in place
+                top[start:end] = logits.topk(top_k, dim=-1).indices
             need_grad = need_hidden_grad or need_weight_grad
             row_loss, preds[start:end], grad = row_pass(logits, labels[start:end], need_grad)
             loss_sum = loss_sum + (row_loss * w).sum()
@@ -125,17 +130,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_hidden[start:end] = ((grad @ weight).float() * w[:, None]).to(hidden.dtype)
             if need_weight_grad:
                 grad_weight.add_(grad.t().float() @ (h.float() * w[:, None]))
-        ctx.mark_non_differentiable(preds)
+        ctx.mark_non_differentiable(preds, top)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
-        return loss_sum, preds
+        return loss_sum, preds, top
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_preds):
+    def backward(ctx, grad_loss, grad_preds, grad_top):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = grad_hidden * grad_loss.to(grad_hidden.dtype) if grad_hidden is not None else None
         gw = (grad_weight * grad_loss).to(ctx.weight_dtype) if grad_weight is not None else None
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
@@ -146,11 +151,16 @@ def chunked_linear_cross_entropy(
     *,
     chunk_tokens: int,
     row_pass: RowPass = torch_rows,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of weighted CE [scalar fp32, differentiable], greedy predictions [M] int64) for hidden [M, H]."""
+    top_k: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """(sum of weighted CE [scalar fp32, differentiable], greedy predictions [M] int64) for hidden [M, H];
+    with ``top_k`` > 0 also the ids of each row's top_k logits [M, top_k] (DFlash2's candidates)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, weights, chunk_tokens, row_pass)
+    loss, preds, top = _ChunkedLinearCrossEntropy.apply(
+        hidden, weight, labels, weights, chunk_tokens, row_pass, top_k
+    )
+    return (loss, preds, top) if top_k else (loss, preds)
 
 
 def linear_cross_entropy(impl: str, *, chunk_tokens: int = 2048) -> LinearCrossEntropy:
@@ -158,8 +168,8 @@ def linear_cross_entropy(impl: str, *, chunk_tokens: int = 2048) -> LinearCrossE
     if impl not in ROW_PASSES:
         raise ValueError(f"loss impl must be one of {LOSS_IMPLS}, got {impl!r}")
     row_pass = ROW_PASSES[impl]
-    return lambda h, w, lab, wt: chunked_linear_cross_entropy(
-        h, w, lab, wt, chunk_tokens=chunk_tokens, row_pass=row_pass
+    return lambda h, w, lab, wt, top_k=0: chunked_linear_cross_entropy(
+        h, w, lab, wt, chunk_tokens=chunk_tokens, row_pass=row_pass, top_k=top_k
     )
 
 
@@ -234,15 +244,18 @@ def selector_loss(
     selector: torch.nn.Module,
     *,
     chunk_tokens: int = 2048,
+    candidates: torch.Tensor | None = None,
 ) -> SelectorOutput:
     """DFlash2's selector objective on rows hidden [M, H] (teacher-forced: each row's predecessor is the
     true previous token): cross-entropy over the STRICT top-k of the draft logits, re-scored by the
     selector; a row whose label is not among its k candidates contributes nothing (SpecForge DFlash2,
     "strict top-k"; ``covered`` counts the others). The unary scores of the candidates are recomputed with a
     gradient from their lm_head rows, so the term also trains the draft (no stop-gradient, SpecForge's
-    default). Rows are weighted like the draft loss (``weights``: position decay, 0 off the loss mask)."""
-    k = selector.top_k
-    candidates = top_k_ids(hidden, weight, k, chunk_tokens)  # [M, k]
+    default). Rows are weighted like the draft loss (``weights``: position decay, 0 off the loss mask).
+    ``candidates`` [M, k]: the rows' top-k ids when the draft loss's lm_head pass gave them, else computed
+    here (one more chunked pass)."""
+    if candidates is None:
+        candidates = top_k_ids(hidden, weight, selector.top_k, chunk_tokens)  # [M, k]
     unary = torch.einsum("mh,mkh->mk", hidden.to(weight.dtype), weight[candidates]).float()  # [M, k]
     scores = selector.scores(hidden, unary, candidates, predecessors).float()
     hit = candidates == labels[:, None]
@@ -287,9 +300,13 @@ def draft_loss(
     lab = labels[:, 1:].reshape(-1)
     w = label_weights[:, 1:].reshape(-1)
     lce = lce or linear_cross_entropy("chunked", chunk_tokens=chunk_tokens)
-    loss_sum, preds = lce(hidden[:, 1:].reshape(-1, h), lm_head_weight, lab, w)
     selector_out = None
-    if selector is not None:
+    if selector is None:
+        loss_sum, preds = lce(hidden[:, 1:].reshape(-1, h), lm_head_weight, lab, w)
+    else:  # one lm_head pass gives the draft loss and the selector's candidates
+        loss_sum, preds, candidates = lce(
+            hidden[:, 1:].reshape(-1, h), lm_head_weight, lab, w, top_k=selector.selector.top_k
+        )
         predecessors = torch.cat([batch.block_input_ids[:, :1], labels[:, 1:-1]], dim=1).reshape(-1)
         selector_out = selector_loss(
             hidden[:, 1:].reshape(-1, h),
@@ -299,6 +316,7 @@ def draft_loss(
             w,
             selector.selector,
             chunk_tokens=chunk_tokens,
+            candidates=candidates,
         )
         loss_sum = loss_sum + selector.alpha * selector_out.loss_sum
     with torch.no_grad():
