@@ -417,6 +417,30 @@ def test_a_dflash2_selector_loss_trains_the_selector_and_the_draft():
     assert v2.layers[0].attention_conv.kernel_projection.weight.grad.abs().sum() > 0
 
 
+def test_a_compiled_dflash2_step_compiles_once_in_one_graph():
+    """Forward, draft loss with the selector term and backward, compiled fullgraph over steps of the same
+    shapes: one compile, no graph break, no recompile; equal to eager."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    _, v2 = _pair(11)
+    _trained_like(v2, 12)
+    counter = CompileCounterWithBackend("aot_eager")
+    term = SelectorTerm(selector=v2.candidate_selector, alpha=0.5)
+
+    def step(batch):
+        return draft_loss(v2(batch), batch, v2.lm_head_weight, chunk_tokens=16, selector=term).loss_sum
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=False)
+    for seed in range(2):
+        batch = _batch(seed + 20)
+        loss = compiled(batch)
+        loss.backward()
+        torch.testing.assert_close(loss, step(batch), atol=1e-4, rtol=1e-5)
+    assert counter.frame_count == 1, f"compiled {counter.frame_count} times"
+
+
 # ----------------------------------------------------------------------------------- config and export
 
 
