@@ -286,6 +286,47 @@ def test_the_packed_training_forward_never_reads_across_a_block_boundary(backend
         assert checked > 5
 
 
+def test_is_causal_false_lets_sliding_layers_see_the_whole_block(tmp_path):
+    """The public DFlash2 config's ``is_causal: false``: its sliding layers see every key of the block (the
+    window still cuts the context). Read from the config, kept by the export, and the packed training form
+    still equals the per-block inference form; the flag changes the output."""
+    from dflash.common.drafter.dflash import visible
+
+    assert drafter_config_from_export({**PUBLIC_CONFIG, "is_causal": False}).block_causal is False
+    assert drafter_config_from_export(PUBLIC_CONFIG).block_causal is True
+    a, window = torch.tensor(10), 3
+    q, k_block, k_old = torch.tensor(10), torch.tensor(13), torch.tensor(6)  # anchor's own position, offset 3
+    yes, no = torch.tensor(True), torch.tensor(False)
+    assert not visible(q, k_block, a, yes, window) and visible(q, k_block, a, yes, window, block_causal=False)
+    assert not visible(q, k_old, a, no, window, block_causal=False)  # outside the window: still hidden
+    layout = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3}
+    _, causal = _pair(1, layout=layout)
+    _trained_like(causal, 2)
+    cfg = _config("dflash2", layout=layout)
+    cfg.block_causal = False
+    open_block = DFlashDrafter(cfg, _head(), attention_backend="sdpa")
+    open_block.load_state_dict(causal.state_dict())
+    assert open_block.spec.block_causal is False
+    batch = _batch(1)
+    with torch.no_grad():
+        out = open_block(batch)
+        assert (out - causal(batch)).abs().max() > 1e-3
+        b = int(batch.anchor_valid.nonzero()[-1])
+        a = int(batch.anchors[b])
+        start = a - int(batch.positions[a])
+        keys, values = open_block.context_keys_values(batch.hidden[start:a], batch.positions[start:a])
+        alone = open_block.draft_hidden(
+            batch.block_input_ids[b][None],
+            batch.block_positions[b, :1],
+            [k[None] for k in keys],
+            [v[None] for v in values],
+        )[0]
+        torch.testing.assert_close(out[b], alone, atol=2e-5, rtol=1e-4)
+    exported = export_drafter(open_block.state_dict(), cfg, tmp_path / "x")
+    assert json.loads((exported / "config.json").read_text())["is_causal"] is False
+    assert read_export_config(exported).block_causal is False
+
+
 # -------------------------------------------------------------------------------------- the selector
 
 

@@ -92,6 +92,9 @@ class DrafterConfig:
     """DFlash2: draft candidates the selector re-ranks per position (16)"""
     output_multiplier: float = 1.0
     """DFlash2: draft logits = softcap(lm_head(h) * output_multiplier), the target's logit recipe (1.0 for Qwen)"""
+    block_causal: bool = True
+    """Sliding layers causal within the block (what this project trains); False: the public DFlash2
+    drafters' ``is_causal: false`` (all block keys, the window on the context only), read from their config."""
     final_logit_softcapping: float | None = None
     """DFlash2: the soft cap c of ``c * tanh(x / c)`` on the draft logits (None: none, as Qwen targets)"""
     target_fingerprint: str | None = None
@@ -231,6 +234,7 @@ class DrafterConfig:
             num_target_layers=self.num_target_layers,
             block_size=self.block_size,
             dflash_config=dflash_config,
+            **({} if self.block_causal else {"is_causal": False}),
         )
 
     @classmethod

@@ -98,6 +98,10 @@ class DraftSpec:
     """The draft logits are ``softcap(lm_head(h) * output_multiplier)`` (``DraftMath.logits``): the target's
     own logit recipe, 1.0 and no cap for targets without one (Qwen); DFlash2 configs carry both."""
     final_logit_softcapping: float | None = None
+    block_causal: bool = True
+    """Sliding layers causal within the block (ours, vLLM's and SGLang's rule); False when the config says
+    ``is_causal: false`` (the public DFlash2 drafters: z-lab's code then lets sliding layers see the whole
+    block, the window on the context only)."""
 
     @property
     def dflash2(self) -> bool:
@@ -154,6 +158,7 @@ class DraftSpec:
         extra = _dflash2_fields(config, dflash, int(block_size)) if dflash2 else {}
         cap = dflash.get("final_logit_softcapping", getattr(config, "final_logit_softcapping", None))
         return cls(
+            block_causal=getattr(config, "is_causal", None) is not False,
             arch="dflash2" if dflash2 else "dflash",
             output_multiplier=float(dflash.get("output_multiplier", 1.0)),
             final_logit_softcapping=None if cap is None else float(cap),
@@ -252,15 +257,19 @@ def visible(
     anchor: torch.Tensor,
     k_in_block: torch.Tensor,
     sliding_window: int | None,
+    block_causal: bool = True,
 ) -> torch.Tensor:
     """THE attention rule on positions, for keys already known to be of the query's document (context)
     or of its own block: a context key is visible iff it precedes the anchor (at inference the target's
     feature at the anchor does not exist yet when the block is drafted); a block key always (full layers).
-    A sliding layer keeps only keys at positions q-W+1 … q: causal within the block, a window of W keys.
-    Broadcasting-safe ops only, so flex evaluates it per element and SDPA on index grids."""
+    A sliding layer keeps only keys at positions q-W+1 … q: causal within the block, a window of W keys
+    (``block_causal`` False: every block key, the window on the context only; the public DFlash2
+    drafters' ``is_causal: false``). Broadcasting-safe ops only, so flex evaluates it per element and SDPA
+    on index grids."""
     seen = k_in_block | (k_pos < anchor)
     if sliding_window is not None:
-        seen = seen & (k_pos <= q_pos) & (q_pos - k_pos < sliding_window)
+        in_window = (k_pos <= q_pos) & (q_pos - k_pos < sliding_window)
+        seen = seen & (in_window if block_causal else in_window | k_in_block)
     return seen
 
 
@@ -270,6 +279,7 @@ def make_mask_mod(
     anchor_valid: torch.Tensor,
     block_size: int,
     sliding_window: int | None = None,
+    block_causal: bool = True,
 ) -> MaskMod:
     """The training step's visibility as a flex ``mask_mod(b, h, q_idx, kv_idx) -> bool``.
 
@@ -291,7 +301,8 @@ def make_mask_mod(
         q_pos = anchor + q_idx % block_size
         k_pos = torch.where(in_context, kv_idx, anchor + (kv_idx - context_len) % block_size)
         candidate = torch.where(in_context, same_doc, same_block)
-        return anchor_valid[block] & candidate & visible(q_pos, k_pos, anchor, ~in_context, sliding_window)
+        seen = visible(q_pos, k_pos, anchor, ~in_context, sliding_window, block_causal)
+        return anchor_valid[block] & candidate & seen
 
     return mask_mod
 
@@ -311,10 +322,11 @@ def _draft_block_mask(
     block_size: int,
     kv_len: int,
     sliding_window: int | None,
+    block_causal: bool = True,
 ) -> BlockMask:
     # The mask_mod closure is created inside this function so that, when compiled, its tensors are graph
     # inputs (no guard on a per-step closure object -> no recompile per step; one compile per layer type).
-    mask_mod = make_mask_mod(doc_ids, anchors, anchor_valid, block_size, sliding_window)
+    mask_mod = make_mask_mod(doc_ids, anchors, anchor_valid, block_size, sliding_window, block_causal)
     q_len = anchors.shape[0] * block_size
     return create_block_mask(mask_mod, None, None, q_len, kv_len, device=doc_ids.device)
 
@@ -338,6 +350,7 @@ def build_draft_mask(
     backend: Backend = "auto",
     compile_mask: bool | None = None,
     sliding_window: int | None = None,
+    block_causal: bool = True,
 ) -> DraftMask:
     """The step's mask for ``draft_attention`` (once per step and layer type, not per layer).
 
@@ -359,9 +372,9 @@ def build_draft_mask(
             if _compiled_block_mask is None:
                 _compiled_block_mask = torch.compile(_draft_block_mask, dynamic=False)
             fn = _compiled_block_mask
-        block_mask = fn(doc_ids, anchors, anchor_valid, block_size, kv_len, sliding_window)
+        block_mask = fn(doc_ids, anchors, anchor_valid, block_size, kv_len, sliding_window, block_causal)
         return DraftMask(backend="flex", row_valid=row_valid, block_mask=block_mask)
-    mask_mod = make_mask_mod(doc_ids, anchors, anchor_valid, block_size, sliding_window)
+    mask_mod = make_mask_mod(doc_ids, anchors, anchor_valid, block_size, sliding_window, block_causal)
     dense = dense_mask(mask_mod, row_valid.shape[0], kv_len, device)
     # A fully masked row makes SDPA's softmax 0/0 = NaN, and zeroing the output afterwards does not stop the NaN
     # from reaching dK/dV in backward. So padding rows attend to everything and their output is zeroed instead:
@@ -868,6 +881,7 @@ class DraftMath:
                 block_size=batch.block_size,
                 backend=self.attention_backend,
                 sliding_window=self.spec.window(t),
+                block_causal=self.spec.block_causal,
             )
             for t in dict.fromkeys(self.spec.layer_types)
         }
@@ -936,6 +950,7 @@ class DraftMath:
                     anchor_pos[:, None, None],
                     k_in_block,
                     self.spec.window(t),
+                    self.spec.block_causal,
                 )
             )[:, None]
             for t in dict.fromkeys(self.spec.layer_types)

@@ -103,6 +103,8 @@ def export_config(config: DrafterConfig, dtype: torch.dtype) -> dict:
         dflash_config |= {name: getattr(config, name) for name in DFLASH2_FIELDS}
         if config.final_logit_softcapping is not None:
             dflash_config["final_logit_softcapping"] = config.final_logit_softcapping
+    if not config.block_causal:  # a public DFlash2 drafter's own rule, kept (never what we train)
+        out["is_causal"] = False
     out.update(
         architectures=[arch],
         auto_map={"AutoModel": f"dflash.{arch}"},
@@ -183,12 +185,14 @@ def drafter_config_from_export(cfg: dict) -> DrafterConfig:
 
 
 def _arch_fields(cfg: dict) -> dict[str, Any]:
-    """``arch`` from ``architectures``, and a DFlash2 config's ``dflash_config`` fields (DFLASH2_FIELDS)."""
+    """``arch`` from ``architectures``, a DFlash2 config's ``dflash_config`` fields (DFLASH2_FIELDS), and
+    ``is_causal: false`` (the public DFlash2 drafters': sliding layers see the whole block)."""
+    causal = {"block_causal": cfg.get("is_causal") is not False}
     if CLASS_NAMES["dflash2"] not in (cfg.get("architectures") or []):
-        return {"arch": "dflash"}
+        return {"arch": "dflash", **causal}
     dflash = cfg.get("dflash_config") or {}
     names = (*DFLASH2_FIELDS, "final_logit_softcapping")
-    return {"arch": "dflash2", **{k: dflash[k] for k in names if dflash.get(k) is not None}}
+    return {"arch": "dflash2", **causal, **{k: dflash[k] for k in names if dflash.get(k) is not None}}
 
 
 # ---------------------------------------------------------------------------------------------- weights

@@ -273,6 +273,35 @@ def selector_loss(
     )
 
 
+def _with_selector(
+    rows: torch.Tensor,
+    batch: Any,
+    lm_head_weight: torch.Tensor,
+    lab: torch.Tensor,
+    w: torch.Tensor,
+    lce: LinearCrossEntropy,
+    selector: SelectorTerm,
+    chunk_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, SelectorOutput]:
+    """``draft_loss``'s DFlash2 part: (draft loss + alpha x selector term, argmax, the selector's sums).
+    One lm_head pass gives the draft loss and the candidates; the predecessors are the anchor for block
+    position 1 and the label of position k-1 for position k (teacher forcing)."""
+    loss_sum, preds, candidates = lce(rows, lm_head_weight, lab, w, top_k=selector.selector.top_k)
+    labels = batch.labels
+    predecessors = torch.cat([batch.block_input_ids[:, :1], labels[:, 1:-1]], dim=1).reshape(-1)
+    out = selector_loss(
+        rows,
+        lm_head_weight,
+        lab,
+        predecessors,
+        w,
+        selector.selector,
+        chunk_tokens=chunk_tokens,
+        candidates=candidates,
+    )
+    return loss_sum + selector.alpha * out.loss_sum, preds, out
+
+
 def draft_loss(
     hidden: torch.Tensor,
     batch: Any,
@@ -300,25 +329,14 @@ def draft_loss(
     lab = labels[:, 1:].reshape(-1)
     w = label_weights[:, 1:].reshape(-1)
     lce = lce or linear_cross_entropy("chunked", chunk_tokens=chunk_tokens)
+    rows = hidden[:, 1:].reshape(-1, h)
     selector_out = None
     if selector is None:
-        loss_sum, preds = lce(hidden[:, 1:].reshape(-1, h), lm_head_weight, lab, w)
-    else:  # one lm_head pass gives the draft loss and the selector's candidates
-        loss_sum, preds, candidates = lce(
-            hidden[:, 1:].reshape(-1, h), lm_head_weight, lab, w, top_k=selector.selector.top_k
+        loss_sum, preds = lce(rows, lm_head_weight, lab, w)
+    else:
+        loss_sum, preds, selector_out = _with_selector(
+            rows, batch, lm_head_weight, lab, w, lce, selector, chunk_tokens
         )
-        predecessors = torch.cat([batch.block_input_ids[:, :1], labels[:, 1:-1]], dim=1).reshape(-1)
-        selector_out = selector_loss(
-            hidden[:, 1:].reshape(-1, h),
-            lm_head_weight,
-            lab,
-            predecessors,
-            w,
-            selector.selector,
-            chunk_tokens=chunk_tokens,
-            candidates=candidates,
-        )
-        loss_sum = loss_sum + selector.alpha * selector_out.loss_sum
     with torch.no_grad():
         valid = (w > 0).view(n, b - 1)
         correct = (preds == lab).view(n, b - 1) & valid
