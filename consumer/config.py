@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 from dflash.common.cli.flags import add_flags, check_choices, flag, from_args
 from dflash.common.compile import CompileConfig
-from dflash.common.drafter.layers import check_layer_ids, parse_layer_types
+from dflash.common.drafter.layers import DrafterArch, check_layer_ids, parse_layer_types
 
 PROG = "dflash-consume"
 """The program name every line of the consumer CLI and its launch starts with."""
@@ -36,6 +36,12 @@ Precision = Literal["auto", "mixed", "bf16sr", "amp", "bf16", "fp32"]
 MomentDtype = Literal["auto", "bfloat16", "float32"]
 LossImpl = Literal["auto", "chunked", "liger"]
 GcMode = Literal["python", "freeze", "interval"]
+ARCH_DEFAULTS: dict[str, dict[str, int]] = {
+    "dflash": {"block_size": 16, "num_anchors": 256},
+    "dflash2": {"block_size": 8, "num_anchors": 512},
+}
+"""Per --drafter-arch, the defaults of --block-size and --num-anchors: the public recipes (DFlash: block 16,
+256 anchors; DFlash2: block 8, 512 anchors, SpecForge's Qwen3.6-27B DFlash2 recipe; docs/training.md)."""
 RESUME_CHANGES = ("block-size", "mask-token-id", "target-layer-ids", "target", "draft-layer-types")
 """What ``--resume-changes`` may name: the settings whose change leaves the checkpoint's weights loadable
 (consumer/checkpointing/resume.py compares them all)."""
@@ -180,8 +186,12 @@ class FeedConfig:
 
 @dataclass(kw_only=True)
 class DrafterShapeConfig:
-    """The drafter's shape: its layers and their attention, its block, the target layers that feed it."""
+    """The drafter's shape: its architecture, its layers and their attention, its block, the target layers
+    that feed it."""
 
+    drafter_arch: DrafterArch = "dflash"
+    """drafter architecture: dflash (DFlash v1) or dflash2 (z-lab's DFlash2: a dynamic convolution around
+    each draft sublayer and a candidate selector; same spool and shards; docs/training.md, "DFlash2")"""
     num_layers: int = 5
     """draft decoder layers"""
     draft_layer_types: str = "auto"
@@ -191,8 +201,9 @@ class DrafterShapeConfig:
     sliding_window: int | None = None
     """window W of the sliding draft layers: a query sees the W positions up to its own (default when a
     layer slides: 2048, the public Qwen3.6-27B drafter's)"""
-    block_size: int = 16
-    """tokens per draft block: the anchor token plus block-size - 1 predicted positions"""
+    block_size: int | None = None
+    """tokens per draft block: the anchor token plus block-size - 1 predicted positions (default: 16 for
+    dflash, 8 for dflash2)"""
     mask_token_id: int | None = None
     """token id of the draft mask (default: chosen from the tokenizer, docs/training.md)"""
     target_layer_ids: list[int] | None = None
@@ -200,6 +211,9 @@ class DrafterShapeConfig:
     L-3)"""
 
     def __post_init__(self) -> None:
+        check_choices(self)
+        if self.block_size is None:
+            self.block_size = ARCH_DEFAULTS[self.drafter_arch]["block_size"]
         require_positive_ints(self, "num_layers", "block_size")
         require_at_least_one_when_given(self, "sliding_window")
         if self.block_size < 2:
@@ -224,8 +238,8 @@ class StepConfig:
 
     context_tokens: int = 4096
     """packed context tokens per step (fixed: the step's shapes never change)"""
-    num_anchors: int = 256
-    """anchor blocks per step (fixed shape)"""
+    num_anchors: int | None = None
+    """anchor blocks per step (fixed shape; default: 256 for dflash, 512 for dflash2)"""
     max_anchors_per_doc: int = 256
     """at most this many of a step's anchor blocks from one document (so long documents do not dominate)"""
     gamma: float = 7.0
@@ -238,9 +252,19 @@ class StepConfig:
     (common/drafter/loss.py)"""
     loss_chunk_tokens: int = 2048
     """query tokens per lm_head + cross-entropy chunk of the chunked loss (logits memory: chunk x vocab)"""
+    selector_loss_alpha: float = 1.0
+    """dflash2: weight of the candidate selector's cross-entropy (over the strict top-k) beside the draft loss"""
+    selector_warmup_ratio: float = 0.0005
+    """dflash2: fraction of the schedule's steps with the selector loss at weight 0"""
+    selector_ramp_ratio: float = 0.0005
+    """dflash2: fraction of the schedule's steps over which its weight then rises linearly to the alpha"""
 
     def __post_init__(self) -> None:
         check_choices(self)
+        self.num_anchors_defaulted = self.num_anchors is None  # TrainConfig applies --drafter-arch's default
+        if self.num_anchors is None:
+            self.num_anchors = ARCH_DEFAULTS["dflash"]["num_anchors"]
+        require_non_negative(self, "selector_loss_alpha", "selector_warmup_ratio", "selector_ramp_ratio")
         require_positive_ints(
             self, "context_tokens", "num_anchors", "max_anchors_per_doc", "loss_chunk_tokens"
         )
@@ -419,6 +443,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         require_at_least_one_when_given(self, "max_steps")
+        if self.step.num_anchors_defaulted:  # the architecture's default (StepConfig cannot see it)
+            self.step.num_anchors = ARCH_DEFAULTS[self.drafter.drafter_arch]["num_anchors"]
         total = self.optim.total_steps
         if total is not None and self.max_steps is not None and total < self.max_steps:
             raise ValueError(

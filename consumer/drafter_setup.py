@@ -119,7 +119,24 @@ def build_drafter(
         tokenizer=maybe_tokenizer(target),
         layer_types=shape.layer_types,
         sliding_window=shape.sliding_window,
+        arch=shape.drafter_arch,
     )
+    if drafter_config.arch == "dflash2" and (
+        drafter_config.output_multiplier != 1.0 or drafter_config.final_logit_softcapping is not None
+    ):
+        raise ValueError(
+            f"--drafter-arch dflash2: the target {target} scales its logits (output_multiplier "
+            f"{drafter_config.output_multiplier}, final_logit_softcapping {drafter_config.final_logit_softcapping}); "
+            "training such a DFlash2 drafter is not supported yet (its loss assumes plain lm_head logits)"
+        )
+    if drafter_config.arch == "dflash2":
+        log.info(
+            "drafter: DFlash2 (convolutions k=%d g=%d, selector top-%d rank %d)",
+            drafter_config.conv_kernel_size,
+            drafter_config.conv_group_size,
+            drafter_config.selector_top_k,
+            drafter_config.selector_rank,
+        )
     if SLIDING in drafter_config.layer_types:
         log.info(
             "draft layers %s, sliding window %d", drafter_config.layer_types, drafter_config.sliding_window

@@ -39,7 +39,8 @@ def init_wandb(project: str | None, *, run: str, run_dir: str | None, config: di
 
 
 def reduce_interval(stats: StepStats, block_size: int, dist: D.DistInfo, device: torch.device) -> dict:
-    """The interval's sums over all ranks (one all-reduce): loss, accuracy per block position, τ, tokens."""
+    """The interval's sums over all ranks (one all-reduce): loss, accuracy per block position, τ, tokens;
+    for DFlash2 the selector's loss, coverage (labels among the top-k) and accuracy over covered rows."""
     B = block_size
     sums = torch.tensor(
         [
@@ -54,14 +55,15 @@ def reduce_interval(stats: StepStats, block_size: int, dist: D.DistInfo, device:
     )
     correct = torch.as_tensor(stats.correct).cpu().to(torch.float64).expand(B)
     valid = torch.as_tensor(stats.valid).cpu().to(torch.float64).expand(B)
-    packed = torch.cat([sums, correct, valid])
+    selector = torch.tensor([float(x) for x in stats.selector or [0, 0, 0, 0]], dtype=torch.float64)
+    packed = torch.cat([sums, correct, valid, selector])
     if dist.enabled and device.type == "cuda":
         packed = packed.to(device)
     D.all_reduce_sum(packed, dist)
     packed = packed.cpu()
     loss_sum, weight_sum, tau_sum, blocks, tokens, samples = packed[:6].tolist()
-    correct, valid = packed[6 : 6 + B], packed[6 + B :]
-    return {
+    correct, valid = packed[6 : 6 + B], packed[6 + B : 6 + 2 * B]
+    out = {
         "loss": loss_sum / max(weight_sum, 1e-9),
         "acc": float(correct[1:].sum() / valid[1:].sum().clamp(min=1)),
         "acc_per_pos": (correct / valid.clamp(min=1)).tolist(),
@@ -69,6 +71,12 @@ def reduce_interval(stats: StepStats, block_size: int, dist: D.DistInfo, device:
         "tokens": tokens,
         "samples": samples,
     }
+    if stats.selector is not None:  # DFlash2: the selector term (in "loss" at its scheduled weight)
+        sel_loss, sel_correct, covered, rows = packed[6 + 2 * B :].tolist()
+        out["selector_loss"] = sel_loss / max(weight_sum, 1e-9)
+        out["selector_coverage"] = covered / max(rows, 1.0)
+        out["selector_acc"] = sel_correct / max(covered, 1.0)
+    return out
 
 
 class IntervalLogger:
@@ -140,6 +148,7 @@ class IntervalLogger:
             "time": time.time(),
             "step": progress.step,
             **{k: reduced[k] for k in ("loss", "acc", "acc_per_pos", "tau")},
+            **{k: v for k, v in reduced.items() if k.startswith("selector_")},  # DFlash2 only
             "lr": schedule.lr,
             "grad_norm": float(stats.grad_norm),
             "tok_s": tokens / max(elapsed, 1e-9),

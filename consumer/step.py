@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash.common.drafter.batch import DraftBatch
-from dflash.common.drafter.loss import DraftLossOutput, LinearCrossEntropy, draft_loss, linear_cross_entropy
+from dflash.common.drafter.loss import (
+    DraftLossOutput,
+    LinearCrossEntropy,
+    SelectorTerm,
+    draft_loss,
+    linear_cross_entropy,
+)
 from dflash.common.drafter.model import DFlashDrafter
 from dflash.consumer.config import StepConfig
 
@@ -33,6 +39,8 @@ class StepStats:
     samples: int = 0
     steps: int = 0
     grad_norm: torch.Tensor | float = 0.0
+    selector: list | None = None
+    """DFlash2: [selector loss sum, correct, covered, valid rows] over the interval (None for DFlash)."""
     t0: float = field(default_factory=time.monotonic)
 
     def add(
@@ -48,6 +56,12 @@ class StepStats:
         self.samples += samples
         self.steps += 1
         self.grad_norm = grad_norm
+        if r.selector is not None:
+            sel = r.selector
+            now = [sel.loss_sum.detach(), sel.correct, sel.covered, sel.valid]
+            self.selector = (
+                now if self.selector is None else [a + b for a, b in zip(self.selector, now, strict=True)]
+            )
 
 
 def forward_backward(
@@ -59,6 +73,7 @@ def forward_backward(
     chunk_tokens: int = 2048,
     autocast: bool | None = None,
     lce: LinearCrossEntropy | None = None,
+    selector_alpha: float = 0.0,
 ) -> DraftLossOutput:
     """One step's forward and backward (shared by the trainer and ops/bench/consumer_bench.py).
 
@@ -67,6 +82,8 @@ def forward_backward(
     (bf16 parameters run in bf16 as they are; fp32 on the CPU). ``loss_scale`` turns the local loss sum into
     this rank's share of sum(loss) / global supervised weight (DDP averages gradients over ranks).
     ``lce``: the lm_head + cross-entropy (``make_loss``); default the chunked one of ``chunk_tokens`` rows.
+    ``selector_alpha``: a DFlash2 drafter's selector-loss weight this step (``selector_weight``); its term
+    stays in the graph at 0 (the warm-up), so DDP sees every parameter used each step.
     """
     device_type = batch.input_ids.device.type
     mask = model.build_mask(batch)
@@ -74,8 +91,18 @@ def forward_backward(
         autocast = device_type == "cuda" and model.fc.weight.dtype == torch.float32
     with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
         hidden_out = train_model(batch, mask)
+        selector = (
+            SelectorTerm(selector=model.candidate_selector, alpha=selector_alpha)
+            if model.spec.dflash2
+            else None
+        )
         result = draft_loss(
-            hidden_out, batch, model.target_head.lm_head_weight, chunk_tokens=chunk_tokens, lce=lce
+            hidden_out,
+            batch,
+            model.target_head.lm_head_weight,
+            chunk_tokens=chunk_tokens,
+            lce=lce,
+            selector=selector,
         )
     (result.loss_sum * loss_scale).backward()
     return result

@@ -31,6 +31,7 @@ from dflash.common.compile import import_dynamo_in_main_thread
 from dflash.common.contract.spool import Spool
 from dflash.common.drafter.batch import DraftBatch, build_draft_batch, empty_packed
 from dflash.common.drafter.dflash import recompile_count
+from dflash.common.drafter.loss import selector_weight
 from dflash.common.metrics import MetricsLog
 from dflash.consumer import distributed as D
 from dflash.consumer.agreement import RankView, StepAgreement
@@ -351,6 +352,7 @@ class Trainer:
             batch,
             loss_scale=self.dist.world_size / global_weight.clamp(min=1e-6),
             lce=self.loss_fn,
+            selector_alpha=self._selector_alpha(),
         )
         grad_norm = clipped_step(self.optimizer, self.trainable, self.cfg.optim.grad_clip)
         self.schedule.step()
@@ -367,6 +369,19 @@ class Trainer:
             }
             self.ledger.write(record)
         stats.add(result, weight=item.weight, grad_norm=grad_norm, tokens=item.tokens, samples=len(trained))
+
+    def _selector_alpha(self) -> float:
+        """A DFlash2 drafter's selector-loss weight this step (0 through its warm-up, then ramped)."""
+        if self.drafter_config.arch != "dflash2":
+            return 0.0
+        step = self.cfg.step
+        return selector_weight(
+            self.step,
+            self.schedule.total_steps,
+            step.selector_loss_alpha,
+            step.selector_warmup_ratio,
+            step.selector_ramp_ratio,
+        )
 
     def _plan_campaign(self) -> None:
         """Read what the data gives (rank 0's reading for every rank), size the schedule from it unless a

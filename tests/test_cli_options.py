@@ -45,6 +45,10 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
         "--outage-minutes": "the same bound in minutes since the first failed save",
         "--fallback-dir": "where the state goes when the store refuses it (the same command uploads it later)",
         "--resume-changes": "a resume under another drafter setting than the checkpoint's is refused unless named here",
+        "--drafter-arch": "DFlash2 drafters (dynamic block convolutions, candidate selector) beside DFlash",
+        "--selector-loss-alpha": "DFlash2: the selector cross-entropy's weight",
+        "--selector-warmup-ratio": "DFlash2: the steps with the selector loss at weight 0",
+        "--selector-ramp-ratio": "DFlash2: the steps over which its weight then rises to the alpha",
     },
     "dflash-eval": {
         "--temperature": "lossless speculative rejection sampling",
@@ -86,6 +90,14 @@ CHANGED: dict[str, dict[str, tuple[dict, str]]] = {
         ),
     },
     "dflash-consume": {
+        "--block-size": (
+            {"default": "None", "choices": None, "required": False, "kind": "_StoreAction"},
+            "per --drafter-arch: 16 for dflash (as before), 8 for dflash2 (the public DFlash2 recipes)",
+        ),
+        "--num-anchors": (
+            {"default": "None", "choices": None, "required": False, "kind": "_StoreAction"},
+            "per --drafter-arch: 256 for dflash (as before), 512 for dflash2 (the public DFlash2 recipes)",
+        ),
         "--compile-backend": (
             {
                 "default": "'auto'",

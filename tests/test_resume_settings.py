@@ -266,8 +266,9 @@ def test_a_resume_with_another_setting_is_refused_unless_the_change_is_meant(tin
         ({"num_layers": 2, "layer_types": ["full_attention"] * 2}, "--num-layers 1, this run gives 2"),
         ({"target_layer_ids": [1, 2, 3, 4]}, "--target-layer-ids (how many) 5, this run gives 4"),
         ({"intermediate_size": 64}, "--target (its attention heads, head size, MLP width)"),
+        ({"arch": "dflash2"}, "--drafter-arch dflash, this run gives dflash2"),
     ],
-    ids=["hidden-size", "num-layers", "target-layer-count", "target-shape"],
+    ids=["hidden-size", "num-layers", "target-layer-count", "target-shape", "drafter-arch"],
 )
 def test_a_shape_the_weights_cannot_load_into_is_always_refused(tiny_target, given, says):
     with pytest.raises(ValueError) as err:
@@ -284,7 +285,7 @@ def test_a_shape_the_weights_cannot_load_into_is_always_refused(tiny_target, giv
 def test_an_older_checkpoint_is_compared_on_what_it_recorded(tiny_target):
     """No fingerprint (recorded since), no layer types (all full attention then): not refused for them."""
     old = _drafter(tiny_target).to_dict()
-    del old["layer_types"], old["sliding_window"]
+    del old["layer_types"], old["sliding_window"], old["arch"]  # (no arch: DFlash, before DFlash2)
     old["target_fingerprint"] = None
     ckpt = _checkpoint(_drafter(tiny_target))
     ckpt.config["drafter"] = old

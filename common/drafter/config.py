@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import typing
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,12 +15,16 @@ from transformers import Qwen3Config
 from dflash.common.drafter.layers import (
     FULL,
     SLIDING,
+    DrafterArch,
     check_layer_ids,
     default_target_layer_ids,
     resolve_layer_types,
 )
 
 log = logging.getLogger(__name__)
+
+DRAFTER_ARCHS = typing.get_args(DrafterArch)
+DFLASH2_CLASS = "DFlash2DraftModel"  # = dflash.py's: that file imports nothing of this package
 
 
 # Rope fields of a target that describe ITS attention, not a rope scaling the drafter shares: Qwen3.5/3.6
@@ -73,6 +78,25 @@ class DrafterConfig:
     """Per draft layer: full_attention or sliding_attention (None: all full, as in checkpoints made before sliding draft layers existed)."""
     sliding_window: int | None = None
     """W of the sliding layers (HF convention: W keys counting the query's own); None when no layer slides."""
+    arch: DrafterArch = "dflash"
+    """Drafter architecture: dflash (DFlash v1) or dflash2 (z-lab's DFlash2: convolutions around each draft
+    sublayer and a candidate selector over the draft logits; docs/training.md, "DFlash2").
+    ``from_target_config(arch="dflash2")`` also takes the target's logit multiplier and soft cap, if any."""
+    conv_kernel_size: int = 2
+    """DFlash2: causal taps of each block convolution (the public drafters': 2)"""
+    conv_group_size: int = 16
+    """DFlash2: channels sharing one per-token kernel correction (16)"""
+    selector_rank: int = 256
+    """DFlash2: rank of the selector's predecessor/successor codebooks (256)"""
+    selector_top_k: int = 16
+    """DFlash2: draft candidates the selector re-ranks per position (16)"""
+    output_multiplier: float = 1.0
+    """DFlash2: draft logits = softcap(lm_head(h) * output_multiplier), the target's logit recipe (1.0 for Qwen)"""
+    block_causal: bool = True
+    """Sliding layers causal within the block (what this project trains); False: the public DFlash2
+    drafters' ``is_causal: false`` (all block keys, the window on the context only), read from their config."""
+    final_logit_softcapping: float | None = None
+    """DFlash2: the soft cap c of ``c * tanh(x / c)`` on the draft logits (None: none, as Qwen targets)"""
     target_fingerprint: str | None = None
     """Digest of the target's embedding and lm_head the drafter was trained with (common/target/head.py):
     dflash-eval refuses another target of the same shape. None: unknown (older checkpoints, public drafters)."""
@@ -130,6 +154,26 @@ class DrafterConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"DrafterConfig.sliding_window must be >= 1, got {self.sliding_window}")
+        if self.arch not in DRAFTER_ARCHS:
+            raise ValueError(f"DrafterConfig.arch must be one of {DRAFTER_ARCHS}, got {self.arch!r}")
+        if self.arch == "dflash2":
+            self._check_dflash2()
+
+    def _check_dflash2(self) -> None:
+        """The DFlash2 fields' ranges (SpecForge's checks): taps within the block, groups dividing the width."""
+        if not 1 <= self.conv_kernel_size <= self.block_size:
+            raise ValueError(
+                f"DrafterConfig.conv_kernel_size must be in [1, block_size], got {self.conv_kernel_size}"
+            )
+        if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+            raise ValueError(
+                f"DrafterConfig.conv_group_size {self.conv_group_size} must divide hidden_size {self.hidden_size}"
+            )
+        if self.selector_rank < 1 or not 1 <= self.selector_top_k <= self.vocab_size:
+            raise ValueError(
+                f"DrafterConfig.selector_rank must be >= 1 and selector_top_k in [1, {self.vocab_size}], "
+                f"got {self.selector_rank}, {self.selector_top_k}"
+            )
 
     @property
     def num_context_layers(self) -> int:
@@ -152,6 +196,21 @@ class DrafterConfig:
         trainer's drafter and the exported ``DFlashDraftModel`` are built from. ``use_sliding_window`` must
         be true when a layer slides: transformers' Qwen3Config drops ``sliding_window`` otherwise."""
         sliding = self.sliding_window is not None
+        dflash_config: dict[str, Any] = {
+            "target_layer_ids": list(self.target_layer_ids),
+            "mask_token_id": self.mask_token_id,
+        }
+        if self.arch == "dflash2":  # the public DFlash2 config (z-lab tests/fixtures/dflash2-config.json)
+            dflash_config |= {
+                "block_size": self.block_size,
+                "conv_kernel_size": self.conv_kernel_size,
+                "conv_group_size": self.conv_group_size,
+                "selector_rank": self.selector_rank,
+                "selector_top_k": self.selector_top_k,
+                "output_multiplier": self.output_multiplier,
+            }
+            if self.final_logit_softcapping is not None:
+                dflash_config["final_logit_softcapping"] = self.final_logit_softcapping
         return Qwen3Config(
             hidden_size=self.hidden_size,
             num_attention_heads=self.num_attention_heads,
@@ -171,13 +230,11 @@ class DrafterConfig:
             hidden_act="silu",
             tie_word_embeddings=False,
             initializer_range=self.initializer_range,
-            architectures=["DFlashDraftModel"],
+            architectures=[DFLASH2_CLASS if self.arch == "dflash2" else "DFlashDraftModel"],
             num_target_layers=self.num_target_layers,
             block_size=self.block_size,
-            dflash_config={
-                "target_layer_ids": list(self.target_layer_ids),
-                "mask_token_id": self.mask_token_id,
-            },
+            dflash_config=dflash_config,
+            **({} if self.block_causal else {"is_causal": False}),
         )
 
     @classmethod
@@ -193,6 +250,7 @@ class DrafterConfig:
         tokenizer: Any = None,
         layer_types: list[str] | None = None,
         sliding_window: int | None = None,
+        arch: DrafterArch = "dflash",
     ) -> DrafterConfig:
         """Derive a drafter config from the target's HF config (`text_config` of multimodal models).
 
@@ -213,11 +271,10 @@ class DrafterConfig:
         theta, scaling = _rope_from_target(cfg)
         if target_layer_ids is None:
             target_layer_ids = default_target_layer_ids(num_target_layers, num_context_layers)
-        if mask_token_id is None:
-            if tokenizer is not None:
-                mask_token_id = choose_mask_token_id(tokenizer, vocab_size=vocab)
-            else:
-                mask_token_id = _mask_token_from_config(cfg, vocab)
+        if mask_token_id is None and tokenizer is not None:
+            mask_token_id = choose_mask_token_id(tokenizer, vocab_size=vocab)
+        elif mask_token_id is None:
+            mask_token_id = _mask_token_from_config(cfg, vocab)
         layer_types, sliding_window = resolve_layer_types(
             layer_types, num_layers, target_config, sliding_window
         )
@@ -239,7 +296,18 @@ class DrafterConfig:
             mask_token_id=int(mask_token_id),
             layer_types=layer_types,
             sliding_window=sliding_window,
+            **({"arch": arch} | (_target_logit_recipe(cfg) if arch == "dflash2" else {})),
         )
+
+
+def _target_logit_recipe(cfg: Any) -> dict:
+    """The target's logit multiplier and soft cap, where its config has them (Qwen's has neither)."""
+    out: dict[str, Any] = {}
+    if getattr(cfg, "output_multiplier", None) is not None:
+        out["output_multiplier"] = float(cfg.output_multiplier)
+    if getattr(cfg, "final_logit_softcapping", None) is not None:
+        out["final_logit_softcapping"] = float(cfg.final_logit_softcapping)
+    return out
 
 
 def _as_id_set(x: Any) -> set[int]:

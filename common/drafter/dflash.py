@@ -1,4 +1,4 @@
-"""Long by necessity (one self-contained file, ~1250 lines): the whole DFlash drafter, shipped verbatim as every export's remote code.
+"""Long by necessity (one self-contained file, ~1570 lines): the whole DFlash drafter, shipped verbatim as every export's remote code.
 
 Why one file: ``dflash-export`` copies this file into every export folder as ``dflash.py`` with
 ``auto_map {"AutoModel": "dflash.DFlashDraftModel"}`` (the public DFlash drafters' convention), so
@@ -15,14 +15,16 @@ Contents, in order:
 2. the capture rule: which module of the target's decoder gives layer i's feature (``feature_module``);
 3. attention: the mask rule (``visible``, ``make_mask_mod``) and its two backends (compiled
    ``flex_attention`` on CUDA, dense SDPA elsewhere);
-4. the layers: norms, rotary, attention, MLP, the decoder layer in its training form (one packed stream)
-   and its inference form (blocks over cached context keys/values);
+4. the layers: norms, rotary, attention, MLP, DFlash2's block convolution and candidate selector, the
+   decoder layer in its training form (one packed stream) and its inference form (blocks over cached
+   context keys/values);
 5. ``DraftMath``: the drafter itself (parameters named as the public model's: ``layers.{i}.…``, ``fc``,
    ``hidden_norm``, ``norm``), its training forward, its inference form and ``spec_generate``;
 6. decoding: the target with its cache (rolled back exactly after a verify, hybrid targets included) and
    capture hooks (``TargetRunner``), the draft -> verify loop
    (``speculative_generate``), greedy verification and lossless speculative rejection sampling;
-7. ``DFlashDraftModel``: the ``PreTrainedModel`` that ``AutoModel`` builds from an export.
+7. ``DFlashDraftModel``: the ``PreTrainedModel`` that ``AutoModel`` builds from an export (and
+   ``DFlash2DraftModel``, the same class under the public DFlash2 name: its config turns DFlash2 on).
 
 The attention rule (docs/training.md, "Sliding-window layers"): a block's query at position p (anchor a,
 offset i, p = a + i) sees, in a full-attention layer, every context position < a of its document and all B
@@ -64,6 +66,13 @@ FULL = "full_attention"
 SLIDING = "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
 
+DFLASH2_CLASS = "DFlash2DraftModel"
+"""``architectures[0]`` of a DFlash2 drafter's config.json (z-lab's public DFlash2 checkpoints): every draft
+layer wraps attention and MLP in a grouped dynamic causal convolution over the block, and a candidate
+selector re-ranks each position's top-k draft tokens (``GroupedDynamicCausalConv``, ``CandidateSelector``)."""
+DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16}
+"""The public DFlash2 drafters' values of the four extra ``dflash_config`` fields."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class DraftSpec:
@@ -78,6 +87,35 @@ class DraftSpec:
     sliding_window: int | None
     """W of the sliding layers (HF convention: the window includes the current token); None: no sliding layer."""
     initializer_range: float = 0.02
+    arch: Literal["dflash", "dflash2"] = "dflash"
+    """dflash2 when the config's ``architectures`` names ``DFlash2DraftModel``; the four fields below are
+    then read from ``dflash_config`` (0 for dflash: no convolution, no selector)."""
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    output_multiplier: float = 1.0
+    """The draft logits are ``softcap(lm_head(h) * output_multiplier)`` (``DraftMath.logits``): the target's
+    own logit recipe, 1.0 and no cap for targets without one (Qwen); DFlash2 configs carry both."""
+    final_logit_softcapping: float | None = None
+    block_causal: bool = True
+    """Sliding layers causal within the block (ours, vLLM's and SGLang's rule); False when the config says
+    ``is_causal: false`` (the public DFlash2 drafters: z-lab's code then lets sliding layers see the whole
+    block, the window on the context only)."""
+
+    @property
+    def dflash2(self) -> bool:
+        return self.arch == "dflash2"
+
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """``lm_head`` scores -> the draft's logits: times ``output_multiplier``, then the soft cap
+        ``c * tanh(x / c)`` (z-lab DFlash2 ``compute_logits``). The identity at the defaults."""
+        if self.output_multiplier != 1.0:
+            logits = logits * self.output_multiplier
+        cap = self.final_logit_softcapping
+        if cap is not None and cap > 0:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def window(self, layer_type: str) -> int | None:
         """The attention window of a layer of this type (None: full attention)."""
@@ -116,7 +154,15 @@ class DraftSpec:
             )
         if int(block_size) < 2:
             raise ValueError(f"config block_size must be >= 2, got {block_size}")
+        dflash2 = DFLASH2_CLASS in (getattr(config, "architectures", None) or [])
+        extra = _dflash2_fields(config, dflash, int(block_size)) if dflash2 else {}
+        cap = dflash.get("final_logit_softcapping", getattr(config, "final_logit_softcapping", None))
         return cls(
+            block_causal=getattr(config, "is_causal", None) is not False,
+            arch="dflash2" if dflash2 else "dflash",
+            output_multiplier=float(dflash.get("output_multiplier", 1.0)),
+            final_logit_softcapping=None if cap is None else float(cap),
+            **extra,
             block_size=int(block_size),
             mask_token_id=int(dflash["mask_token_id"]),
             target_layer_ids=tuple(int(i) for i in dflash["target_layer_ids"]),
@@ -124,6 +170,24 @@ class DraftSpec:
             sliding_window=None if window is None else int(window),
             initializer_range=float(getattr(config, "initializer_range", 0.02) or 0.02),
         )
+
+
+def _dflash2_fields(config: Any, dflash: dict, block_size: int) -> dict[str, int]:
+    """DFlash2's four ``dflash_config`` fields (the public defaults where absent), range-checked as
+    SpecForge checks them; ValueError, one line, otherwise."""
+    extra = {k: int(dflash.get(k, v)) for k, v in DFLASH2_DEFAULTS.items()}
+    hidden, vocab = int(config.hidden_size), int(config.vocab_size)
+    if not 1 <= extra["conv_kernel_size"] <= block_size:
+        raise ValueError(f"config dflash_config.conv_kernel_size must be in [1, block_size], got {extra}")
+    if extra["conv_group_size"] < 1 or hidden % extra["conv_group_size"]:
+        raise ValueError(
+            f"config dflash_config.conv_group_size must divide hidden_size {hidden}, got {extra}"
+        )
+    if extra["selector_rank"] < 1 or not 1 <= extra["selector_top_k"] <= vocab:
+        raise ValueError(
+            f"config dflash_config selector_rank >= 1, selector_top_k in [1, {vocab}], got {extra}"
+        )
+    return extra
 
 
 def head_dim_of(config: Any) -> int:
@@ -193,15 +257,19 @@ def visible(
     anchor: torch.Tensor,
     k_in_block: torch.Tensor,
     sliding_window: int | None,
+    block_causal: bool = True,
 ) -> torch.Tensor:
     """THE attention rule on positions, for keys already known to be of the query's document (context)
     or of its own block: a context key is visible iff it precedes the anchor (at inference the target's
     feature at the anchor does not exist yet when the block is drafted); a block key always (full layers).
-    A sliding layer keeps only keys at positions q-W+1 … q: causal within the block, a window of W keys.
-    Broadcasting-safe ops only, so flex evaluates it per element and SDPA on index grids."""
+    A sliding layer keeps only keys at positions q-W+1 … q: causal within the block, a window of W keys
+    (``block_causal`` False: every block key, the window on the context only; the public DFlash2
+    drafters' ``is_causal: false``). Broadcasting-safe ops only, so flex evaluates it per element and SDPA
+    on index grids."""
     seen = k_in_block | (k_pos < anchor)
     if sliding_window is not None:
-        seen = seen & (k_pos <= q_pos) & (q_pos - k_pos < sliding_window)
+        in_window = (k_pos <= q_pos) & (q_pos - k_pos < sliding_window)
+        seen = seen & (in_window if block_causal else in_window | k_in_block)
     return seen
 
 
@@ -211,6 +279,7 @@ def make_mask_mod(
     anchor_valid: torch.Tensor,
     block_size: int,
     sliding_window: int | None = None,
+    block_causal: bool = True,
 ) -> MaskMod:
     """The training step's visibility as a flex ``mask_mod(b, h, q_idx, kv_idx) -> bool``.
 
@@ -232,7 +301,8 @@ def make_mask_mod(
         q_pos = anchor + q_idx % block_size
         k_pos = torch.where(in_context, kv_idx, anchor + (kv_idx - context_len) % block_size)
         candidate = torch.where(in_context, same_doc, same_block)
-        return anchor_valid[block] & candidate & visible(q_pos, k_pos, anchor, ~in_context, sliding_window)
+        seen = visible(q_pos, k_pos, anchor, ~in_context, sliding_window, block_causal)
+        return anchor_valid[block] & candidate & seen
 
     return mask_mod
 
@@ -252,10 +322,11 @@ def _draft_block_mask(
     block_size: int,
     kv_len: int,
     sliding_window: int | None,
+    block_causal: bool = True,
 ) -> BlockMask:
     # The mask_mod closure is created inside this function so that, when compiled, its tensors are graph
     # inputs (no guard on a per-step closure object -> no recompile per step; one compile per layer type).
-    mask_mod = make_mask_mod(doc_ids, anchors, anchor_valid, block_size, sliding_window)
+    mask_mod = make_mask_mod(doc_ids, anchors, anchor_valid, block_size, sliding_window, block_causal)
     q_len = anchors.shape[0] * block_size
     return create_block_mask(mask_mod, None, None, q_len, kv_len, device=doc_ids.device)
 
@@ -279,6 +350,7 @@ def build_draft_mask(
     backend: Backend = "auto",
     compile_mask: bool | None = None,
     sliding_window: int | None = None,
+    block_causal: bool = True,
 ) -> DraftMask:
     """The step's mask for ``draft_attention`` (once per step and layer type, not per layer).
 
@@ -300,9 +372,9 @@ def build_draft_mask(
             if _compiled_block_mask is None:
                 _compiled_block_mask = torch.compile(_draft_block_mask, dynamic=False)
             fn = _compiled_block_mask
-        block_mask = fn(doc_ids, anchors, anchor_valid, block_size, kv_len, sliding_window)
+        block_mask = fn(doc_ids, anchors, anchor_valid, block_size, kv_len, sliding_window, block_causal)
         return DraftMask(backend="flex", row_valid=row_valid, block_mask=block_mask)
-    mask_mod = make_mask_mod(doc_ids, anchors, anchor_valid, block_size, sliding_window)
+    mask_mod = make_mask_mod(doc_ids, anchors, anchor_valid, block_size, sliding_window, block_causal)
     dense = dense_mask(mask_mod, row_valid.shape[0], kv_len, device)
     # A fully masked row makes SDPA's softmax 0/0 = NaN, and zeroing the output afterwards does not stop the NaN
     # from reaching dK/dV in backward. So padding rows attend to everything and their output is zeroed instead:
@@ -537,27 +609,165 @@ class DraftMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class GroupedDynamicCausalConv(nn.Module):
+    """DFlash2's convolution around one sublayer (attention or MLP) of a draft layer, over the block.
+
+    Tap j of position t reads position t - j of the SAME block (zeros before the block's first position:
+    a block never reads its neighbour in the packed training stream, nor anything at decode). Tap j's
+    weight per channel is a static ``base_kernel[., j]`` plus a per-token correction predicted from the
+    sublayer's input by ``kernel_projection`` and shared by each group of ``group_size`` channels. One
+    projection predicts both convolutions' corrections: [0] before the sublayer, [1] after it. Initialised
+    to the identity (self tap 1, other taps 0, projection 0), so a new DFlash2 layer is exactly a DFlash
+    layer. Parameter names and shapes are the public checkpoints': ``base_kernel`` [2, taps, H],
+    ``kernel_projection.weight`` [2 * taps * H / group, H].
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int):
+        super().__init__()
+        self.kernel_size, self.group_size = kernel_size, group_size
+        self.groups = hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+        self.kernel_projection.zero_init = (
+            True  # DFlashDraftModel._init_weights: not N(0, std) as other Linears
+        )
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def _convolve(self, x: torch.Tensor, dynamic: torch.Tensor, which: int) -> torch.Tensor:
+        """x [A, B, H] blocks; dynamic [A, B, 2, taps, groups] -> [A, B, H]."""
+        a, b, h = x.shape
+        xs = x.view(a, b, self.groups, self.group_size)
+        out = None
+        for j in range(self.kernel_size):
+            if j == 0:
+                shifted = xs
+            else:  # position t reads t - j of its own block; the first j positions read zeros
+                shifted = torch.cat(
+                    [xs.new_zeros(a, min(j, b), self.groups, self.group_size), xs[:, : b - j]], 1
+                )
+            weight = (
+                self.base_kernel[which, j].view(self.groups, self.group_size)
+                + dynamic[:, :, which, j, :, None]
+            )
+            term = weight.to(x.dtype) * shifted
+            out = term if out is None else out + term
+        return out.view(a, b, h)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the sublayer's input convolved, the corrections ``finish`` needs) of x [A, B, H]."""
+        dynamic = self.kernel_projection(x).view(*x.shape[:2], 2, self.kernel_size, self.groups)
+        return self._convolve(x, dynamic, 0), dynamic
+
+    def finish(self, y: torch.Tensor, dynamic: torch.Tensor) -> torch.Tensor:
+        return self._convolve(y, dynamic, 1)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash2's path selector: each draft position keeps its top-k draft tokens (by the unary logit U_t)
+    and scores candidate b after predecessor a as ``U_t(b) + <P[a] * W h_t, S[b]>`` (rank-r codebooks
+    ``predecessor_codebook`` P, ``successor_codebook`` S and ``hidden_projection`` W, the public names). A
+    decode walks the block from the anchor, each step conditioned on the token it picked; training scores
+    the true predecessors (``common/drafter/loss.py``). S starts at zero, so a new selector returns the
+    unary ranking: the drafter starts as DFlash."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        with torch.no_grad():
+            nn.init.normal_(self.predecessor_codebook, mean=0.0, std=std)
+            nn.init.normal_(self.hidden_projection.weight, mean=0.0, std=std)
+            self.successor_codebook.zero_()
+
+    def scores(
+        self, hidden: torch.Tensor, unary: torch.Tensor, candidates: torch.Tensor, predecessors: torch.Tensor
+    ) -> torch.Tensor:
+        """hidden [..., H], unary and candidates [..., k], predecessors [...] -> scores [..., k]."""
+        gate = F.embedding(predecessors, self.predecessor_codebook) * self.hidden_projection(hidden)
+        pair = (gate[..., None, :] * F.embedding(candidates, self.successor_codebook)).sum(-1)
+        return unary + pair.to(unary.dtype)
+
+    def walk(
+        self, hidden: torch.Tensor, logits: torch.Tensor, anchor: int, sampling: Sampling | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One block's path: hidden [n, H] and draft logits [n, V] of positions 1..n -> (tokens [n], the
+        distribution each was drawn from [n, V] when sampling, else None). Greedy takes each step's best
+        score; sampling draws from the warped softmax of the scores (so q is known: lossless)."""
+        unary, candidates = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)
+        predecessor = torch.tensor(anchor, device=hidden.device)
+        tokens, rows = [], []
+        for t in range(hidden.shape[0]):
+            s = self.scores(hidden[t], unary[t], candidates[t], predecessor)
+            if sampling is None or sampling.greedy:
+                pick = s.argmax()
+            else:
+                q = warp_probs(s, sampling)
+                pick = _draw(q, sampling.generator)
+                rows.append(torch.zeros_like(logits[t], dtype=torch.float32).scatter(0, candidates[t], q))
+            predecessor = candidates[t, pick]
+            tokens.append(predecessor)
+        probs = torch.stack(rows) if rows else None
+        return torch.stack(tokens) if tokens else candidates[:, 0], probs
+
+
 class DraftDecoderLayer(nn.Module):
     """A Qwen3-style decoder layer whose attention reads the context feature; ``layer_type`` says which
-    mask it uses (full or sliding)."""
+    mask it uses (full or sliding). With ``spec.dflash2`` each sublayer sits inside a
+    ``GroupedDynamicCausalConv`` (``attention_conv``, ``mlp_conv``: the public names)."""
 
-    def __init__(self, config: Qwen3Config, layer_type: str):
+    def __init__(self, config: Qwen3Config, layer_type: str, spec: DraftSpec | None = None):
         super().__init__()
         self.layer_type = layer_type
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = DraftAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DraftMLP(config)
+        self.attention_conv = self.mlp_conv = None
+        if spec is not None and spec.dflash2:
+            h = config.hidden_size
+            with torch.random.fork_rng(
+                devices=[]
+            ):  # DFlash's draws stay DFlash's (DraftMath.reset_parameters)
+                self.attention_conv = GroupedDynamicCausalConv(h, spec.conv_kernel_size, spec.conv_group_size)
+                self.mlp_conv = GroupedDynamicCausalConv(h, spec.conv_kernel_size, spec.conv_group_size)
 
-    def forward(self, x, context, cos, sin, mask: DraftMask) -> torch.Tensor:
-        """Training form: x [N*B, H] block states of the packed step."""
-        x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, context, cos, sin, mask: DraftMask, block_size: int = 0) -> torch.Tensor:
+        """Training form: x [N*B, H] block states of the packed step (``block_size`` B: DFlash2's
+        convolutions run within each block of B rows)."""
+        if self.attention_conv is None:
+            x = x + self.self_attn(self.input_layernorm(x), context, cos, sin, mask)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        n = x.shape[0]
+        blocks = x.view(n // block_size, block_size, -1)
+        attend = lambda h: self.self_attn(h.reshape(n, -1), context, cos, sin, mask).view_as(h)  # noqa: E731
+        return self._dflash2(blocks, attend).reshape(n, -1)
 
     def block_forward(self, x, cos, sin, keys, values, visible_mask) -> torch.Tensor:
         """Inference form: x [A, B, H], A blocks over their cached context (``DraftAttention.attend_blocks``)."""
+        if self.attention_conv is not None:
+            return self._dflash2(
+                x, lambda h: self.self_attn.attend_blocks(h, cos, sin, keys, values, visible_mask)
+            )
         x = x + self.self_attn.attend_blocks(self.input_layernorm(x), cos, sin, keys, values, visible_mask)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _dflash2(self, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """x [A, B, H]: norm -> conv -> sublayer -> conv (corrections from the normed input) -> residual,
+        for attention, then for the MLP (z-lab DFlash2's decoder layer)."""
+        h, dynamic = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(attend(h), dynamic)
+        h, dynamic = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), dynamic)
 
 
 # ------------------------------------------------------------------------------------------- 5. the drafter
@@ -585,21 +795,37 @@ class DraftMath:
         self.spec = DraftSpec.from_config(config)
         self.attention_backend = attention_backend
         h = config.hidden_size
-        self.layers = nn.ModuleList(DraftDecoderLayer(config, t) for t in self.spec.layer_types)
+        self.layers = nn.ModuleList(DraftDecoderLayer(config, t, self.spec) for t in self.spec.layer_types)
         self.fc = nn.Linear(len(self.spec.target_layer_ids) * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+        if self.spec.dflash2:
+            with torch.random.fork_rng(devices=[]):
+                self.candidate_selector = CandidateSelector(
+                    config.vocab_size, h, self.spec.selector_rank, self.spec.selector_top_k
+                )
         object.__setattr__(self, "_target_head", None)
 
     # ------------------------------------------------------------------ parameters and the target head
     def reset_parameters(self) -> None:
-        """The public model's init: Linear ~ N(0, initializer_range), norms = 1."""
+        """The public model's init: Linear ~ N(0, initializer_range), norms = 1. DFlash2's convolutions and
+        selector are drawn after the rest (identity convolutions, zero successor codebook), so a DFlash2
+        drafter of a seed has the DFlash drafter's weights of that seed and computes what it computes."""
+        extra = [m for m in self.modules() if isinstance(m, GroupedDynamicCausalConv | CandidateSelector)]
+        inside = {id(sub) for m in extra for sub in m.modules()}
         for module in self.modules():
+            if id(module) in inside:
+                continue
             if isinstance(module, nn.Linear):
                 nn.init.normal_(module.weight, mean=0.0, std=self.spec.initializer_range)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
+        for module in extra:
+            if isinstance(module, CandidateSelector):
+                module.reset_parameters(self.spec.initializer_range)
+            else:
+                module.reset_parameters()
 
     def reset_rotary(self) -> None:
         """Recompute the rotary table in fp32 (after building on the meta device, or a cast)."""
@@ -629,9 +855,10 @@ class DraftMath:
         return self.target_head.lm_head_weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Token scores of final-normed hidden states [..., H]: the target's lm_head, in its dtype."""
+        """Token scores of final-normed hidden states [..., H]: the target's lm_head, in its dtype (then
+        the config's output multiplier and soft cap, ``DraftSpec.scale_logits``; none for DFlash)."""
         head = self.lm_head_weight
-        return hidden.to(head.dtype) @ head.t()
+        return self.spec.scale_logits(hidden.to(head.dtype) @ head.t())
 
     def _apply(self, fn, recurse=True):
         # `.to(device)` / `.cuda()` move the (unregistered) target head along, keeping its own dtype: a drafter
@@ -654,6 +881,7 @@ class DraftMath:
                 block_size=batch.block_size,
                 backend=self.attention_backend,
                 sliding_window=self.spec.window(t),
+                block_causal=self.spec.block_causal,
             )
             for t in dict.fromkeys(self.spec.layer_types)
         }
@@ -674,7 +902,7 @@ class DraftMath:
         positions = torch.cat([batch.positions, batch.block_positions.reshape(-1)])
         cos, sin = self.rotary_emb(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, context, cos, sin, masks[layer.layer_type])
+            x = layer(x, context, cos, sin, masks[layer.layer_type], block_size)
         return self.norm(x).view(num_blocks, block_size, -1)
 
     # ------------------------------------------------------------------------------ inference form
@@ -722,6 +950,7 @@ class DraftMath:
                     anchor_pos[:, None, None],
                     k_in_block,
                     self.spec.window(t),
+                    self.spec.block_causal,
                 )
             )[:, None]
             for t in dict.fromkeys(self.spec.layer_types)
@@ -1065,7 +1294,23 @@ class DrafterProposer:
         return self.drafter.logits(self.block_hidden(ids, anchor_pos)[1:])
 
     def propose(self, anchor_token: int, anchor_pos: int, block_len: int) -> torch.Tensor:
+        if self.drafter.spec.dflash2:
+            return self.selected(anchor_token, anchor_pos, block_len, None)[0]
         return self.draft_logits(anchor_token, anchor_pos, block_len).argmax(-1).cpu()
+
+    @torch.inference_mode()
+    def selected(
+        self, anchor_token: int, anchor_pos: int, block_len: int, sampling: Sampling | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """DFlash2: the candidate selector's path through the block (``CandidateSelector.walk``): drafts
+        [block_len - 1] on the CPU and, when sampling, the distribution each was drawn from [block_len - 1, V]."""
+        ids = torch.full((block_len,), self.mask_token_id, dtype=torch.long)
+        ids[0] = anchor_token
+        hidden = self.block_hidden(ids, anchor_pos)[1:]
+        tokens, probs = self.drafter.candidate_selector.walk(
+            hidden, self.drafter.logits(hidden), anchor_token, sampling
+        )
+        return tokens.cpu(), probs
 
 
 @dataclass(kw_only=True)
@@ -1179,6 +1424,8 @@ def _draft(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One block's draft [b-1] on the CPU, and its probabilities when drafts are sampled (None: greedy)."""
     if sampling is not None and sampling.draft == "sample":
+        if isinstance(proposer, DrafterProposer) and proposer.drafter.spec.dflash2:
+            return proposer.selected(anchor, anchor_pos, b, sampling)
         draft_probs = warp_probs(proposer.draft_logits(anchor, anchor_pos, b), sampling)
         return _draw(draft_probs, sampling.generator).cpu(), draft_probs
     return proposer.propose(anchor, anchor_pos, b).to(torch.long).cpu(), None
@@ -1316,7 +1563,24 @@ class DFlashDraftModel(DraftMath, Qwen3PreTrainedModel):
         # hold: here only the rotary table (a non-persistent buffer), recomputed in fp32
         if isinstance(module, RotaryEmbedding):
             hf_init.copy_(module.inv_freq, module.compute_inv_freq()[0])
+        elif isinstance(module, GroupedDynamicCausalConv):  # the identity (DFlash2's start)
+            identity = torch.zeros_like(module.base_kernel)
+            identity[:, 0] = 1.0
+            hf_init.copy_(module.base_kernel, identity)
+            hf_init.zeros_(module.kernel_projection.weight)
+        elif isinstance(module, CandidateSelector):
+            hf_init.normal_(module.predecessor_codebook, mean=0.0, std=self.spec.initializer_range)
+            hf_init.zeros_(module.successor_codebook)
+        elif isinstance(module, nn.Linear) and getattr(module, "zero_init", False):
+            hf_init.zeros_(module.weight)
         elif isinstance(module, nn.Linear):
             hf_init.normal_(module.weight, mean=0.0, std=self.spec.initializer_range)
         elif isinstance(module, RMSNorm):
             hf_init.ones_(module.weight)
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """The exported DFlash2 drafter (``architectures: ["DFlash2DraftModel"]``, the public DFlash2 name):
+    the same class, whose config turns on the convolutions and the selector (``DraftSpec.dflash2``)."""
+
+    _no_split_modules = ["DraftDecoderLayer"]

@@ -42,6 +42,17 @@ WEIGHTS_FILE = "model.safetensors"
 CODE_FILE = "dflash.py"
 AUTO_MAP = {"AutoModel": "dflash.DFlashDraftModel"}
 """The public DFlash drafters' remote-code entry (z-lab HF repos: ``dflash.py``, class ``DFlashDraftModel``)."""
+CLASS_NAMES = {"dflash": "DFlashDraftModel", "dflash2": remote_code.DFLASH2_CLASS}
+"""``architectures[0]`` per drafter architecture; the remote-code class of the same name builds it."""
+DFLASH2_FIELDS = (
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "output_multiplier",
+)
+"""DFlash2's ``dflash_config`` fields beyond DFlash's (z-lab tests/fixtures/dflash2-config.json), with the
+optional ``final_logit_softcapping``."""
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -73,26 +84,37 @@ def export_config(config: DrafterConfig, dtype: torch.dtype) -> dict:
     reads it first); ``rope_theta``/``rope_scaling`` repeat ``rope_parameters`` for transformers-4 era
     readers (transformers 5 takes ``rope_parameters``). ``layer_types`` is always explicit, and
     ``use_sliding_window`` true exactly when a layer slides (Qwen3Config drops ``sliding_window``
-    otherwise). No ``is_causal``: vLLM would apply it to every layer, overriding "sliding causal, full not".
+    otherwise). No ``is_causal``: vLLM would apply it to every layer, overriding "sliding causal, full not"
+    (for DFlash2 too: the public DFlash2 config's ``is_causal: false`` makes its sliding layers non-causal
+    in the block, where ours are causal, as DFlash's).
+    DFlash2 (``architectures: ["DFlash2DraftModel"]``) adds its ``dflash_config`` fields (``DFLASH2_FIELDS``).
     """
     out = config.to_qwen3_config().to_diff_dict()
     for key in ("transformers_version", "_name_or_path", "is_causal"):
         out.pop(key, None)
     sliding = SLIDING in config.layer_types
+    arch = CLASS_NAMES[config.arch]
+    dflash_config = {
+        "target_layer_ids": list(config.target_layer_ids),
+        "mask_token_id": config.mask_token_id,
+        "block_size": config.block_size,
+    }
+    if config.arch == "dflash2":
+        dflash_config |= {name: getattr(config, name) for name in DFLASH2_FIELDS}
+        if config.final_logit_softcapping is not None:
+            dflash_config["final_logit_softcapping"] = config.final_logit_softcapping
+    if not config.block_causal:  # a public DFlash2 drafter's own rule, kept (never what we train)
+        out["is_causal"] = False
     out.update(
-        architectures=["DFlashDraftModel"],
-        auto_map=dict(AUTO_MAP),
+        architectures=[arch],
+        auto_map={"AutoModel": f"dflash.{arch}"},
         model_type="qwen3",
         hidden_act="silu",
         attention_bias=False,
         dtype=str(dtype).removeprefix("torch."),
         block_size=config.block_size,
         num_target_layers=config.num_target_layers,
-        dflash_config={
-            "target_layer_ids": list(config.target_layer_ids),
-            "mask_token_id": config.mask_token_id,
-            "block_size": config.block_size,
-        },
+        dflash_config=dflash_config,
         layer_types=list(config.layer_types),
         use_sliding_window=sliding,
         sliding_window=config.sliding_window if sliding else None,
@@ -156,9 +178,21 @@ def drafter_config_from_export(cfg: dict) -> DrafterConfig:
             layer_types=list(layer_types),
             sliding_window=None if window is None else int(window),
             target_fingerprint=cfg.get("dflash_target_fingerprint"),
+            **_arch_fields(cfg),
         )
-    except ValueError as err:
+    except (ValueError, TypeError) as err:
         raise ExportError(f"config.json: {err}") from None
+
+
+def _arch_fields(cfg: dict) -> dict[str, Any]:
+    """``arch`` from ``architectures``, a DFlash2 config's ``dflash_config`` fields (DFLASH2_FIELDS), and
+    ``is_causal: false`` (the public DFlash2 drafters': sliding layers see the whole block)."""
+    causal = {"block_causal": cfg.get("is_causal") is not False}
+    if CLASS_NAMES["dflash2"] not in (cfg.get("architectures") or []):
+        return {"arch": "dflash", **causal}
+    dflash = cfg.get("dflash_config") or {}
+    names = (*DFLASH2_FIELDS, "final_logit_softcapping")
+    return {"arch": "dflash2", **causal, **{k: dflash[k] for k in names if dflash.get(k) is not None}}
 
 
 # ---------------------------------------------------------------------------------------------- weights
@@ -239,7 +273,7 @@ def export_drafter(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log.info("exported %d tensors (%s) to %s", len(tensors), dtype, out)
+    log.info("exported a %s: %d tensors (%s) to %s", CLASS_NAMES[config.arch], len(tensors), dtype, out)
     return out
 
 

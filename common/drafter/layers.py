@@ -6,6 +6,12 @@ drafter's `fc` expects K of them), so the default lives here, in the package bot
 
 from __future__ import annotations
 
+from typing import Literal
+
+DrafterArch = Literal["dflash", "dflash2"]
+"""The drafter architectures (``--drafter-arch``; docs/training.md, "DFlash2"). Here, in the standard-library
+module the consumer's CLI config imports, so the choice is written once."""
+
 
 def default_target_layer_ids(num_target_layers: int, k: int = 5) -> list[int]:
     """K distinct target decoder layers, sorted: the public DFlash rule where it gives K distinct layers.

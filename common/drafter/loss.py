@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 LOSS_IMPLS = ("chunked", "liger")
-LinearCrossEntropy = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-"""(hidden [M, H], lm_head weight [V, H], labels [M], weights [M]) -> (sum of weighted CE, argmax [M])."""
+LinearCrossEntropy = Callable[..., tuple[torch.Tensor, ...]]
+"""(hidden [M, H], lm_head weight [V, H], labels [M], weights [M]) -> (sum of weighted CE, argmax [M]); with
+``top_k=k`` also each row's top-k ids [M, k] from the same logits (DFlash2's selector candidates)."""
 RowPass = Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]
 """(logits [c, V] in the lm_head's dtype, labels [c], need gradient) -> (each row's cross-entropy, fp32 [c];
 its argmax [c]; d CE / d logits [c, V], unweighted, or None): the row pass over one chunk's logits."""
@@ -99,11 +100,13 @@ ROW_PASSES: dict[str, RowPass] = {"chunked": torch_rows, "liger": liger_rows}
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum_i w_i * CE(hidden_i @ weight.T, label_i), and the argmax of each row, in chunks of rows."""
+    """sum_i w_i * CE(hidden_i @ weight.T, label_i), the argmax of each row and (``top_k`` > 0, DFlash2's
+    selector) the ids of each row's top_k logits, in chunks of rows: one lm_head pass for all three."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, weights, chunk_tokens: int, row_pass: RowPass):
+    def forward(ctx, hidden, weight, labels, weights, chunk_tokens: int, row_pass: RowPass, top_k: int = 0):
         num_rows = hidden.shape[0]
+        top = torch.empty(num_rows, top_k, dtype=torch.int64, device=hidden.device)
         need_hidden_grad, need_weight_grad = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         preds = torch.empty(num_rows, dtype=torch.int64, device=hidden.device)
@@ -114,6 +117,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             h = hidden[start:end]
             w = weights[start:end].float()
             logits = h.to(weight.dtype) @ weight.t()  # [chunk, V] in the lm_head's dtype
+            if top_k:  # before the row pass: liger's turns the logits into the gradient in place
+                top[start:end] = logits.topk(top_k, dim=-1).indices
             need_grad = need_hidden_grad or need_weight_grad
             row_loss, preds[start:end], grad = row_pass(logits, labels[start:end], need_grad)
             loss_sum = loss_sum + (row_loss * w).sum()
@@ -125,17 +130,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_hidden[start:end] = ((grad @ weight).float() * w[:, None]).to(hidden.dtype)
             if need_weight_grad:
                 grad_weight.add_(grad.t().float() @ (h.float() * w[:, None]))
-        ctx.mark_non_differentiable(preds)
+        ctx.mark_non_differentiable(preds, top)
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
-        return loss_sum, preds
+        return loss_sum, preds, top
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_preds):
+    def backward(ctx, grad_loss, grad_preds, grad_top):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = grad_hidden * grad_loss.to(grad_hidden.dtype) if grad_hidden is not None else None
         gw = (grad_weight * grad_loss).to(ctx.weight_dtype) if grad_weight is not None else None
-        return gh, gw, None, None, None, None
+        return gh, gw, None, None, None, None, None
 
 
 def chunked_linear_cross_entropy(
@@ -146,11 +151,16 @@ def chunked_linear_cross_entropy(
     *,
     chunk_tokens: int,
     row_pass: RowPass = torch_rows,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of weighted CE [scalar fp32, differentiable], greedy predictions [M] int64) for hidden [M, H]."""
+    top_k: int = 0,
+) -> tuple[torch.Tensor, ...]:
+    """(sum of weighted CE [scalar fp32, differentiable], greedy predictions [M] int64) for hidden [M, H];
+    with ``top_k`` > 0 also the ids of each row's top_k logits [M, top_k] (DFlash2's candidates)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, labels, weights, chunk_tokens, row_pass)
+    loss, preds, top = _ChunkedLinearCrossEntropy.apply(
+        hidden, weight, labels, weights, chunk_tokens, row_pass, top_k
+    )
+    return (loss, preds, top) if top_k else (loss, preds)
 
 
 def linear_cross_entropy(impl: str, *, chunk_tokens: int = 2048) -> LinearCrossEntropy:
@@ -158,8 +168,8 @@ def linear_cross_entropy(impl: str, *, chunk_tokens: int = 2048) -> LinearCrossE
     if impl not in ROW_PASSES:
         raise ValueError(f"loss impl must be one of {LOSS_IMPLS}, got {impl!r}")
     row_pass = ROW_PASSES[impl]
-    return lambda h, w, lab, wt: chunked_linear_cross_entropy(
-        h, w, lab, wt, chunk_tokens=chunk_tokens, row_pass=row_pass
+    return lambda h, w, lab, wt, top_k=0: chunked_linear_cross_entropy(
+        h, w, lab, wt, chunk_tokens=chunk_tokens, row_pass=row_pass, top_k=top_k
     )
 
 
@@ -173,10 +183,123 @@ class DraftLossOutput:
     valid: torch.Tensor  # [B] int64: labels with weight > 0 at block position k (0 at k=0)
     tau_sum: torch.Tensor  # scalar fp32: sum over valid blocks of τ
     num_blocks: torch.Tensor  # scalar int64: valid blocks
+    selector: SelectorOutput | None = None  # DFlash2: the selector term (already weighed into loss_sum)
 
     def loss(self) -> torch.Tensor:
         """Local weighted mean (single process / logging); training divides by the global weight sum."""
         return self.loss_sum / self.weight_sum.clamp_min(1e-6)
+
+
+@dataclass(kw_only=True)
+class SelectorOutput:
+    """DFlash2's selector term over one rank's step (sums; ``loss_sum`` is unweighted by alpha)."""
+
+    loss_sum: torch.Tensor  # scalar fp32: sum of label_weight * selector CE over covered rows
+    correct: torch.Tensor  # scalar int64: covered valid rows whose best score is the label
+    covered: torch.Tensor  # scalar int64: valid rows whose label is among the top-k candidates
+    valid: torch.Tensor  # scalar int64: valid rows
+
+
+@dataclass(kw_only=True)
+class SelectorTerm:
+    """What the loss needs of a DFlash2 drafter: its ``CandidateSelector`` and the step's weight alpha
+    (``selector_weight``: 0 through the warm-up, then ramped)."""
+
+    selector: torch.nn.Module
+    alpha: float
+
+
+def selector_weight(
+    step: int, total_steps: int, alpha: float, warmup_ratio: float, ramp_ratio: float
+) -> float:
+    """The selector loss's weight at optimizer step ``step`` of ``total_steps``: 0 for the first
+    warmup_ratio of the steps, then linear up to ``alpha`` over the next ramp_ratio, then ``alpha``
+    (SpecForge's DFlash2 schedule: fractions of the optimizer-step horizon)."""
+    warm = warmup_ratio * total_steps
+    ramp = ramp_ratio * total_steps
+    if step < warm:
+        return 0.0
+    if ramp <= 0 or step >= warm + ramp:
+        return float(alpha)
+    return float(alpha) * (step - warm) / ramp
+
+
+def top_k_ids(hidden: torch.Tensor, weight: torch.Tensor, k: int, chunk_tokens: int) -> torch.Tensor:
+    """The k best lm_head tokens [M, k] of hidden rows [M, H], ``chunk_tokens`` rows of logits at a time
+    (no gradient: only the ids; the scores are recomputed for them with a gradient)."""
+    out = torch.empty(hidden.shape[0], k, dtype=torch.int64, device=hidden.device)
+    with torch.no_grad():
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            logits = hidden[start : start + chunk_tokens].to(weight.dtype) @ weight.t()
+            out[start : start + chunk_tokens] = logits.topk(k, dim=-1).indices
+    return out
+
+
+def selector_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    predecessors: torch.Tensor,
+    weights: torch.Tensor,
+    selector: torch.nn.Module,
+    *,
+    chunk_tokens: int = 2048,
+    candidates: torch.Tensor | None = None,
+) -> SelectorOutput:
+    """DFlash2's selector objective on rows hidden [M, H] (teacher-forced: each row's predecessor is the
+    true previous token): cross-entropy over the STRICT top-k of the draft logits, re-scored by the
+    selector; a row whose label is not among its k candidates contributes nothing (SpecForge DFlash2,
+    "strict top-k"; ``covered`` counts the others). The unary scores of the candidates are recomputed with a
+    gradient from their lm_head rows, so the term also trains the draft (no stop-gradient, SpecForge's
+    default). Rows are weighted like the draft loss (``weights``: position decay, 0 off the loss mask).
+    ``candidates`` [M, k]: the rows' top-k ids when the draft loss's lm_head pass gave them, else computed
+    here (one more chunked pass)."""
+    if candidates is None:
+        candidates = top_k_ids(hidden, weight, selector.top_k, chunk_tokens)  # [M, k]
+    unary = torch.einsum("mh,mkh->mk", hidden.to(weight.dtype), weight[candidates]).float()  # [M, k]
+    scores = selector.scores(hidden, unary, candidates, predecessors).float()
+    hit = candidates == labels[:, None]
+    covered = hit.any(-1) & (weights > 0)
+    ce = torch.logsumexp(scores, dim=-1) - (scores * hit).sum(-1)
+    ce = torch.where(covered, ce, torch.zeros_like(ce))
+    with torch.no_grad():
+        best = candidates.gather(1, scores.argmax(-1, keepdim=True)).squeeze(1)
+        correct = (covered & (best == labels)).sum()
+    return SelectorOutput(
+        loss_sum=(ce * weights.float()).sum(),
+        correct=correct,
+        covered=covered.sum(),
+        valid=(weights > 0).sum(),
+    )
+
+
+def _with_selector(
+    rows: torch.Tensor,
+    batch: Any,
+    lm_head_weight: torch.Tensor,
+    lab: torch.Tensor,
+    w: torch.Tensor,
+    lce: LinearCrossEntropy,
+    selector: SelectorTerm,
+    chunk_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor, SelectorOutput]:
+    """``draft_loss``'s DFlash2 part: (draft loss + alpha x selector term, argmax, the selector's sums).
+    One lm_head pass gives the draft loss and the candidates; the predecessors are the anchor for block
+    position 1 and the label of position k-1 for position k (teacher forcing)."""
+    loss_sum, preds, candidates = lce(rows, lm_head_weight, lab, w, top_k=selector.selector.top_k)
+    labels = batch.labels
+    predecessors = torch.cat([batch.block_input_ids[:, :1], labels[:, 1:-1]], dim=1).reshape(-1)
+    out = selector_loss(
+        rows,
+        lm_head_weight,
+        lab,
+        predecessors,
+        w,
+        selector.selector,
+        chunk_tokens=chunk_tokens,
+        candidates=candidates,
+    )
+    return loss_sum + selector.alpha * out.loss_sum, preds, out
 
 
 def draft_loss(
@@ -186,6 +309,7 @@ def draft_loss(
     *,
     chunk_tokens: int = 2048,
     lce: LinearCrossEntropy | None = None,
+    selector: SelectorTerm | None = None,
 ) -> DraftLossOutput:
     """Loss and metrics of draft blocks: hidden [N, B, H] (final-normed drafter output) and the step's batch
     (a `DraftBatch`, or anything with `labels`, `label_weights` [N, B] and `anchor_valid` [N]).
@@ -197,13 +321,22 @@ def draft_loss(
     known to be accepted). τ is averaged over valid blocks: tau = tau_sum / num_blocks.
     ``lce`` computes the lm_head and cross-entropy (``linear_cross_entropy``); default the chunked one, whose
     ``chunk_tokens`` query tokens go through the lm_head at a time (peak extra memory ~ chunk_tokens x V x 4 bytes x 2).
+    ``selector`` (DFlash2): adds alpha x the selector term (``selector_loss``; predecessors: the anchor for
+    position 1, the label of position k-1 for position k) to ``loss_sum``, over the same weight sum.
     """
     labels, label_weights, anchor_valid = batch.labels, batch.label_weights, batch.anchor_valid
     n, b, h = hidden.shape
     lab = labels[:, 1:].reshape(-1)
     w = label_weights[:, 1:].reshape(-1)
     lce = lce or linear_cross_entropy("chunked", chunk_tokens=chunk_tokens)
-    loss_sum, preds = lce(hidden[:, 1:].reshape(-1, h), lm_head_weight, lab, w)
+    rows = hidden[:, 1:].reshape(-1, h)
+    selector_out = None
+    if selector is None:
+        loss_sum, preds = lce(rows, lm_head_weight, lab, w)
+    else:
+        loss_sum, preds, selector_out = _with_selector(
+            rows, batch, lm_head_weight, lab, w, lce, selector, chunk_tokens
+        )
     with torch.no_grad():
         valid = (w > 0).view(n, b - 1)
         correct = (preds == lab).view(n, b - 1) & valid
@@ -219,4 +352,5 @@ def draft_loss(
             valid=valid_per_pos,
             tau_sum=tau.sum(),
             num_blocks=anchor_valid.sum().to(torch.int64),
+            selector=selector_out,
         )

@@ -21,6 +21,7 @@ from safetensors import safe_open
 
 from dflash.common.drafter.hf_format import (
     AUTO_MAP,
+    CLASS_NAMES,
     CODE_FILE,
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -172,10 +173,12 @@ def _check_against_target(cfg: dict, dflash: dict, target: Path, report: CheckRe
 
 
 def _check_identity(cfg: dict, root: Path, report: CheckReport) -> None:
-    if cfg.get("architectures") != ["DFlashDraftModel"]:
-        report.add(
-            (VLLM, SGLANG), "architectures", f"{cfg.get('architectures')!r}, expected ['DFlashDraftModel']"
-        )
+    known = [[name] for name in CLASS_NAMES.values()]
+    if cfg.get("architectures") not in known:
+        report.add((VLLM, SGLANG), "architectures", f"{cfg.get('architectures')!r}, expected one of {known}")
+    entry = (
+        f"dflash.{cfg['architectures'][0]}" if cfg.get("architectures") in known else AUTO_MAP["AutoModel"]
+    )
     if cfg.get("model_type") != "qwen3":
         report.add(
             LOADERS, "model_type", f"{cfg.get('model_type')!r}, expected 'qwen3' (loaded as a Qwen3Config)"
@@ -187,10 +190,8 @@ def _check_identity(cfg: dict, root: Path, report: CheckReport) -> None:
             "auto_map",
             "missing: AutoModel(trust_remote_code=True) gives a plain Qwen3Model, no spec_generate",
         )
-    elif (auto_map or {}).get("AutoModel") != AUTO_MAP["AutoModel"]:
-        report.add(
-            HF, "auto_map", f"AutoModel is {auto_map.get('AutoModel')!r}, expected {AUTO_MAP['AutoModel']!r}"
-        )
+    elif (auto_map or {}).get("AutoModel") != entry:
+        report.add(HF, "auto_map", f"AutoModel is {auto_map.get('AutoModel')!r}, expected {entry!r}")
     elif not (root / CODE_FILE).is_file():
         report.add(HF, CODE_FILE, "missing: auto_map points at a file the folder does not hold")
 

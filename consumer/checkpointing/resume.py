@@ -41,6 +41,7 @@ class DrafterSetting:
 
 
 DRAFTER_SETTINGS = (
+    DrafterSetting("drafter-arch", "--drafter-arch", ("arch",), loads=False),
     DrafterSetting("num-layers", "--num-layers", ("num_layers",), loads=False),
     DrafterSetting("hidden-size", "--target (its hidden size)", ("hidden_size",), loads=False),
     DrafterSetting(
@@ -77,6 +78,7 @@ def _compared(recorded: dict) -> dict:
     if "num_layers" in recorded:
         out["layer_types"] = recorded.get("layer_types") or ["full_attention"] * int(recorded["num_layers"])
         out["sliding_window"] = recorded.get("sliding_window")
+        out["arch"] = recorded.get("arch", "dflash")  # checkpoints from before DFlash2 are DFlash
     return out
 
 
