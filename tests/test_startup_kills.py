@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from ledger_audit import audit, launches_from_output
-from pipeline_helpers import REPO, cpu_env
+from pipeline_helpers import REPO, cpu_env, produce_cmd
 from startup_standins import ROWS, standin_worker
 
 from dflash.common.contract.spool import Spool
@@ -125,6 +125,44 @@ GOOD_ROWS = 12
 EPOCHS = 2
 
 
+def _demo_rows(path: Path, n: int) -> list[list[dict]]:
+    with open(demo_dataset_path(), encoding="utf-8") as f:
+        rows = [json.loads(line)["messages"] for _, line in zip(range(n), f, strict=False)]
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    return rows
+
+
+@pytest.mark.pipeline
+def test_a_real_worker_killed_before_its_report_stops_dflash_produce_before_any_shard(tmp_path, tiny_target):
+    """dflash-produce itself, two CPU workers, worker n0p1 killed once its slice is tokenized and before
+    it reports it: exit 1 within a bound, one line naming it with the rows counted, and nothing a consumer
+    could train on a made-up schedule (no campaign, no shard, no DONE marker). Before: the other worker
+    produced its slice and the consumers trained it on a 10000-step schedule (issue 55)."""
+    data = tmp_path / "data.jsonl"
+    _demo_rows(data, 8)
+    spool = tmp_path / "spool"
+    env = cpu_env(HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "hf"), DFLASH_FAULT="n0p1@tokenized")
+    cmd = [
+        *produce_cmd(spool, tiny_target, data, "--run", "k", "--run-dir", str(tmp_path / "run")),
+        "--gpus",
+        "cpu:2",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    err = proc.stderr
+    assert proc.returncode == 1, err[-3000:]
+    how = "killed by SIGKILL before reporting its slice"
+    lines = [ln for ln in err.splitlines() if ln.startswith("dflash-produce: ")]
+    assert f"dflash-produce: worker n0p1.1 {how}; the launch stops" in lines[0], lines
+    assert (
+        f"dflash-produce: error: worker(s) n0p1.1 ({how}): the launch stopped before any shard (4 of 8 rows counted)"
+        in lines[-1]
+    ), lines
+    assert not any("trainable" in ln for ln in lines), lines
+    sp = Spool(spool, create=False)
+    assert sp.read_campaign() is None and not any(sp.ready_dir.iterdir()) and not sp.done_producers()
+    assert sp.dead_producers() == {"n0p1.1": how}
+
+
 def _ok_rows(data: Path, target: Path, cache: Path) -> set[int]:
     """The rows the producers keep (max length, supervised tokens), from one clean tokenization pass."""
     from transformers import AutoTokenizer
@@ -140,10 +178,8 @@ def _ok_rows(data: Path, target: Path, cache: Path) -> set[int]:
 
 @pytest.mark.slow
 def test_kills_at_start_up_phases_end_each_launch_and_the_run_trains_every_sample_once(tmp_path, tiny_target):
-    with open(demo_dataset_path(), encoding="utf-8") as f:
-        rows = [json.loads(line)["messages"] for _, line in zip(range(GOOD_ROWS), f, strict=False)]
     data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    rows = _demo_rows(data, GOOD_ROWS)
     run_dir, spool, ckpt = tmp_path / "run", tmp_path / "spool", tmp_path / "ckpt"
     # launch 1: worker n0p1 as its model loads (after its report: the campaign is whole); launch 2: the
     # parent right after its go; launch 3: consumer rank 1 before its first step; launch 4 finishes
