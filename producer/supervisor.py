@@ -6,7 +6,8 @@ The protocol between parent and workers is a pipe per worker (no named semaphore
 /dev/shm however the launch dies), events up: ("tokenized", id, summary) once a worker's
 slice is tokenized (it then waits for "go" or "abort" down its pipe), ("hb", id, heartbeat) while it runs, then one of
 ("done" | "stopped" | "aborted", id, counters) or ("error", id, message, exit code). A worker that dies
-without a word (kill -9, OOM killer) is noticed by its exit code.
+without a word (kill -9, OOM killer) is noticed when its pipe closes: named at once on the console, recorded
+in the spool and its metrics; one that dies before its report stops the launch before any shard (decide).
 """
 
 from __future__ import annotations
