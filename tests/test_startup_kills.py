@@ -12,8 +12,9 @@ from outside lands wherever the box's speed puts it). Two tiers:
   phase in each of its first three launches (a worker as its model loads, the parent right after the
   workers' go, a consumer before its first step): each launch ends (``--restarts`` takes the next), the
   last finishes, and the sample ledgers show every eligible sample trained once along the timeline.
-  Before: the worker's kill left one producer whose one shard in flight a consumer rank held while the
-  other rank waited for a shard: the launch hung at 0 tok/s for ever (issue 50's chaos run).
+  Before: the worker's kill left one producer whose shards in flight a consumer rank held while the other
+  rank waited for a shard: the launch hung at 0 tok/s for ever (issue 50's chaos run). That race is made
+  certain by a launch of one producer and a rank that never gets a shard, which hung before.
 
 docs/reliability.md, "Start-up kills", lists each phase with its behaviour and its bound.
 """
@@ -30,8 +31,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import free_port
 from ledger_audit import audit, launches_from_output
-from pipeline_helpers import REPO, cpu_env, produce_cmd
+from pipeline_helpers import REPO, consume_cmd, cpu_env, produce_cmd
 from startup_standins import ROWS, standin_worker
 
 from dflash.common.contract.spool import Spool
@@ -174,6 +176,59 @@ def _ok_rows(data: Path, target: Path, cache: Path) -> set[int]:
     ds = load_raw_dataset(cfg)
     out = tokenize_slice(ds, AutoTokenizer.from_pretrained(target), cfg, np.arange(len(ds)))
     return {int(i) for i, s in zip(out["sample_index"], out["status"], strict=True) if s == "ok"}
+
+
+@pytest.mark.pipeline
+def test_one_producer_and_a_rank_that_gets_no_shard_end_instead_of_hanging(tmp_path, tiny_target):
+    """The hang a worker's start-up kill left (issue 50), made certain: one producer on a spool budget of
+    about one shard, two consumer ranks of which rank 1 claims only a bucket that never comes, so rank 0
+    claims every shard. Rank 0 packs a step; rank 1 has none and its one producer waits on the budget that
+    rank 0's held shards fill. Now rank 1 is starved and rank 0 steps (rank 1 pads): the run ends with
+    every sample trained. Before: rank 0 kept its step for rank 1 for ever (`samples 8/30 | 0 tok/s`,
+    `waiting for producers ... 0 of 1 registered producers done`, 8 shards claimed by rank 0)."""
+    data, spool = tmp_path / "data.jsonl", tmp_path / "spool"
+    _demo_rows(data, 30)  # ~4 MB of shards: past the budget before the producer is done
+    env = cpu_env(HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(tmp_path / "hf"), TOKENIZERS_PARALLELISM="false")
+    port = str(free_port())
+    logs = [tmp_path / f"{name}.log" for name in ("producer", "consumer-0", "consumer-1")]
+    procs = [
+        subprocess.Popen(
+            [
+                *produce_cmd(spool, tiny_target, data, "--run", "st"),
+                "--batch-tokens",
+                "2048",
+                "--budget-gb",
+                "0.002",
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=logs[0].open("w"),
+        )
+    ]
+    for rank in (0, 1):
+        rank_env = {**env, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2"}
+        rank_env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        extra = ["--bucket", "7"] if rank == 1 else []  # no shard is ever of bucket 7
+        cmd = consume_cmd(spool, tiny_target, "--run", "st", "--checkpoint", str(tmp_path / "ckpt"), *extra)
+        procs.append(
+            subprocess.Popen(
+                [*cmd, "--compile-backend", "eager", "--spool-wait-s", "120"],
+                env=rank_env,
+                stdout=subprocess.DEVNULL,
+                stderr=logs[1 + rank].open("w"),
+            )
+        )
+    try:
+        for p in procs:
+            p.wait(timeout=300)  # a hang guard: about a minute on the 2-core box
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        pytest.fail("the consumers never ended: rank 0 held its step for a rank that gets no shard")
+    errs = [log.read_text(errors="replace") for log in logs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [e[-1500:] for e in errs]
+    summary = json.loads(errs[1].split("done: ", 1)[1].splitlines()[0])
+    assert summary["samples_trained"] == len(_ok_rows(data, tiny_target, tmp_path / "hf-audit"))
 
 
 @pytest.mark.slow
