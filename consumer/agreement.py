@@ -26,6 +26,9 @@ class RankView:
     """The campaign epoch of the step this rank holds (-1 without one)."""
     tokens: int = 0
     """The tokens of the step this rank holds."""
+    starved: bool = False
+    """No step here and none coming soon: no live producer produces (each is done, gone, or waiting on the
+    spool budget, which the other ranks' held steps count against)."""
 
     def encode(self) -> list[int]:
         """The ints this rank sends, in field order."""
@@ -34,9 +37,15 @@ class RankView:
     @classmethod
     def decode(cls, ints: list[int]) -> RankView:
         """A view from the ints ``encode`` made (on any rank)."""
-        has_step, drained, stop_asked, save_failed, epoch, tokens = ints
+        has_step, drained, stop_asked, save_failed, epoch, tokens, starved = ints
         return cls(
-            bool(has_step), bool(drained), bool(stop_asked), bool(save_failed), int(epoch), int(tokens)
+            bool(has_step),
+            bool(drained),
+            bool(stop_asked),
+            bool(save_failed),
+            int(epoch),
+            int(tokens),
+            bool(starved),
         )
 
 
@@ -45,7 +54,12 @@ class StepAgreement:
     """The ranks' joint view before a step."""
 
     have: bool  # some rank holds a step
-    everyone: bool  # every rank holds a step or has no more data: stepping wastes no rank's slot
+    everyone: bool
+    """Every rank holds a step, has no more data, or can get none soon (starved): stepping now wastes no
+    slot that waiting would fill. Why the starved: a rank waiting for a shard while the only producers
+    left wait on the spool budget that the others' held steps fill would wait for ever (a producer worker
+    killed at start-up left one producer, its one shard in flight claimed by the other rank: the launch
+    hung at 0 tok/s)."""
     exhausted: bool
     stop: bool
     fatal: bool
@@ -62,7 +76,7 @@ class StepAgreement:
         lowest = min(epochs) if epochs else last_epoch
         return cls(
             have=any(r.has_step for r in ranks),
-            everyone=all(r.has_step or r.drained for r in ranks),
+            everyone=all(r.has_step or r.drained or r.starved for r in ranks),
             exhausted=all(r.drained for r in ranks),
             stop=any(r.stop_asked for r in ranks),
             fatal=any(r.save_failed for r in ranks),

@@ -3,7 +3,8 @@
 Why: the cosine schedule's length should be what the data gives (samples x epochs packed into streams of
 ``context_tokens`` on every rank), not a number the user guesses. The producers count it while they
 tokenize (``state/campaign-n<node>.json``, see dflash.common.contract.epochs); a consumer reads it when its first
-batch is ready (the file is written before any shard), every rank takes rank 0's reading so the group's
+batch is ready (the file is written before any shard; a spool whose producers recorded a plan but not yet
+its campaign is waited for: Trainer._await_campaign), every rank takes rank 0's reading so the group's
 schedules cannot differ, and ``--total-steps`` (or ``--max-steps``) still overrides it.
 """
 

@@ -25,6 +25,7 @@ import sys
 from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, fail, one_line
 from dflash.common.cli.flags import add_flags
 from dflash.common.cli.help import DefaultsHelpFormatter, plain_text
+from dflash.common.fault import fault_point
 from dflash.common.target.checks import check_target
 from dflash.consumer.config import PROG, ProcessConfig, add_train_flags, config_of
 from dflash.consumer.launch import Launched, launch
@@ -121,8 +122,10 @@ def main(argv: list[str] | None = None) -> int:
         check_target(cfg.train.target, tokenizer=False, what="--target")
     except ValueError as err:
         fail(PROG, err, EXIT_USAGE)
+    fault_point(f"consumer{rank}", "start")
     launched = launch(cfg, rank)
     trainer = _build_trainer(launched)
+    fault_point(f"consumer{rank}", "ready")  # the group joined, resumed, its feed claiming
     summary = _train(trainer)
     return _report(summary, cfg.process.summary_json, trainer.stop_requested)
 

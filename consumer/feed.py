@@ -36,7 +36,7 @@ from dflash.common.contract.spool import Spool
 from dflash.common.drafter.batch import PackedSamples, pack_samples
 from dflash.consumer.config import FeedConfig
 from dflash.consumer.data_clock import FEED_STAGES, PIPELINE_STAGES, StageClock
-from dflash.consumer.heartbeat import ConsumerHeartbeat
+from dflash.consumer.heartbeat import ConsumerHeartbeat, dead_producers_phrase
 from dflash.consumer.input_pipeline import put_until_stopped
 from dflash.consumer.packing import Sample, best_fit, lowest_epoch
 
@@ -205,11 +205,13 @@ class ShardFeed:
             )
             return
         done = len(set(self.spool.done_producers()) & set(registered))
-        log.info(
-            "waiting for producers (%.0f s without a shard): %d of %d registered producers done",
+        dead = dead_producers_phrase(self.spool, timeout_s=self.heartbeat_timeout_s)
+        (log.warning if dead else log.info)(
+            "waiting for producers (%.0f s without a shard): %d of %d registered producers done%s",
             idle_s,
             done,
             len(registered),
+            dead,
         )
 
     def _nothing_claimable(self) -> bool:

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 
 from dflash.common.cli.exits import error_line
+from dflash.common.contract.liveness import heartbeat_alive
 from dflash.common.contract.spool import Spool
 from dflash.common.contract.spool_records import IDLE_PHASES
 
@@ -110,3 +111,24 @@ class ConsumerHeartbeat:
             self.spool.heartbeat("consumer", self.consumer_id, self._beat_counters())
         except OSError:
             pass
+
+
+def dead_producers_phrase(spool: Spool, *, timeout_s: float) -> str:
+    """'; registered producer(s) X (how) dead: ...' for the registered producers that will never write
+    their DONE marker (their parent recorded the death, or their heartbeat's process is gone), else ''.
+    Why: a consumer waits for a dead producer's marker for ever, and only a new producer launch (the same
+    command) ends the wait; a hand-started consumer must say so, not look merely idle."""
+    done = set(spool.done_producers())
+    how = spool.dead_producers()
+    for hb in spool.heartbeats():
+        pid = str(hb.get("id"))
+        if hb.get("role") == "producer" and pid not in how and not heartbeat_alive(hb, timeout_s=timeout_s):
+            how[pid] = "its process is gone"
+    dead = [p for p in spool.registered_producers() if p in how and p not in done]
+    if not dead:
+        return ""
+    named = ", ".join(f"{p} ({how[p]})" for p in dead)
+    return (
+        f"; registered producer(s) {named} dead: no DONE marker will come, run the producers' command again "
+        "(a new launch produces what they left)"
+    )

@@ -32,6 +32,7 @@ from dflash.common.contract.spool import Spool
 from dflash.common.drafter.batch import DraftBatch, build_draft_batch, empty_packed
 from dflash.common.drafter.dflash import recompile_count
 from dflash.common.drafter.loss import selector_weight
+from dflash.common.fault import fault_point
 from dflash.common.metrics import MetricsLog
 from dflash.consumer import distributed as D
 from dflash.consumer.agreement import RankView, StepAgreement
@@ -42,7 +43,7 @@ from dflash.consumer.config import TrainConfig
 from dflash.consumer.data_clock import DataPathClock
 from dflash.consumer.drafter_setup import build_drafter, check_producers_target, set_up_device
 from dflash.consumer.feed import ShardFeed
-from dflash.consumer.heartbeat import ConsumerHeartbeat
+from dflash.consumer.heartbeat import ConsumerHeartbeat, dead_producers_phrase
 from dflash.consumer.held_out import HeldOutEval
 from dflash.consumer.input_pipeline import InputPipeline, StepInput
 from dflash.consumer.interval_log import IntervalLogger, init_wandb
@@ -55,6 +56,7 @@ import_dynamo_in_main_thread()  # before the checkpoint and feed threads start
 log = logging.getLogger(__name__)
 
 WARMUP_STEPS_FOR_RECOMPILES = 2
+CAMPAIGN_WAIT_LOG_S = 30.0  # waiting for the producers' campaign: one line this often
 
 
 class Trainer:
@@ -222,7 +224,9 @@ class Trainer:
             if item is None:
                 continue
             if self.first_step_s is None:
-                self._plan_campaign()
+                fault_point(f"consumer{self.dist.rank}", "first-step")
+                if not self._plan_campaign():
+                    break
                 self._say_phase("compiling" if self._compiles else "training")
             self._run_step(item, agreed, stats)
             if self.first_step_s is None:
@@ -383,19 +387,21 @@ class Trainer:
             step.selector_ramp_ratio,
         )
 
-    def _plan_campaign(self) -> None:
-        """Read what the data gives (rank 0's reading for every rank), size the schedule from it unless a
-        length was given, and say the plan in one line. Called at the first step: producers write the
-        campaign before their first shard."""
+    def _plan_campaign(self) -> bool:
+        """Read what the data gives (rank 0's reading for every rank; waited for, see ``_await_campaign``),
+        size the schedule from it unless a length was given, and say the plan in one line. Called at the
+        first step: producers write the campaign before their first shard. False: a stop came first (every
+        rank agrees), no step is to be trained."""
         cfg, schedule, step = self.cfg, self.schedule, self.progress.step
         context_tokens = cfg.step.context_tokens
-        mine = read_plan(self.spool, context_tokens=context_tokens, world_size=self.dist.world_size)
-        self.plan = D.broadcast_object(mine, self.dist)
         override = None
         total_steps = cfg.optim.total_steps
         if total_steps or cfg.max_steps:
             override = f"--total-steps {total_steps}" if total_steps else f"--max-steps {cfg.max_steps}"
-        elif self.plan is not None:
+        self.plan, stopped = self._await_campaign(context_tokens, wait=override is None)
+        if stopped:
+            return False  # stopped while waiting for the campaign: no step on a made-up schedule
+        if override is None and self.plan is not None:
             planned = self.plan.campaign.tokens * self.plan.epochs.epochs
             step_tokens = context_tokens * self.dist.world_size
             schedule.size_from_data(
@@ -412,7 +418,7 @@ class Trainer:
                 self.spool.root,
                 schedule.total_steps,
             )
-            return
+            return True
         if self.dist.is_main:
             log.info(
                 self.plan.describe(
@@ -421,6 +427,38 @@ class Trainer:
             )
         if cfg.logs.eval_every and step == 0:  # the untrained drafter: the "before" of every later figure
             self._evaluate()
+        return True
+
+    def _await_campaign(self, context_tokens: int, *, wait: bool) -> tuple[CampaignPlan | None, bool]:
+        """The campaign plan, rank 0's reading for every rank; with ``wait``, waited for while the spool's
+        producers record a plan (their run record has one) but have not written its campaign yet, a line
+        every ``CAMPAIGN_WAIT_LOG_S``; (plan, whether a stop ended the wait: every rank's answer).
+
+        Why wait: producers write the campaign before their first shard, so a shard without it comes from
+        a launch that lost a worker before its count (or from a node whose producers have not counted
+        yet). Sizing the schedule without it trained on a made-up length of 10000 steps (lr 9e-6 .. 4e-5
+        where the real plan's warm-up peaks at 6e-4) and counted those samples trained."""
+        t0 = said = time.monotonic()
+        while True:
+            mine = read_plan(self.spool, context_tokens=context_tokens, world_size=self.dist.world_size)
+            missing = wait and mine is None and "plan" in (self.spool.read_run() or {})
+            stop = any(r[0] for r in D.gather_ints([int(self.stop_requested)], self.dist))
+            plan, missing = D.broadcast_object((mine, missing), self.dist)
+            if not missing or stop:
+                return plan, stop and missing
+            now = time.monotonic()
+            if now - said >= CAMPAIGN_WAIT_LOG_S or said == t0:
+                said = now
+                if self.dist.is_main:
+                    log.warning(
+                        "waiting for the campaign in spool %s (%.0f s; state/campaign-n<node>.json, written by "
+                        "dflash-produce once every worker counted its slice): the learning-rate schedule is "
+                        "sized from it, no step trains before it%s",
+                        self.spool.root,
+                        now - t0,
+                        dead_producers_phrase(self.spool, timeout_s=self.cfg.feed.heartbeat_timeout_s),
+                    )
+            time.sleep(1.0)
 
     def _fit_schedule_to_flags(self) -> None:
         """A resumed run with a length given by flag trains on a curve of that length: the checkpoint's
@@ -452,6 +490,7 @@ class Trainer:
             save_failed=self.checkpoints.stop_reason is not None,
             epoch=item.batch.epoch if item is not None else -1,
             tokens=item.tokens if item is not None else 0,
+            starved=item is None and self._deferred is None and not self.feed.producers_producing,
         )
         return StepAgreement.of(D.gather_ints(mine.encode(), self.dist), last_epoch=self.progress.epoch)
 

@@ -190,6 +190,11 @@ class Worker:
         if self.writer_threads < 1:
             raise ValueError(f"Worker.writer_threads={self.writer_threads}: must be >= 1")
 
+    @property
+    def fault_name(self) -> tuple[str, str]:
+        """This worker's names in ``DFLASH_FAULT`` (common/fault.py): its id without and with its launch."""
+        return self.producer_id.split(".")[0], self.producer_id
+
     def torch_dtype(self, dtype: str):
         """The target's torch dtype for ``dtype`` (ProducerConfig.dtype) on this device: auto = bf16 on
         CUDA, fp32 on the CPU (torch imported here: the CLI imports this module before parsing)."""

@@ -8,9 +8,9 @@ k+1 samples whenever k's next shard was late. So each producer, at the end of it
 until its writers have published everything, says so (``state/epoch-<id>.json``), and waits for the
 others to say the same. The wait at a boundary is the slowest producer's tail of the epoch; producers
 hold no spool bytes while they wait, so it cannot deadlock against the byte budget. A producer that is
-gone (its heartbeat stale, or DONE; or no heartbeat at all for as long: killed before its first) is not
-waited for: its parent reports it, and one line says that the order across producers no longer holds for
-that epoch.
+gone (its parent recorded its death; its heartbeat stale, or DONE; or no heartbeat at all for as long:
+killed before its first) is not waited for: its parent reports it, and one line says that the order
+across producers no longer holds for that epoch.
 """
 
 from __future__ import annotations
@@ -72,11 +72,12 @@ class EpochBarrier:
             for hb in self.spool.heartbeats()
             if hb.get("role") == "producer"
         }
+        dead = self.spool.dead_producers()  # its parent saw it die: gone at once
         behind = []
         for pid in self.spool.registered_producers():
             if pid == self.producer_id or pid in finished or done.get(pid, -1) >= epoch:
                 continue
-            if self._gone(pid, alive.get(pid)):
+            if pid in dead or self._gone(pid, alive.get(pid)):
                 if pid not in self._warned:
                     self._warned.add(pid)
                     log.warning(

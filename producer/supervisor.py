@@ -6,7 +6,8 @@ The protocol between parent and workers is a pipe per worker (no named semaphore
 /dev/shm however the launch dies), events up: ("tokenized", id, summary) once a worker's
 slice is tokenized (it then waits for "go" or "abort" down its pipe), ("hb", id, heartbeat) while it runs, then one of
 ("done" | "stopped" | "aborted", id, counters) or ("error", id, message, exit code). A worker that dies
-without a word (kill -9, OOM killer) is noticed by its exit code.
+without a word (kill -9, OOM killer) is noticed when its pipe closes: named at once on the console, recorded
+in the spool and its metrics; one that dies before its report stops the launch before any shard (decide).
 """
 
 from __future__ import annotations
@@ -20,15 +21,16 @@ import threading
 import time
 from multiprocessing.connection import Connection, wait
 
-from tqdm import tqdm
-
 from dflash.common.child_process import anonymous_library_locks, die_with_parent
 from dflash.common.cli.exits import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, error_line, one_line
 from dflash.common.compile import import_dynamo_in_main_thread
-from dflash.common.metrics import format_bytes, format_duration, format_rate
+from dflash.common.contract.spool_records import DEAD_PHASE
+from dflash.common.fault import fault_point
+from dflash.common.metrics import MetricsLog
 from dflash.common.target.drops import format_drops
 from dflash.producer.config import PROG, LaunchConfig, ProducerConfig, Worker
 from dflash.producer.launch import Launch
+from dflash.producer.progress import Progress, merge_summaries
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ def _worker_entry(cfg: ProducerConfig, worker: Worker, conn, log_level: str, par
     tokenizing its slice it reports ("tokenized", summary) and waits for the parent's "go" (or "abort": the
     dataset yields no trainable sample) before loading the target."""
     die_with_parent(parent_pid)
+    fault_point(worker.fault_name, "start")  # before its first heartbeat
     anonymous_library_locks()
     channel = _Channel(conn)
     if worker.cuda_index is not None:
@@ -119,69 +122,6 @@ def _worker_entry(cfg: ProducerConfig, worker: Worker, conn, log_level: str, par
     channel.send(kind, worker.producer_id, result)
 
 
-class Progress:
-    """Aggregates worker heartbeats into one line (and a tqdm bar on a terminal)."""
-
-    def __init__(self, spool, ids: list[str], every_s: float):
-        self.spool, self.every_s = spool, every_s
-        self.hb: dict[str, dict] = {i: {} for i in ids}
-        self.t0 = self.last = time.monotonic()
-        self.bar = None
-        if sys.stderr.isatty():
-            self.bar = tqdm(total=0, unit="sample", desc="produce", dynamic_ncols=True)
-
-    def update(self, pid: str, hb: dict) -> None:
-        self.hb[pid] = hb
-        if self.bar is not None:
-            self.bar.total = int(sum(h.get("total", 0) for h in self.hb.values()))
-            self.bar.n = int(sum(h.get("samples", 0) + h.get("dropped", 0) for h in self.hb.values()))
-            self.bar.set_postfix_str(self._rates(), refresh=True)
-
-    def _rates(self) -> str:
-        tok_s = sum(h.get("tok_s", 0.0) for h in self.hb.values())
-        ready = sum(1 for _ in self.spool.ready_dir.iterdir()) if self.spool.ready_dir.is_dir() else 0
-        return f"{format_rate(tok_s)} tok/s | spool {ready} shards / {format_bytes(self.spool.total_bytes())}"
-
-    def maybe_print(self, *, force: bool = False) -> None:
-        now = time.monotonic()
-        if self.bar is not None or (not force and now - self.last < self.every_s):
-            return
-        self.last = now
-        total = sum(h.get("total", 0) for h in self.hb.values())
-        done = sum(h.get("samples", 0) + h.get("dropped", 0) for h in self.hb.values())
-        rate = done / max(now - self.t0, 1e-9)
-        eta = f" | ETA {format_duration((total - done) / rate)}" if rate > 0 and total else ""
-        drop = sum(h.get("dropped", 0) for h in self.hb.values())
-        skip = sum(h.get("skipped", 0) for h in self.hb.values())
-        print(
-            f"[{format_duration(now - self.t0)}] samples {done}/{total} | {self._rates()} | "
-            f"dropped {drop} skipped {skip}{eta}",
-            file=sys.stderr,
-            flush=True,
-        )
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def merge_summaries(summaries: list[dict]) -> dict:
-    """The workers' tokenization summaries as one: counts summed, reasons by count, the earliest example."""
-    out = {"rows": 0, "samples": 0, "ok": 0, "dropped": 0, "skipped": 0, "reasons": {}, "first": {}}
-    for sm in summaries:
-        for k in ("rows", "ok", "dropped", "skipped"):
-            out[k] += int(sm.get(k, 0))
-        out["samples"] += int(sm.get("samples", sm.get("rows", 0)))
-        for r, n in sm.get("reasons", {}).items():
-            out["reasons"][r] = out["reasons"].get(r, 0) + n
-        for r, ex in sm.get("first", {}).items():
-            row = lambda e: int(e.split()[1].rstrip(":")) if e.startswith("row ") else 1 << 62  # noqa: E731
-            if r not in out["first"] or row(ex) < row(out["first"][r]):
-                out["first"][r] = ex
-    out["reasons"] = dict(sorted(out["reasons"].items(), key=lambda kv: -kv[1]))
-    return out
-
-
 def _say(text: str) -> None:
     print(f"{PROG}: {text}", file=sys.stderr, flush=True)
 
@@ -189,28 +129,38 @@ def _say(text: str) -> None:
 class Supervisor:
     """The workers of one launch, from spawn to exit status."""
 
-    def __init__(self, prepared: Launch, launch: LaunchConfig):
+    def __init__(self, prepared: Launch, launch: LaunchConfig, *, entry=None):
+        """``entry``: the worker process's body (``_worker_entry``; a test passes a stand-in that speaks the
+        same pipe protocol without a model)."""
         self.prepared, self.launch = prepared, launch
         # Pipes, not mp.Queue/Event: those are named POSIX semaphores in /dev/shm, and a launch killed with
         # its process group (run_all.sh's stop, a kill -9) takes the resource tracker along and leaks them.
+        launch_no = prepared.workers[0].producer_id.rpartition(".")[2]
+        self.fault_name = ("producer", f"producer.{launch_no}")  # its names in DFLASH_FAULT
+        fault_point(self.fault_name, "registered")  # the spool bound, the workers registered, none spawned
         ctx = mp.get_context("spawn")
         self.procs: dict[str, mp.Process] = {}
         self.conns: dict[str, Connection] = {}
         for w in prepared.workers:
             mine, theirs = ctx.Pipe(duplex=True)
             proc = ctx.Process(
-                target=_worker_entry,
+                target=entry or _worker_entry,
                 args=(prepared.config, w, theirs, launch.log_level, os.getpid()),
                 name=w.producer_id,
             )
             proc.start()
             theirs.close()
             self.procs[w.producer_id], self.conns[w.producer_id] = proc, mine
+        fault_point(self.fault_name, "spawned")
         self.go_sent = False
         self.progress = Progress(prepared.spool, list(self.procs), launch.progress_s)
         self.outcome: dict[str, tuple] = {}
         self.tokenized: dict[str, dict] = {}
         self.no_data: str | None = None
+        self.dead: dict[str, str] = {}
+        """Workers that died without a word (kill -9, OOM killer), said at once: how each died."""
+        self.lost_before_report: list[str] = []
+        """Workers that died before reporting their slice: the launch was stopped before any shard."""
         self.stopping = False
 
     def on_signal(self, signum, frame) -> None:
@@ -220,7 +170,21 @@ class Supervisor:
                 os.kill(p.pid, signal.SIGTERM)
 
     def decide(self) -> None:
-        """Every worker tokenized (or died): go on, or abort when the dataset yields nothing to train."""
+        """Every worker tokenized (or died): go on, or abort when the dataset yields nothing to train, or
+        when a worker died before its report.
+
+        Why a death before the report stops the launch: the campaign (what the consumers size their
+        learning-rate schedule from) needs every slice's count. Without it the consumers trained on a
+        made-up schedule of 10000 steps (lr 9e-6 .. 4e-5 where the real 53-step plan peaks at 6e-4) and
+        a re-run resumed on the real one half-way through its warm-up. Stopped here, no worker has loaded
+        the target yet, no shard exists: the same command again (or run_all.sh --restarts) starts over
+        with nothing lost."""
+        lost = [pid for pid in self.procs if pid not in self.tokenized and pid not in self.outcome]
+        if lost and not self.stopping:
+            self.lost_before_report = lost
+            self._send_all("abort")
+            self.go_sent = True
+            return
         summary = merge_summaries(list(self.tokenized.values()))
         unit = "rows" if summary["samples"] == summary["rows"] else "samples"
         _say(f"{summary['ok']} trainable {unit}; {format_drops(summary)}")
@@ -246,12 +210,16 @@ class Supervisor:
                     "num_nodes": self.launch.num_nodes,
                 },
             )
+        self._send_all(word)
+        self.go_sent = True
+        fault_point(self.fault_name, "decided")
+
+    def _send_all(self, word: str) -> None:
         for conn in self.conns.values():
             try:
                 conn.send(word)
             except (BrokenPipeError, OSError):  # that worker is gone; its exit code tells
                 pass
-        self.go_sent = True
 
     def _events(self, timeout: float):
         """(kind, producer id, payload, *rest) events that arrived within ``timeout``; a closed pipe (the
@@ -278,11 +246,12 @@ class Supervisor:
                         log.error(
                             "worker %s failed: %s (the other workers finish their slices)", pid, payload
                         )
+            self._notice_deaths()
             if not self.go_sent and not self.stopping:  # a stop: the waiting workers see it and end
                 pending = [
                     i
                     for i, p in self.procs.items()
-                    if i not in self.tokenized and p.is_alive() and i not in self.outcome
+                    if i not in self.tokenized and (p.is_alive() or i in self.conns) and i not in self.outcome
                 ]
                 if not pending:
                     self.decide()
@@ -290,11 +259,53 @@ class Supervisor:
         for p in self.procs.values():
             p.join()
 
+    def _notice_deaths(self) -> None:
+        """A worker that ended without a word (its pipe closed, no outcome) died: say so at once, and
+        record it in the spool (``mark_dead``) for the consumers, the others' epoch barrier and
+        dflash-status. Before, it was said only when every other worker had finished its slice."""
+        for pid, p in self.procs.items():
+            if pid in self.dead or pid in self.outcome or pid in self.conns or p.is_alive():
+                continue
+            how = _how_it_died(p.exitcode)
+            when = "after reporting its slice" if pid in self.tokenized else "before reporting its slice"
+            self.dead[pid] = f"{how} {when}"
+            if self.stopping:
+                continue
+            self._record_death(pid)
+            rest = (
+                "the launch stops (its slice is not counted: no campaign, no shard)"
+                if pid not in self.tokenized
+                else "the other workers finish their slices; its slice is produced by the next launch"
+            )
+            _say(f"worker {pid} {self.dead[pid]}; {rest}")
+
+    def _record_death(self, pid: str) -> None:
+        """The death in the spool (``mark_dead``: consumers, the epoch barrier) and as the last record of
+        the worker's metrics file (dflash-status reads it after the spool is gone: phase ``dead``)."""
+        run_dir = self.prepared.config.run_dir
+        try:
+            self.prepared.spool.mark_dead(pid, self.dead[pid])
+            if run_dir:
+                metrics = MetricsLog(os.path.join(run_dir, "metrics", f"producer-{pid}.jsonl"))
+                metrics.write({"phase": DEAD_PHASE, "how": self.dead[pid]})
+                metrics.close()
+        except OSError as err:  # the spool or run dir went away: the console line still names it
+            log.warning("could not record worker %s's death: %s", pid, one_line(err))
+
     def exit_status(self) -> int:
         """0 done, 2 user error (every failure a user error, or no data), 1 a failure, 130 stopped."""
         if self.no_data is not None:
             _say(f"error: {self.no_data}")
             return EXIT_USAGE
+        if self.lost_before_report:
+            rows = self.prepared.num_rows
+            counted = sum(int(t.get("rows", 0)) for t in self.tokenized.values())
+            dead = ", ".join(f"{i} ({self.dead.get(i, 'died')})" for i in self.lost_before_report)
+            _say(
+                f"error: worker(s) {dead}: the launch stopped before any shard ({counted} of {rows} rows "
+                "counted); run the same command again"
+            )
+            return EXIT_FAILURE
         self.progress.maybe_print(force=True)
         failed, codes = [], []
         for pid, p in self.procs.items():
@@ -303,7 +314,7 @@ class Supervisor:
                 failed.append(f"{pid}: {payload}")
                 codes.append(rest[0] if rest else EXIT_FAILURE)
             elif kind is None and not self.stopping:  # died without a word: kill -9, OOM killer, segfault
-                failed.append(f"{pid}: exited with code {p.exitcode} without a report")
+                failed.append(f"{pid}: {self.dead.get(pid) or _how_it_died(p.exitcode)}")
                 codes.append(EXIT_FAILURE)
             elif kind == "done" and p.exitcode != 0 and not self.stopping:
                 failed.append(f"{pid}: exited with code {p.exitcode} after its last shard")
@@ -320,6 +331,16 @@ class Supervisor:
         }
         _say("done: " + " ".join(f"{k}={v}" for k, v in totals.items()))
         return 0
+
+
+def _how_it_died(exitcode: int | None) -> str:
+    """'killed by SIGKILL' for a signal's death, 'exited with code N without a report' otherwise."""
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exited with code {exitcode} without a report"
 
 
 def supervise(prepared: Launch, launch: LaunchConfig) -> int:

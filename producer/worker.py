@@ -19,6 +19,7 @@ from transformers import AutoTokenizer
 
 from dflash.common.contract.spool import Spool
 from dflash.common.drafter.layers import default_target_layer_ids
+from dflash.common.fault import fault_point
 from dflash.common.target.capture import LayerCapture, find_decoder
 from dflash.common.target.chat import check_tokenizer
 from dflash.common.target.loading import TargetInfo, load_target
@@ -35,7 +36,9 @@ log = logging.getLogger(__name__)
 
 def _load_target(cfg: ProducerConfig, worker: Worker) -> tuple[LayerCapture, TargetInfo]:
     """The target's text model (loading.py: no vision tower, kernels reported) with the capture hooks."""
+    fault_point(worker.fault_name, "load")
     model, info = load_target(cfg.model, dtype=worker.torch_dtype(cfg.dtype), device=worker.device)
+    fault_point(worker.fault_name, "loaded")  # its weights in memory, before the hooks and the compile
     num_layers = len(find_decoder(model)[1])
     if cfg.layer_ids is None:
         layer_ids = default_target_layer_ids(num_layers)
@@ -105,6 +108,7 @@ def run_producer(
     plan = plan_slice(cfg, worker, tokenizer, spool.eval_sample_ids())
     # total - samples - dropped = what is left to produce (counted in samples: a row may give several)
     counters.add(**plan.counts, total=len(plan.ids) + plan.counts["dropped"])
+    fault_point(worker.fault_name, "tokenized")  # its slice counted, not yet reported
     if on_tokenized is not None and not on_tokenized(tokenized_summary(plan, cfg.data)):
         heartbeat(force=True, phase="aborted", done=False)
         heartbeat.close()

@@ -21,6 +21,7 @@ from dflash.common.contract.names import shard_name
 from dflash.common.contract.shard import CodecConfig, Shard, ShardMeta
 from dflash.common.contract.shard_writer import write_shard
 from dflash.common.contract.spool import Spool
+from dflash.common.fault import fault_point
 from dflash.producer.buckets import Batch
 from dflash.producer.config import ProducerConfig, Worker
 
@@ -283,6 +284,8 @@ class ShardWriters:
                 shard_name(job.batch.bucket, self.worker.producer_id, job.seq, job.batch.epoch)
             )
             nbytes = write_shard(tmp, shard, self.codec, chunk_bytes=self.cfg.chunk_bytes)
+            if job.seq == 0:  # written to tmp/, not yet published
+                fault_point(self.worker.fault_name, "first-shard")
             spool.publish(tmp, nbytes=nbytes)
         finally:
             with self._inflight_lock:

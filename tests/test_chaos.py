@@ -5,9 +5,9 @@ again, then audit every sample exactly.
 The pipeline (2 CPU producers, 2 CPU consumers in one gloo DDP group, the tiny target, ~36 chat rows with a
 few rows the producers must drop, two epochs: each sample id names one training of a row in one epoch) runs under a killer thread that SIGKILLs a producer parent, a producer
 worker or a consumer at moments bounded by the launch's progress (during start-up, after some steps, right
-after a checkpoint), following a plan (CI: ``CI_PLAN``, every kind once; the soak: a long random plan), and
+after a checkpoint), following a plan (CI: ``CI_PLAN``, the kills after start-up; the soak: a long random plan), and
 once sends SIGINT to the whole process group (a terminal's Ctrl-C). Each invocation of run_all.sh gets a
-``--restarts`` budget (CI: 1; the soak: random, 0-3): a kill -9 within the budget makes it
+``--restarts`` budget (CI: 0; the soak: random, 0-3): a kill -9 within the budget makes it
 discard the spool's flow and restart everything from the latest checkpoint; past the budget, or after the
 Ctrl-C, it exits and the test runs the same command again (a *plain re-run*: the spool is kept, the launch
 discards its leftovers). Afterwards the consumers' sample ledgers (one line per committed optimizer step: step,
@@ -70,19 +70,18 @@ CONSUMER_ARGS = (
 )
 KILL_KINDS = ["producer", "worker", "consumer-0", "consumer-1"]
 CTRL_C = "ctrl-c"  # SIGINT to run_all.sh's process group: a clean stop, run_all exits 130, the test re-runs
-# The plan CI runs, fixed so a verdict never depends on the plan a run drew: every kind of kill -9 once and
-# the Ctrl-C, at every kind of moment. With --restarts 1 per invocation it takes every way back: a restart
-# within the budget (kills 1 and 4), the same command run again after a consumer's and the producer's kill
-# past the budget (kills 2 and 5) and after the Ctrl-C (kill 3). Six lives. The soak (DFLASH_CHAOS_SEED,
-# docs/testing.md) draws long random plans.
+# The plan CI runs, fixed so a verdict never depends on the plan a run drew: the kills after start-up (a
+# consumer after some steps, the producer parent right after a checkpoint) and the Ctrl-C, each followed by
+# the same command run again (--restarts 0: a kill -9 past the budget). Four lives. A restart within the
+# budget, and the start-up kills (a worker, the parent, a consumer), are test_startup_kills.py's: three
+# restarts of one run_all.sh, each after a kill at a named phase, not a moment left to the box's speed. The
+# soak (DFLASH_CHAOS_SEED, docs/testing.md) draws long random plans of every kind and budget.
 CI_PLAN = [
-    ("worker", "startup"),
     ("consumer-0", "progress"),
     (CTRL_C, "progress"),
-    ("consumer-1", "startup"),
     ("producer", "checkpoint"),
 ]
-CI_RESTARTS = 1
+CI_RESTARTS = 0
 
 
 def _random_plan(rng: random.Random, num_kills: int) -> list[tuple[str, str]]:
@@ -498,7 +497,7 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
     killer = Killer(run_dir, out_path, spool, ckpt, len(rows) * EPOCHS, plan, rng)
     killer.thread.start()
     try:
-        deadline = time.monotonic() + 60 * (num_kills + 3)  # a hang guard over every invocation
+        deadline = time.monotonic() + 90 * (num_kills + 3)  # a hang guard over every invocation (a busy box)
         rc = None
         while True:
             try:
@@ -558,8 +557,8 @@ def test_kill9_at_random_loses_nothing_and_trains_each_sample_once_per_timeline(
     kill9 = [k for k in killer.kills if k["kind"] != CTRL_C]
     assert len(failures) == len(kill9), diag()
     assert restarts + plain_reruns == len(killer.kills) == len(launches) - 1, diag()
-    if not soak:  # CI_PLAN takes every way back: restarts, re-runs after a kill -9 and after the Ctrl-C
-        assert (restarts, plain_reruns) == (2, 3), diag()
+    if not soak:  # CI_PLAN: the same command after each kill -9 and after the Ctrl-C
+        assert (restarts, plain_reruns) == (0, 3), diag()
     said = (out_text + err_text).count("run 'chaos' continues")  # every later launch said so (prepare)
     assert said == len(launches) - 1, diag()
     for kill, launch in zip(killer.kills, launches, strict=False):

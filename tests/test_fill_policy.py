@@ -113,6 +113,42 @@ def test_ranks_step_only_when_every_rank_holds_a_step_or_is_drained():
     assert done.exhausted and not done.have and done.epoch == 3
 
 
+def test_a_rank_that_can_get_no_shard_soon_does_not_hold_the_others():
+    """Rank 1 has no step and no producer produces (the one left waits on the spool budget, which rank
+    0's held step fills): rank 0 steps, rank 1 pads. Before, rank 0 kept its step for rank 1, rank 1
+    waited for a shard, the producer for the budget: a worker killed at start-up hung the launch."""
+    starved = RankView(has_step=False, drained=False, stop_asked=False, save_failed=False, starved=True)
+    a = StepAgreement.of([_rank(True, tokens=60), starved.encode()], last_epoch=0)
+    assert a.everyone and a.have and not a.exhausted and a.tokens == 60
+    assert RankView.decode(starved.encode()) == starved
+
+
 def test_a_step_trains_the_lowest_epoch_only():
     a = StepAgreement.of([_rank(True, epoch=1, tokens=64), _rank(True, epoch=0, tokens=40)], last_epoch=0)
     assert a.epoch == 0 and a.tokens == 40  # rank 0 pads and keeps its epoch-1 step for later
+
+
+def test_the_trainer_says_starved_when_no_producer_produces_and_then_the_other_rank_steps(monkeypatch):
+    """The trainer's own view (``Trainer._agree``) of rank 1 holding nothing: starved while the producers
+    left all wait on the budget (rank 0 steps, rank 1 pads), not while one produces (rank 0 waits for
+    rank 1's stream). Rank 0's view is gathered with it."""
+    from types import SimpleNamespace
+
+    from dflash.consumer import trainer as trainer_module
+
+    rank0 = RankView(has_step=True, drained=False, stop_asked=False, save_failed=False, epoch=0, tokens=60)
+    monkeypatch.setattr(trainer_module.D, "gather_ints", lambda mine, dist: [rank0.encode(), mine])
+
+    def rank1(producing: int) -> SimpleNamespace:
+        return SimpleNamespace(
+            inputs=SimpleNamespace(exhausted=lambda: False),
+            _deferred=None,
+            stop_requested=False,
+            checkpoints=SimpleNamespace(stop_reason=None),
+            progress=SimpleNamespace(epoch=0),
+            dist=None,
+            feed=SimpleNamespace(producers_producing=producing),
+        )
+
+    assert trainer_module.Trainer._agree(rank1(producing=0), None).everyone
+    assert not trainer_module.Trainer._agree(rank1(producing=1), None).everyone

@@ -570,3 +570,35 @@ def test_a_finished_run_shows_each_side_at_its_run_average_and_blames_the_slower
     out = capsys.readouterr().out
     assert "rates over the run: prod=700 tok/s (average)  cons=913 tok/s  (bottleneck: producers)" in out
     assert "consumers' average over their last launch" in out
+
+
+def test_a_dead_worker_is_listed_failed_and_fails_the_run(tmp_path, capsys):
+    """A worker killed at start-up: with the spool, its parent's record lists it (it never beat) and
+    fails it; with the spool removed, its metrics' last record (``phase: dead``, the parent's) does. The
+    other worker was stopped by run_all.sh: the run is failed, not stopped. Before: the dead worker was
+    left out (with the spool) or `active` (without), and the run `stopped`."""
+    how = "killed by SIGKILL after reporting its slice"
+    run = _launch_run(tmp_path, {"samples": 30, "total": 60, "phase": "produce"}, alive=True)
+    sp = Spool(tmp_path / "spool")
+    sp.register_producers(["n0p0.2", "n0p1.2"])
+    sp.mark_dead("n0p1.2", how)
+    status.main([str(run), "--json", "--stale-s", "1000"])
+    snap = json.loads(capsys.readouterr().out)
+    rows = {p["id"]: p["state"] for p in snap["processes"] if p["role"] == "producer"}
+    assert rows == {"n0p0.2": "alive", "n0p1.2": "failed"}, rows
+    # the launch is over and its spool removed: the metrics say how each ended
+    now = time.time()
+    _jsonl(run / "metrics" / "producer-n0p0.2.jsonl", [{"time": now - 30, "samples": 30, "phase": "stopped"}])
+    _jsonl(
+        run / "metrics" / "producer-n0p1.2.jsonl",
+        [
+            {"time": now - 40, "samples": 0, "phase": "load model"},
+            {"time": now - 35, "phase": "dead", "how": how},
+        ],
+    )
+    (run / "run.json").write_text(json.dumps({"spool": str(tmp_path / "gone")}))
+    status.main([str(run), "--json"])
+    snap = json.loads(capsys.readouterr().out)
+    rows = {p["id"]: p["state"] for p in snap["processes"] if p["role"] == "producer"}
+    assert rows == {"n0p0.2": "stopped", "n0p1.2": "failed"}, rows
+    assert snap["run_state"] == "failed"

@@ -153,6 +153,12 @@ class Spool:
     def done_producers(self) -> list[str]:
         return self.records.done_producers()
 
+    def mark_dead(self, producer_id: str, how: str) -> None:
+        self.records.mark_dead(producer_id, how)
+
+    def dead_producers(self) -> dict[str, str]:
+        return self.records.dead_producers()
+
     def producers_done(self) -> bool:
         return self.records.producers_done()
 

@@ -56,7 +56,10 @@ LOCK_PREFIX = "lock-"
 BUDGET_PHASE = "waiting for spool budget"
 """A producer's heartbeat phase while its writers wait for the spool to drain below its byte budget: it
 gives nothing more until the consumers train (and ack) what they hold."""
-IDLE_PHASES = frozenset({BUDGET_PHASE, "done", "stopped", "aborted"})
+DEAD_PHASE = "dead"
+"""The phase dflash-produce writes for a worker it saw die without a word (kill -9, OOM killer): the last
+record of that worker's metrics file."""
+IDLE_PHASES = frozenset({BUDGET_PHASE, "done", "stopped", "aborted", DEAD_PHASE})
 """Producer phases that give no data soon: a consumer waiting to fill a stream stops waiting when every
 live producer is in one of them (consumer/feed.py)."""
 
@@ -300,6 +303,25 @@ class SpoolRecords:
                 rec = read_json(self.state_dir / name)
                 if rec is not None and isinstance(rec.get("epoch_done"), int):
                     out[name[len("epoch-") : -len(".json")]] = rec["epoch_done"]
+        return out
+
+    def mark_dead(self, producer_id: str, how: str) -> None:
+        """state/dead-<id>.json: the producer's parent saw it die without a word (kill -9, OOM killer) and
+        says how; it writes no DONE marker. Why a record: consumers waiting on its marker, the epoch
+        barrier and dflash-status can then name it at once, not guess from a heartbeat's age (a worker
+        killed before its first heartbeat has none)."""
+        check_id("producer_id", producer_id)
+        rec = {"id": producer_id, "how": how, "time": time.time()}
+        atomic_write_text(self.state_dir / f"dead-{producer_id}.json", json.dumps(rec) + "\n")
+
+    def dead_producers(self) -> dict[str, str]:
+        """{producer id: how it died} for the producers their parent saw die (``mark_dead``)."""
+        out = {}
+        for name in os.listdir(self.state_dir):
+            if name.startswith("dead-") and name.endswith(".json"):
+                rec = read_json(self.state_dir / name)
+                if rec is not None:
+                    out[name[len("dead-") : -len(".json")]] = str(rec.get("how", "died"))
         return out
 
     def done_producers(self) -> list[str]:

@@ -173,6 +173,7 @@ class SpoolScan:
             "producers": {
                 "registered": self.records.registered_producers(),
                 "done": self.records.done_producers(),
+                "dead": self.records.dead_producers(),
             },
             "producers_done": self.records.producers_done(),
             "drained": self.records.producers_done()

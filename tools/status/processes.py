@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from dflash.common.contract.spool_records import BUDGET_PHASE
+from dflash.common.contract.spool_records import BUDGET_PHASE, DEAD_PHASE
 from dflash.common.metrics import average_tok_s, is_number
 from dflash.tools.status.sources import pid_alive
 
@@ -133,9 +133,17 @@ class ProcessTable:
             if (r := self.row((role, id_))) is not None:
                 r["pid"] = r["pid"] or pid
 
+    def add_registered(self) -> None:
+        """A row for every producer the current launch registered, also one that never wrote a heartbeat
+        (a worker killed as it started): the run's producers are all listed, none silently left out."""
+        if self.spool and self.spool["exists"]:
+            for pid in self.spool["producers_registered"]:
+                self.row(("producer", str(pid)))
+
     def finish(self, *, now: float, stale_s: float) -> None:
         """Each row's counters (newest source last), age, state and rate."""
         done = set(self.spool["producers_done"]) if self.spool else set()
+        dead = self.spool.get("producers_dead", {}) if self.spool else {}
         for key, r in self.rows.items():
             for _, src in sorted(self.sources.get(key, []), key=lambda s: s[0]):
                 r.update({k: src[k] for k in COUNTERS if src.get(k) is not None})
@@ -143,6 +151,8 @@ class ProcessTable:
             r["age_s"] = now - last if last else None
             ended = self.ends.get(r["id"], (None,))[0] if r["role"] == "consumer" else None
             is_done = r["role"] == "producer" and r["id"] in done
+            if r["role"] == "producer" and r["id"] in dead:  # its parent saw it die
+                r["phase"] = DEAD_PHASE
             r["state"] = process_state(r, self.verdict.get(key), done=is_done, stale_s=stale_s, ended=ended)
             r["active"] = r["state"] in RUNNING
             if r["role"] == "producer":
@@ -174,6 +184,7 @@ def process_rows(
     table = ProcessTable(metrics, spool)
     table.add_metrics()
     table.add_heartbeats()
+    table.add_registered()
     table.add_pids(pids)
     table.finish(now=now, stale_s=stale_s)
     table.drop_older_consumers()
@@ -196,7 +207,7 @@ def process_state(
         return "finished"
     if ended is not None:
         return ended
-    if r["role"] == "producer" and phase in ("stopped", "aborted"):
+    if r["role"] == "producer" and phase in ("stopped", "aborted", DEAD_PHASE):
         return "stopped" if phase == "stopped" else "failed"
     live = liveness(r, verdict, stale_s=stale_s)
     if live == "exited":

@@ -26,7 +26,8 @@ def spool_snapshot(root: str | Path, *, heartbeat_timeout_s: float = 120.0) -> d
     """``Spool.stats()`` reshaped for this screen, without creating anything (``create=False``).
 
     ``{"root", "exists", "error", "states": {state: {"shards", "bytes"}}, "buckets": {bucket: {state:
-    shards}}, "claimed_by": {consumer_id: shards}, "producers_registered", "producers_done", "processes":
+    shards}}, "claimed_by": {consumer_id: shards}, "producers_registered", "producers_done",
+    "producers_dead": {id: how its parent saw it die}, "processes":
     [heartbeat rows of Spool.stats()]}``; ``exists`` False (and ``error`` set) for a missing or foreign dir.
     """
     out: dict[str, Any] = {
@@ -38,6 +39,7 @@ def spool_snapshot(root: str | Path, *, heartbeat_timeout_s: float = 120.0) -> d
         "claimed_by": {},
         "producers_registered": [],
         "producers_done": [],
+        "producers_dead": {},
         "processes": [],
     }
     try:
@@ -59,6 +61,7 @@ def spool_snapshot(root: str | Path, *, heartbeat_timeout_s: float = 120.0) -> d
     out["claimed_by"] = {c: v["shards"] for c, v in sorted(st["claimed_by"].items())}
     out["producers_registered"] = [str(p) for p in st["producers"]["registered"]]
     out["producers_done"] = sorted(str(p) for p in st["producers"]["done"])
+    out["producers_dead"] = {str(p): how for p, how in st["producers"].get("dead", {}).items()}
     for hb in st["processes"]:
         key = (str(hb["role"]), str(hb["id"]))
         out["processes"].append({**hb, "time": st["time"] - hb["age_s"], "pid_alive": pid_alive.get(key)})
