@@ -21,6 +21,7 @@ PACKAGES = {
 }
 LIBRARY = {
     "common.redact",
+    "common.fault",
     "common.child_process",
     "common.compile",
     "common.metrics",
@@ -35,6 +36,7 @@ ALLOWED: dict[str, set[str]] = {
     "common.redact": set(),
     "common.metrics": set(),
     "common.child_process": set(),
+    "common.fault": set(),
     "common.compile": {"common.cli"},
     "common.cli": {"common.redact"},
     "common.contract": {"common.redact", "common.cli"},
