@@ -6,6 +6,7 @@ matmul (``torch._scaled_mm``, rowwise) computes what its emulation does."""
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 
@@ -131,15 +132,17 @@ def test_the_fp8_matmul_computes_what_its_emulation_does(bias):
     torch.manual_seed(0)
     linear = torch.nn.Linear(256, 128, bias=bias).to(torch.bfloat16)
     x = torch.randn(3, 7, 256, dtype=torch.bfloat16) * torch.logspace(-2, 1, 256).bfloat16()
-    try:
-        native = Fp8Linear(linear, emulate=False)(x)
-    except (RuntimeError, NotImplementedError) as err:  # a torch build without the CPU kernel
-        pytest.skip(f"torch._scaled_mm on the CPU: {err}")
+    emulated = Fp8Linear(copy.deepcopy(linear).float(), emulate=True)(x.float())  # the CPU path
     want = torch.nn.functional.linear(
         fp8_rounded(x.reshape(-1, 256).float()),
         fp8_rounded(linear.weight.float()),
         None if linear.bias is None else linear.bias.float(),
     ).view(3, 7, 128)
+    assert torch.equal(emulated, want)
+    try:
+        native = Fp8Linear(linear, emulate=False)(x)
+    except (RuntimeError, NotImplementedError) as err:  # a torch build without the CPU kernel
+        pytest.skip(f"torch._scaled_mm on the CPU: {err}")
     assert native.dtype == torch.bfloat16 and native.shape == (3, 7, 128)
     torch.testing.assert_close(native.float(), want, rtol=1e-2, atol=1e-2)
     q, scale = quantize_rows(x.reshape(-1, 256))

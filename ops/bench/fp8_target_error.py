@@ -31,18 +31,16 @@ from dflash.tools.demo.assets import distilled_dataset_path, tiny_target_dir
 
 
 def batch(target: Path, rows: int, length: int) -> torch.Tensor:
-    """[rows, length] ids of the demo's first conversations (chat template), cut to a common length."""
+    """[rows, length] ids: the demo's conversations (chat template) one after another, cut into rows."""
     tok = AutoTokenizer.from_pretrained(target)
     ds = load_raw_dataset(DataConfig(dataset=str(distilled_dataset_path()), max_length=length))
-    ids = []
+    stream: list[int] = []
     for row in ds:
         out = tok.apply_chat_template(row["messages"], tokenize=True)
-        out = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
-        if len(out) >= length:
-            ids.append(out[:length])
-        if len(ids) == rows:
+        stream += list(out["input_ids"] if hasattr(out, "keys") else out)
+        if len(stream) >= rows * length:
             break
-    return torch.tensor(ids, dtype=torch.int64)
+    return torch.tensor(stream[: rows * length], dtype=torch.int64).view(rows, length)
 
 
 def states(
