@@ -6,9 +6,10 @@
 # target in both), then per seed dflash-consume with the demo's drafter flags and --bucket oldest on a fresh
 # copy of each. τ: the consumer's decode-order τ on the held-out documents, verified by the bf16 target.
 # Also writes the per-layer error of the FP8 target's captures on the first shard.
-# Usage: bash ops/bench/demo_fp8target.sh OUT "SEEDS_FP8" "SEEDS_BF16"   (run from the repo root, .venv)
+# Usage: [EPOCHS=12] bash ops/bench/demo_fp8target.sh OUT "SEEDS"   (repo root, .venv; seed by seed, both
+# precisions each, so a cut run leaves pairs)
 set -euo pipefail
-OUT=${1:-/tmp/fp8demo}; SEEDS_FP8=${2:-"0 1 2"}; SEEDS_BF16=${3:-"0"}
+OUT=${1:-/tmp/fp8demo}; SEEDS=${2:-"0 1 2"}; EPOCHS=${EPOCHS:-12}
 PY=.venv/bin/python
 mkdir -p "$OUT"
 TARGET=$($PY -c "from dflash.tools.demo.assets import tiny_target_dir; print(tiny_target_dir())")
@@ -16,13 +17,12 @@ DATA=$($PY -c "from dflash.tools.demo.assets import distilled_dataset_path; prin
 for prec in bf16 fp8; do
   [[ -d "$OUT/spool-$prec/ready" ]] && continue
   $PY -m dflash.producer.cli --gpus cpu:1 --model "$TARGET" --dataset "$DATA" --spool "$OUT/spool-$prec" \
-    --run "fp8demo-$prec" --max-length 512 --batch-tokens 4096 --epochs 12 --eval-samples 32 --codec bf16 \
+    --run "fp8demo-$prec" --max-length 512 --batch-tokens 4096 --epochs "$EPOCHS" --eval-samples 32 --codec bf16 \
     --target-precision "$prec" > "$OUT/produce-$prec.log" 2>&1
 done
 rm -rf "$OUT/spool-fp8/eval" && cp -r "$OUT/spool-bf16/eval" "$OUT/spool-fp8/eval"
-for prec in fp8 bf16; do
-  seeds=$SEEDS_FP8; [[ $prec == bf16 ]] && seeds=$SEEDS_BF16
-  for seed in $seeds; do
+for seed in $SEEDS; do
+  for prec in bf16 fp8; do
     run="$OUT/$prec-s$seed"; [[ -f "$run/done" ]] && continue
     rm -rf "$run" "$OUT/copy"; cp -r "$OUT/spool-$prec" "$OUT/copy"
     $PY -m dflash.consumer.cli --gpu cpu --spool "$OUT/copy" --target "$TARGET" --run-dir "$run" \

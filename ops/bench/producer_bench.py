@@ -524,7 +524,7 @@ def markdown(res: dict) -> str:
     if "hidden_rel_l2" in fp8t:
         lines += [
             "",
-            f"FP8 target ({fp8t['precision']}): its captured hidden states against the bf16 target's, same batch",
+            f"FP8 target ({fp8t['precision']}): its captured hidden states against the unquantized target's (--dtype), same batch",
             "",
             "| layer | relative L2 |",
             "| ---: | ---: |",
