@@ -49,8 +49,9 @@
 #              benches' CPU smoke sizes (ops/bench/fp8_cpu_check.sh runs it on a CPU box before a GPU call)
 #   fp8target  the FP8 target (--target-precision fp8) against bf16, one call (~6 min, not in `all`): the
 #              hybrid-27B producer at full depth (64 layers; FP8T_LAYERS) as shipped and with the FP8 target,
-#              each with its own forward alone, plus the per-layer error of the FP8 target's captures against
-#              the bf16 target's ($OUT/producer_bench_hybrid27b.json), then FP8 vs bf16 matmuls at that
+#              the FP8 one with its own forward alone (FP8T_FORWARD=full,fp8target: both), the per-layer
+#              error of the FP8 target's captures against the bf16 target's
+#              ($OUT/producer_bench_hybrid27b.json), then FP8 vs bf16 matmuls at that
 #              target's linear shapes ($OUT/fp8_matmul.json: torch._scaled_mm rowwise eager / compiled, block
 #              scales where cuBLAS has them); FP8T_8B=1 adds the 8B-shaped producer (a second call's worth)
 # Run from the repo root on the device with `.whl` carried: `bash ../shared/device/wheels.sh fla-core`
@@ -158,7 +159,7 @@ fi
 if [[ "$parts" == *" fp8target "* ]]; then  # never part of `all`: it is the FP8-target call
   python3 -c "import fla.ops.gated_delta_rule" 2>/dev/null || echo "warning: fla does not import (carry fla-core in .whl)"
   pbench fp8target_hybrid "${FP8T_HYBRID_LIMIT:-290}" --preset hybrid27b --layers "${FP8T_LAYERS:-64}" \
-    --variants full,fp8target --forward-variants full,fp8target --no-bare --tokens "${FP8T_TOKENS:-98304}"
+    --variants full,fp8target --forward-variants "${FP8T_FORWARD:-fp8target}" --no-bare --tokens "${FP8T_TOKENS:-98304}"
   grep -A12 "^FP8 target" "$OUT/fp8target_hybrid.log" | cut -c1-200
   echo "== FP8 vs bf16 matmuls at the hybrid-27B linear shapes"
   timeout "${FP8T_MM_LIMIT:-45}" python3 ops/bench/fp8_matmul.py --iters 10 --out "$OUT" > "$OUT/fp8_matmul.log" 2>&1
