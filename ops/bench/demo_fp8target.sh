@@ -6,10 +6,10 @@
 # target in both), then per seed dflash-consume with the demo's drafter flags and --bucket oldest on a fresh
 # copy of each. τ: the consumer's decode-order τ on the held-out documents, verified by the bf16 target.
 # Also writes the per-layer error of the FP8 target's captures on the first shard.
-# Usage: [EPOCHS=12] bash ops/bench/demo_fp8target.sh OUT "SEEDS"   (repo root, .venv; seed by seed, both
-# precisions each, so a cut run leaves pairs)
+# Usage: [EPOCHS=12] [PRECS="bf16 fp8"] bash ops/bench/demo_fp8target.sh OUT "SEEDS"   (repo root, .venv;
+# seed by seed, both precisions each, so a cut run leaves pairs)
 set -euo pipefail
-OUT=${1:-/tmp/fp8demo}; SEEDS=${2:-"0 1 2"}; EPOCHS=${EPOCHS:-12}
+OUT=${1:-/tmp/fp8demo}; SEEDS=${2:-"0 1 2"}; EPOCHS=${EPOCHS:-12}; PRECS=${PRECS:-"bf16 fp8"}
 PY=.venv/bin/python
 mkdir -p "$OUT"
 TARGET=$($PY -c "from dflash.tools.demo.assets import tiny_target_dir; print(tiny_target_dir())")
@@ -22,7 +22,7 @@ for prec in bf16 fp8; do
 done
 rm -rf "$OUT/spool-fp8/eval" && cp -r "$OUT/spool-bf16/eval" "$OUT/spool-fp8/eval"
 for seed in $SEEDS; do
-  for prec in bf16 fp8; do
+  for prec in $PRECS; do
     run="$OUT/$prec-s$seed"; [[ -f "$run/done" ]] && continue
     rm -rf "$run" "$OUT/copy"; cp -r "$OUT/spool-$prec" "$OUT/copy"
     $PY -m dflash.consumer.cli --gpu cpu --spool "$OUT/copy" --target "$TARGET" --run-dir "$run" \
