@@ -18,6 +18,8 @@ targets.py): ``8b`` (default), ``32b``, ``hybrid27b`` (8-layer slice; rates also
 
     python ops/bench/producer_bench.py --preset 8b --variants eager,full,static,trunk --out $OUT   # GPU
     python ops/bench/producer_bench.py --preset hybrid27b --variants full,reference --no-bare       # GPU
+    python ops/bench/producer_bench.py --preset hybrid27b --layers 64 --variants full,fp8target \
+        --forward-variants fp8target --no-bare                                                   # GPU: FP8 target
     .venv/bin/python ops/bench/producer_bench.py --small                                          # CPU smoke
 """
 
