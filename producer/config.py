@@ -107,6 +107,13 @@ class ProducerConfig:
     compile_options: TrunkCompileConfig = field(default_factory=TrunkCompileConfig, metadata=flag(cli=False))
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """target dtype (auto: bf16 on GPU, fp32 on CPU)"""
+    target_precision: Literal["auto", "fp8", "bf16"] = "auto"
+    """the target's linears: fp8 (e4m3 weights per output channel, quantized at load; activations per row on
+    the fly; torch._scaled_mm, Hopper: ~1.8x bf16 matmuls) | bf16 (in --dtype; an FP8 checkpoint
+    dequantized) | auto (fp8 for a fine-grained FP8 checkpoint, else --dtype). Captured states stay in --dtype"""
+    fp8_fallback: Literal["emulate", "refuse"] = "emulate"
+    """where FP8 matmuls do not exist (CPU, GPUs before sm_89): emulate (FP8's numbers by quantize ->
+    dequantize, matmuls in --dtype, said in one line) | refuse (exit 2)"""
     layer_ids: list[int] | None = None
     """target layers to capture, sorted and distinct, e.g. 1,9,17,25,33 (default: K=5 from 1 to L-3)"""
     codec: str | None = None

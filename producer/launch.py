@@ -33,7 +33,9 @@ from dflash.common.target.data import (
     dataset_fingerprint,
     load_raw_dataset,
 )
+from dflash.common.target.fp8 import fp8_matmul_unavailable
 from dflash.common.target.head import target_fingerprint
+from dflash.common.target.loading import refusal_line, runs_fp8
 from dflash.producer.config import (
     LaunchConfig,
     ProduceConfig,
@@ -98,6 +100,22 @@ def check_gpus(workers: list[Worker], spec: str) -> None:
             f"--gpus {spec}: no CUDA device {missing[0]}: this machine has {n} visible CUDA device(s){where}; "
             "use --gpus cpu:N for a CPU run"
         )
+
+
+def check_fp8(producer: ProducerConfig, workers: list[Worker]) -> None:
+    """An FP8 target (`runs_fp8`) with ``--fp8-fallback refuse`` on a device without FP8 matmuls: refused
+    here, one line, before anything loads (the device's capability only: the parent makes no CUDA context;
+    a worker's load probes the matmul itself and refuses the same way)."""
+    if producer.fp8_fallback != "refuse":
+        return
+    config = AutoConfig.from_pretrained(producer.model)
+    if not runs_fp8(producer.target_precision, config):
+        return
+    for w in workers:
+        device = w.device if w.cuda_index is None else f"cuda:{w.cuda_index}"
+        why = fp8_matmul_unavailable(device, probe=False)
+        if why:
+            raise UsageError(refusal_line(why))
 
 
 def check_target(model: str, layer_ids: list[int] | None) -> list[int]:
@@ -215,6 +233,7 @@ def prepare(cfg: ProduceConfig) -> Launch:
     except ValueError as err:
         raise UsageError(str(err)) from None
     layer_ids = check_target(producer.model, producer.layer_ids)
+    check_fp8(producer, workers_of(launch))
     try:
         ds = load_raw_dataset(data)
         conversation_column(ds, data.format)

@@ -266,7 +266,7 @@ class Trunk:
         full batches, else on ``shapes[0]``, a full batch) is saved before the other shapes run, so each of
         them builds the chosen config once instead of tuning again: seconds per shape, not ten."""
         mixer = next(m for layer in self.capture.layers for m in _linear_mixers(layer))
-        dtype = next(mixer.parameters()).dtype
+        dtype = next(p.dtype for p in mixer.parameters() if p.dtype.itemsize > 1)  # not an FP8 weight
         tuned = 0
         with torch.inference_mode():
             for k, (rows, length) in enumerate(shapes):

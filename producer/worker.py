@@ -37,7 +37,13 @@ log = logging.getLogger(__name__)
 def _load_target(cfg: ProducerConfig, worker: Worker) -> tuple[LayerCapture, TargetInfo]:
     """The target's text model (loading.py: no vision tower, kernels reported) with the capture hooks."""
     fault_point(worker.fault_name, "load")
-    model, info = load_target(cfg.model, dtype=worker.torch_dtype(cfg.dtype), device=worker.device)
+    model, info = load_target(
+        cfg.model,
+        dtype=worker.torch_dtype(cfg.dtype),
+        device=worker.device,
+        precision=cfg.target_precision,
+        fp8_fallback=cfg.fp8_fallback,
+    )
     fault_point(worker.fault_name, "loaded")  # its weights in memory, before the hooks and the compile
     num_layers = len(find_decoder(model)[1])
     if cfg.layer_ids is None:

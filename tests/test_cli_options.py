@@ -28,6 +28,8 @@ ADDED: dict[str, dict[str, str]] = {  # prog -> {option: why it was added}
         "--compile-shapes": "one dynamic graph (default) or one static graph per bucket shape",
         "--no-train-reasoning": "chat data: assistant reasoning_content is trained by default; this renders rows without it",
         "--compile-timeout-s": "the compiled trunk's warm-up is bounded: past it, the eager path with one warning line",
+        "--target-precision": "an FP8 target (e4m3 linears, torch._scaled_mm): published FP8 checkpoints, or quantized at load",
+        "--fp8-fallback": "where FP8 matmuls do not run: emulate FP8's numbers (one line) or refuse (exit 2)",
     },
     "dflash-plan": {"--bench": "plan each target shape from pipeline_bench / producer_bench figures"},
     "dflash-consume": {

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
+from dflash.common.target.fp8 import fp8_linears, to_fp8
 from dflash.common.target.mixer_kernels import (
     CONV_GLOBAL,
     ShiftedCausalConv,
@@ -96,3 +97,39 @@ def test_warm_up_reaches_every_class_of_flas_l2_norm():
     assert (
         mixer_shapes(cfg, lengths) == shapes[: len(mixer_shapes(cfg, lengths))]
     )  # no heads: no norm classes
+
+
+def test_an_fp8_targets_mixer_projections_are_compiled_with_its_norm_and_undone():
+    """The eager GDN mixer of an FP8 target: its FP8 projections (their activations' quantization) become
+    small compiled graphs too; the narrow decay gates (a, b) stay plain linears."""
+    cfg = Qwen3_5TextConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        linear_num_value_heads=4,
+        linear_num_key_heads=1,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    to_fp8(model.model.layers, emulate=True)
+    gdn = model.model.layers[0].linear_attn
+    projections = fp8_linears(gdn)
+    assert {id(m) for m in projections} == {id(gdn.in_proj_qkv), id(gdn.in_proj_z), id(gdn.out_proj)}
+    assert type(gdn.in_proj_a) is torch.nn.Linear
+    ids = torch.randint(0, 128, (2, 50), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        want = model(input_ids=ids, use_cache=False).logits
+    compiled: list = []
+    undo = compile_mixer_parts(model, lambda fn: compiled.append(fn) or fn, conv_on_reference=False)
+    assert len(compiled) == 4 and all("forward" in vars(m) for m in projections)  # the norm + 3 projections
+    with torch.inference_mode():
+        torch.testing.assert_close(model(input_ids=ids, use_cache=False).logits, want, rtol=1e-5, atol=1e-5)
+    undo()
+    assert not any("forward" in vars(m) for m in [*projections, gdn.norm])

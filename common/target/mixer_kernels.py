@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.common.target.fp8 import fp8_linears
+
 CONV_GLOBAL = "causal_conv1d_fn"
 _ACTIVATIONS: dict[str | None, Callable[[torch.Tensor], torch.Tensor] | None] = {
     None: None,
@@ -99,16 +101,19 @@ def _gdn_modules(model: nn.Module) -> list[nn.Module]:
 def compile_mixer_parts(
     model: nn.Module, compile_fn: Callable[[Callable], Callable], *, conv_on_reference: bool
 ) -> Callable[[], None]:
-    """Compile the gated norm of every Gated DeltaNet mixer of ``model`` (an instance attribute: one graph
-    for all, parameters as inputs) and, when ``conv_on_reference`` and transformers looks the conv up as a
+    """Compile the gated norm and the FP8 projections (fp8.Fp8Linear: their activations' quantization fused
+    into one kernel) of every Gated DeltaNet mixer of ``model`` (instance attributes: a graph per weight
+    shape, parameters as inputs) and, when ``conv_on_reference`` and transformers looks the conv up as a
     module global (5.15+), swap in the compiled `causal_conv_shifted`. Returns the undo."""
     gdns = _gdn_modules(model)
     undo: list[Callable[[], None]] = []
     for gdn in gdns:
         norm = getattr(gdn, "norm", None)
-        if norm is not None and "forward" not in vars(norm):
-            norm.forward = compile_fn(norm.forward)
-            undo.append(lambda norm=norm: vars(norm).pop("forward", None))
+        parts = [norm] if norm is not None else []
+        for part in parts + fp8_linears(gdn):
+            if "forward" not in vars(part):
+                part.forward = compile_fn(part.forward)
+                undo.append(lambda part=part: vars(part).pop("forward", None))
     modules = {sys.modules[type(gdn).__module__] for gdn in gdns}
     if conv_on_reference:
         conv = ShiftedCausalConv(compile_fn)

@@ -54,6 +54,13 @@
 #              each codec ($OUT/feed32_bf16.json, feed32_fp8.json: context tok/s, host bytes per token), then
 #              the producer's GPU test on both codecs (FP8_TESTS=0 skips it); FP8_SMALL=1: the same at the
 #              benches' CPU smoke sizes (ops/bench/fp8_cpu_check.sh runs it on a CPU box before a GPU call)
+#   fp8target  the FP8 target (--target-precision fp8) against bf16, one call (~6 min, not in `all`): the
+#              hybrid-27B producer at full depth (64 layers; FP8T_LAYERS) as shipped and with the FP8 target,
+#              the FP8 one with its own forward alone (FP8T_FORWARD=full,fp8target: both), the per-layer
+#              error of the FP8 target's captures against the bf16 target's
+#              ($OUT/producer_bench_hybrid27b.json), then FP8 vs bf16 matmuls at that
+#              target's linear shapes ($OUT/fp8_matmul.json: torch._scaled_mm rowwise eager / compiled, block
+#              scales where cuBLAS has them); FP8T_8B=1 adds the 8B-shaped producer (a second call's worth)
 # Run from the repo root on the device with `.whl` carried: `bash ../shared/device/wheels.sh fla-core`
 # (zarr, zstandard, numcodecs, boto3, datasets + fla-core: ~26 MB). Every bench writes JSON + markdown to
 # $OUT with the producer's thresholds checked (PASS/FAIL lines).
@@ -164,6 +171,19 @@ if [[ "$parts" == *" fp8 "* ]]; then  # never part of `all`: it is the FP8 call
     echo "== the producer on CUDA with each codec (pinned buffers, D2H, shards)"
     timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_producer_gpu.py -k produce_on_cuda 2>&1 \
       | tee "$OUT/fp8_tests.log" | tail -4
+  fi
+fi
+if [[ "$parts" == *" fp8target "* ]]; then  # never part of `all`: it is the FP8-target call
+  python3 -c "import fla.ops.gated_delta_rule" 2>/dev/null || echo "warning: fla does not import (carry fla-core in .whl)"
+  pbench fp8target_hybrid "${FP8T_HYBRID_LIMIT:-290}" --preset hybrid27b --layers "${FP8T_LAYERS:-64}" \
+    --variants full,fp8target --forward-variants "${FP8T_FORWARD:-fp8target}" --no-bare --tokens "${FP8T_TOKENS:-98304}"
+  grep -A12 "^FP8 target" "$OUT/fp8target_hybrid.log" | cut -c1-200
+  echo "== FP8 vs bf16 matmuls at the hybrid-27B linear shapes"
+  timeout "${FP8T_MM_LIMIT:-45}" python3 ops/bench/fp8_matmul.py --iters 10 --out "$OUT" > "$OUT/fp8_matmul.log" 2>&1
+  echo "exit $?"; grep "^{" "$OUT/fp8_matmul.log" | cut -c1-400
+  if [[ -n "${FP8T_8B:-}" ]]; then
+    pbench fp8target_8b "${FP8T_8B_LIMIT:-240}" --preset 8b --variants full,fp8target \
+      --forward-variants full,fp8target --no-bare --tokens "${FP8T_8B_TOKENS:-196608}"
   fi
 fi
 if want prodscope; then pbench prodscope 240 --preset 8b --variants full,trunk --no-bare --tokens 196608; fi

@@ -18,6 +18,8 @@ targets.py): ``8b`` (default), ``32b``, ``hybrid27b`` (8-layer slice; rates also
 
     python ops/bench/producer_bench.py --preset 8b --variants eager,full,static,trunk --out $OUT   # GPU
     python ops/bench/producer_bench.py --preset hybrid27b --variants full,reference --no-bare       # GPU
+    python ops/bench/producer_bench.py --preset hybrid27b --layers 64 --variants full,fp8target \
+        --forward-variants fp8target --no-bare                                                   # GPU: FP8 target
     .venv/bin/python ops/bench/producer_bench.py --small                                          # CPU smoke
 """
 
@@ -48,11 +50,13 @@ import dflash.producer.loop as loop_module  # noqa: E402
 from dflash.common.drafter.layers import default_target_layer_ids  # noqa: E402
 from dflash.common.target.capture import LayerCapture  # noqa: E402
 from dflash.common.target.data import DataConfig  # noqa: E402
+from dflash.common.target.fp8 import fp8_matmul_unavailable  # noqa: E402
 from dflash.common.target.kernels import (  # noqa: E402
     force_reference_kernels,
     linear_attention_kernels,
     prefer_fast_kernels,
 )
+from dflash.common.target.loading import fp8_target  # noqa: E402
 from dflash.producer.buckets import BucketConfig, Bucketer, Sample  # noqa: E402
 from dflash.producer.compile_plan import static_buckets  # noqa: E402
 from dflash.producer.config import ProducerConfig, TrunkCompileConfig, Worker, writer_threads_for  # noqa: E402
@@ -80,6 +84,12 @@ VARIANTS: dict[str, tuple[str, dict]] = {
         "as shipped, FP8 shards (codec fp8: e4m3 quantized on the GPU before the D2H copy)",
         {"codec": "fp8"},
     ),
+    # converts the shared model in place (its bf16 weights freed: a 64-layer hybrid-27B fits one H100 only
+    # so), hence always the last variant
+    "fp8target": (
+        "as shipped, FP8 target (--target-precision fp8: e4m3 linears, torch._scaled_mm rowwise)",
+        {},
+    ),
 }
 # the producer's acceptance: (check, threshold, what); the ratio names are keys of the result's "ratios"
 ACCEPT = {
@@ -95,6 +105,8 @@ COMMON_ACCEPT = [
     ("full_vs_forward", 0.95, "producer >= 0.95x its own truncated forward (the spool never limits)"),
     ("fp8_vs_bf16", 0.98, "FP8 shards not slower than bf16 shards (>= 0.98x: a run's noise)"),
     ("host_bytes_bf16_over_fp8", 1.9, "FP8 hands the host ~half the bytes (D2H, pinned buffers)"),
+    ("fp8target_vs_full", 1.5, "FP8 target >= 1.5x the bf16 target's producer (same call)"),
+    ("fp8target_vs_forward", 0.95, "FP8-target producer >= 0.95x its own truncated forward"),
 ]
 
 
@@ -294,9 +306,21 @@ def bench_producer(args, model, work, spool: Path, mem: MemSampler, variant: str
     undo = force_reference_kernels(model) if variant == "reference" else (lambda: None)
     torch._dynamo.reset()  # a variant compiles its own graphs (dynamo caches per code object)
     stop, beats, seen = threading.Event(), [], {}
+    fp8_error = None
+    if variant == "fp8target":
+        probe = error_batch(samples, args.device)
+        fp8_error = {"bf16": layer_features(model, args.layer_ids, probe)}
     drainer = threading.Thread(target=drain, args=(spool / "ready", stop, seen), daemon=True)
     drainer.start()
     t_start = time.perf_counter()  # the first-shard clock: warm-up (compile, autotune) included
+    if variant == "fp8target":  # as dflash-produce loads it: every decoder linear to FP8, in place
+        why = fp8_matmul_unavailable(str(args.device))
+        if why:
+            log.warning(
+                "fp8target: %s: %s", why, "FP8 emulated (quantize -> dequantize): its numbers, not its speed"
+            )
+        how = fp8_target(model, emulate=why is not None, dtype=next(model.parameters()).dtype)
+        log.info("fp8target: %s", how)
     trunk = warm_trunk(
         cfg,
         worker,
@@ -360,7 +384,38 @@ def bench_producer(args, model, work, spool: Path, mem: MemSampler, variant: str
             out["own_forward"]["profile"] = fwd_window.result
     trunk.close()
     undo()
+    if fp8_error is not None:
+        out["precision"] = how
+        out["hidden_rel_l2"] = rel_l2_per_layer(
+            fp8_error["bf16"], layer_features(model, args.layer_ids, probe), args.layer_ids
+        )
     return out
+
+
+def error_batch(samples: list[Sample], device: torch.device, rows: int = 4) -> torch.Tensor:
+    """[rows, length] ids of the workload's first samples cut to the shortest: the FP8 error's batch."""
+    picked = samples[:rows]
+    n = min(len(s) for s in picked)
+    return torch.tensor(np.stack([s.input_ids[:n] for s in picked]), dtype=torch.int64, device=device)
+
+
+def layer_features(model, layer_ids: list[int], ids: torch.Tensor) -> torch.Tensor:
+    """The captured layers' hidden states [T, K*H] of ``ids`` (eager, no compile), kept in fp32."""
+    capture = LayerCapture(model, layer_ids, free_unused=True)
+    try:
+        with torch.inference_mode():
+            return capture.run(ids).float()
+    finally:
+        capture.close()
+
+
+def rel_l2_per_layer(ref: torch.Tensor, got: torch.Tensor, layer_ids: list[int]) -> dict:
+    """||got - ref|| / ||ref|| per captured layer (features [T, K*H])."""
+    k = len(layer_ids)
+    r, g = ref.view(ref.shape[0], k, -1), got.view(got.shape[0], k, -1)
+    return {
+        str(i): round(float((g[:, j] - r[:, j]).norm() / r[:, j].norm()), 5) for j, i in enumerate(layer_ids)
+    }
 
 
 def ratios(results: dict, scale: float) -> dict:
@@ -375,6 +430,11 @@ def ratios(results: dict, scale: float) -> dict:
     for v in VARIANTS:
         if v != "full" and full and f"producer_{v}" in r:
             out[f"full_vs_{v}"] = full / r[f"producer_{v}"]["tok_s"]
+    fp8t = r.get("producer_fp8target", {})
+    if fp8t.get("tok_s") and full:
+        out["fp8target_vs_full"] = fp8t["tok_s"] / full
+    if fp8t.get("tok_s") and "own_forward" in fp8t:
+        out["fp8target_vs_forward"] = fp8t["tok_s"] / fp8t["own_forward"]["tok_s"]
     fp8, bf16 = r.get("producer_fp8", {}), r.get("producer_bf16", {})
     if fp8.get("tok_s") and bf16.get("tok_s"):
         out["fp8_vs_bf16"] = fp8["tok_s"] / bf16["tok_s"]
@@ -462,6 +522,16 @@ def markdown(res: dict) -> str:
             lines.append(
                 f"| {key}: its own forward alone | {v['own_forward']['tok_s']:,.0f} | {v['own_forward']['seconds']} | | | | | |"
             )
+    fp8t = res["results"].get("producer_fp8target", {})
+    if "hidden_rel_l2" in fp8t:
+        lines += [
+            "",
+            f"FP8 target ({fp8t['precision']}): its captured hidden states against the unquantized target's (--dtype), same batch",
+            "",
+            "| layer | relative L2 |",
+            "| ---: | ---: |",
+        ]
+        lines += [f"| {k} | {v:.4f} |" for k, v in fp8t["hidden_rel_l2"].items()]
     if res["depth_scale"] != 1:
         lines += [
             "",
@@ -547,6 +617,8 @@ def parse_args(argv=None):
     args.variant_tokens = {k: int(v) for k, v in (x.split("=") for x in args.variant_tokens.split(",") if x)}
     if not args.variants or any(v not in VARIANTS for v in args.variants):
         sys.exit(f"producer_bench: error: --variants {args.variants}: choose from {', '.join(VARIANTS)}")
+    if "fp8target" in args.variants[:-1]:
+        sys.exit("producer_bench: error: --variants: fp8target must come last (it converts the shared model)")
     args.paths = {"bare"} - ({"bare"} if args.no_bare else set()) | (
         {"forward"} - ({"forward"} if args.no_forward else set())
     )
