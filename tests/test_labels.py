@@ -144,10 +144,10 @@ def test_leaky_mask_would_learn_the_invisible_token(monkeypatch):
     (So the strict mask, not model capacity, is what makes position B-1 unlearnable above.)"""
     strict = drafter_module.make_mask_mod
 
-    def leaky(doc_ids, anchors, anchor_valid, block_size, sliding_window=None):
+    def leaky(doc_ids, anchors, anchor_valid, block_size, sliding_window=None, block_causal=True):
         # every valid anchor's next token is in its document (sampling rule), so shifting the anchor by one
         # gives exactly "same document, kv <= anchor"
-        return strict(doc_ids, anchors + 1, anchor_valid, block_size, sliding_window)
+        return strict(doc_ids, anchors + 1, anchor_valid, block_size, sliding_window, block_causal)
 
     monkeypatch.setattr(drafter_module, "make_mask_mod", leaky)
     drafter, head = train(shifted=True, steps=150)

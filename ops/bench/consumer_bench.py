@@ -48,7 +48,7 @@ from dflash.common.drafter.config import DrafterConfig
 from dflash.common.drafter.dflash import recompile_count
 from dflash.common.drafter.layers import FULL, HYBRID_SLIDING_WINDOW, SLIDING, default_target_layer_ids
 from dflash.common.drafter.model import DFlashDrafter, TargetHead
-from dflash.consumer.config import TrainConfig, add_train_flags, train_flag_names
+from dflash.consumer.config import ARCH_DEFAULTS, TrainConfig, add_train_flags, train_flag_names
 from dflash.consumer.optim import build_optimizer, clipped_step
 from dflash.consumer.step import (
     cast_parameters,
@@ -755,6 +755,8 @@ def consumer_options(args: argparse.Namespace) -> dict:
     """The TrainConfig fields of the consumer's flags (and the bench's --device)."""
     names = train_flag_names() - set(BENCH_SETS)
     options = {k: getattr(args, k) for k in names if hasattr(args, k)}
+    if options["num_anchors"] is None:  # the drafter architecture's default, as TrainConfig applies it
+        options["num_anchors"] = ARCH_DEFAULTS[options.get("drafter_arch") or "dflash"]["num_anchors"]
     if options["max_anchors_per_doc"] is None:
         options["max_anchors_per_doc"] = options["num_anchors"]
     return {**options, "device": args.device}
