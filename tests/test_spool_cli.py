@@ -81,7 +81,10 @@ def test_stats_json_matches_the_spool(spool: Spool, capsys):
     assert st["states"]["claimed"]["buckets"]["512"]["shards"] == 1
     assert st["claimed_by"]["c0"]["shards"] == 1
     assert st["total_bytes"] == spool.total_bytes()
-    assert st["producers"] == {"registered": ["p0", "p1"], "done": ["p0"], "dead": {}} and st["producers_done"] is False
+    assert (
+        st["producers"] == {"registered": ["p0", "p1"], "done": ["p0"], "dead": {}}
+        and st["producers_done"] is False
+    )
     procs = {(p["role"], p["id"]): p for p in st["processes"]}
     assert procs[("producer", "p0")]["alive"] is True and procs[("producer", "p0")]["pid"] == os.getpid()
     assert procs[("producer", "p0")]["counters"] == {"samples": 9, "tokens": 375}
