@@ -112,6 +112,14 @@ def _master_update(
     return norm
 
 
+def lr_tensor(held: torch.Tensor | None, lr: float, device: torch.device) -> torch.Tensor:
+    """The learning rate as a 0-d fp32 tensor on ``device`` (``held`` reused when it is there): the compiled
+    updates take it as a tensor, so a new learning rate every step does not recompile them."""
+    if held is None or held.device != device:
+        held = torch.zeros((), dtype=torch.float32, device=device)
+    return held.fill_(lr)
+
+
 class MasterAdamW(torch.optim.Optimizer):
     """AdamW over bf16 compute weights with fp32 master weights and fp32 moments (module docstring).
 
@@ -172,9 +180,7 @@ class MasterAdamW(torch.optim.Optimizer):
         if not params:
             return torch.zeros(())
         states = [self._state(p) for p in params]
-        if self._lr is None or self._lr.device != params[0].device:
-            self._lr = torch.zeros((), dtype=torch.float32, device=params[0].device)
-        self._lr.fill_(group["lr"])  # a tensor: a new learning rate every step must not recompile
+        self._lr = lr_tensor(self._lr, group["lr"], params[0].device)
         beta1, beta2 = group["betas"]
         return self._update(
             params,
@@ -317,9 +323,7 @@ class StochasticAdamW(torch.optim.Optimizer):
         if not params:
             return torch.zeros(())
         states = [self._state(p) for p in params]
-        if self._lr is None or self._lr.device != params[0].device:
-            self._lr = torch.zeros((), dtype=torch.float32, device=params[0].device)
-        self._lr.fill_(group["lr"])  # a tensor: a new learning rate every step must not recompile
+        self._lr = lr_tensor(self._lr, group["lr"], params[0].device)
         beta1, beta2 = group["betas"]
         return self._update(
             params,
