@@ -13,7 +13,7 @@ from outside lands wherever the box's speed puts it). Two tiers:
   workers' go, a consumer before its first step): each launch ends (``--restarts`` takes the next), the
   last finishes, and the sample ledgers show every eligible sample trained once along the timeline.
   Before: the worker's kill left one producer whose shards in flight a consumer rank held while the other
-  rank waited for a shard: the launch hung at 0 tok/s for ever (issue 50's chaos run). That race is made
+  rank waited for a shard: the launch hung at 0 tok/s for ever (a chaos run on a loaded box). That race is made
   certain by a launch of one producer and a rank that never gets a shard, which hung before.
 
 docs/reliability.md, "Start-up kills", lists each phase with its behaviour and its bound.
@@ -139,7 +139,7 @@ def test_a_real_worker_killed_before_its_report_stops_dflash_produce_before_any_
     """dflash-produce itself, two CPU workers, worker n0p1 killed once its slice is tokenized and before
     it reports it: exit 1 within a bound, one line naming it with the rows counted, and nothing a consumer
     could train on a made-up schedule (no campaign, no shard, no DONE marker). Before: the other worker
-    produced its slice and the consumers trained it on a 10000-step schedule (issue 55)."""
+    produced its slice and the consumers trained it on a 10000-step schedule."""
     data = tmp_path / "data.jsonl"
     _demo_rows(data, 8)
     spool = tmp_path / "spool"
@@ -180,7 +180,7 @@ def _ok_rows(data: Path, target: Path, cache: Path) -> set[int]:
 
 @pytest.mark.pipeline
 def test_one_producer_and_a_rank_that_gets_no_shard_end_instead_of_hanging(tmp_path, tiny_target):
-    """The hang a worker's start-up kill left (issue 50), made certain: one producer on a spool budget of
+    """The hang a worker's start-up kill left, made certain: one producer on a spool budget of
     about one shard, two consumer ranks of which rank 1 claims only a bucket that never comes, so rank 0
     claims every shard. Rank 0 packs a step; rank 1 has none and its one producer waits on the budget that
     rank 0's held shards fill. Now rank 1 is starved and rank 0 steps (rank 1 pads): the run ends with
